@@ -1,0 +1,214 @@
+"""Policy blocks: edge node, link profile, tiering, retention, team quota and prices.
+
+Each is versioned or validated so a bad value fails with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect.blocks.core import Block
+from pydantic import Field, model_validator
+
+MiB = 1024 * 1024
+
+
+class EdgeNode(Block):
+    """An edge node: identity, team, spool location and the spool's cap and watermarks.
+
+    Watermarks follow the operations guide: clean-up from 80% of the cap, alert at 85%.
+
+    Example:
+        ```python
+        EdgeNode(node_id="node-a", team="geo", spool_dir="/var/lib/edgehaul/spool",
+                 spool_cap_bytes=20 * 2**30).save("node-a")
+        ```
+    """
+
+    _block_type_name = "edgehaul Edge Node"
+    _block_type_slug = "edgehaul-edge-node"
+
+    node_id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Node id; also its landing prefix.")
+    team: str = Field(default="default", description="Team billed for this node's uplink and storage.")
+    node_group: str = Field(default="edge", description="Work pool group this node's flows run in.")
+    spool_dir: str = Field(description="Durable local spool folder (on the node's persistent disk).")
+    spool_cap_bytes: int = Field(default=2 * 1024 * MiB, gt=0, description="Hard cap of the spool's bytes.")
+    cleanup_watermark: float = Field(default=0.80, gt=0, lt=1, description="Use fraction that starts clean-up.")
+    alert_watermark: float = Field(default=0.85, gt=0, le=1, description="Use fraction that emits the level-2 alert.")
+    full_policy: Literal["reject-new", "drop-lowest-value"] = Field(
+        default="drop-lowest-value", description="What to do when a write would exceed the cap."
+    )
+    bundle_ttl_seconds: int = Field(default=7 * 86400, gt=0, description="A bundle not uplinked by then expires.")
+    retry_queue_cap: int = Field(default=10_000, gt=0, description="Max entries in the uplink retry queue.")
+    retry_expiry_seconds: int = Field(default=3 * 86400, gt=0, description="A retry older than this expires.")
+
+    @model_validator(mode="after")
+    def _check_watermarks(self) -> EdgeNode:
+        if not self.cleanup_watermark < self.alert_watermark:
+            raise ValueError(
+                f"cleanup_watermark ({self.cleanup_watermark}) must be below alert_watermark ({self.alert_watermark})"
+            )
+        return self
+
+
+
+class LinkProfile(Block):
+    """The uplink of a node: bandwidth, latency, loss/outages, contact windows and the rate cap.
+
+    The rate cap defaults to 70% of bandwidth (operations guide: start at 60-70% and tune), which
+    also leaves room for control-plane traffic (Prefect API, events).
+
+    Example:
+        ```python
+        LinkProfile(bandwidth_bps=8_000_000, latency_ms=300, loss_rate=0.01).save("leo-ka")
+        ```
+    """
+
+    _block_type_name = "edgehaul Link Profile"
+    _block_type_slug = "edgehaul-link-profile"
+
+    bandwidth_bps: float = Field(gt=0, description="Physical link bandwidth, bits per second.")
+    rate_cap_fraction: float = Field(default=0.70, gt=0, le=0.95, description="Data-plane share of bandwidth.")
+    latency_ms: float = Field(default=0.0, ge=0, description="One-way latency added per request.")
+    loss_rate: float = Field(default=0.0, ge=0, lt=1, description="Probability a chunk is lost and resent.")
+    outage_rate_per_hour: float = Field(default=0.0, ge=0, description="Mean random outages per hour.")
+    outage_mean_s: float = Field(default=30.0, ge=0, description="Mean outage length, seconds.")
+    contact_period_s: float | None = Field(
+        default=None, gt=0, description="Orbit period: contact windows repeat with this period (None: always on)."
+    )
+    contact_duration_s: float | None = Field(default=None, gt=0, description="Length of each contact window.")
+    chunk_bytes: int = Field(default=1 * MiB, ge=64 * 1024, description="Shaping/preemption granularity.")
+    multipart_threshold_bytes: int = Field(default=16 * MiB, ge=5 * MiB, description="Multipart from this size.")
+    part_bytes: int = Field(default=8 * MiB, ge=5 * MiB, description="Multipart part size (S3 minimum 5 MiB).")
+
+    @property
+    def rate_cap_bytes_per_s(self) -> float:
+        return self.bandwidth_bps * self.rate_cap_fraction / 8
+
+    @model_validator(mode="after")
+    def _check_contacts(self) -> LinkProfile:
+        if (self.contact_period_s is None) != (self.contact_duration_s is None):
+            raise ValueError("contact_period_s and contact_duration_s must be set together")
+        if self.contact_period_s and self.contact_duration_s and self.contact_duration_s > self.contact_period_s:
+            raise ValueError("contact_duration_s cannot exceed contact_period_s")
+        return self
+
+
+class TieringPolicy(Block):
+    """Maps a sample's value to a tier and says when a normal-tier bundle is flushed.
+
+    Changing any field changes `fingerprint`, which keys the scoring/tiering cache.
+
+    Example:
+        ```python
+        TieringPolicy(version="2026-12-a", high_threshold=0.8, low_threshold=0.3).save("default")
+        ```
+    """
+
+    _block_type_name = "edgehaul Tiering Policy"
+    _block_type_slug = "edgehaul-tiering-policy"
+
+    version: str = Field(default="1", min_length=1, description="Policy version, recorded with every bundle.")
+    scorer: Literal["novelty", "model"] = Field(default="novelty", description="Which scorer values samples.")
+    model_uri: str | None = Field(default=None, description="Model for the 'model' scorer (s3://... or 'latest').")
+    high_threshold: float = Field(default=0.8, gt=0, le=1, description="value >= this: high tier, sent at once.")
+    low_threshold: float = Field(default=0.3, ge=0, lt=1, description="value < this: low tier, summary only.")
+    flush_max_samples: int = Field(default=50_000, gt=0, description="Flush a normal bundle at N samples...")
+    flush_max_bytes: int = Field(default=32 * MiB, gt=0, description="...or at B bytes...")
+    flush_max_seconds: float = Field(default=300.0, gt=0, description="...or T seconds after its first sample.")
+    urgent_max_bytes: int = Field(default=4 * MiB, gt=0, description="Largest urgent (high-tier) bundle.")
+    zstd_level: int = Field(default=3, ge=1, le=19, description="Parquet zstd level of bundles.")
+    row_group_rows: int = Field(default=8192, gt=0, description="Rows per Parquet row group.")
+
+    @model_validator(mode="after")
+    def _check_thresholds(self) -> TieringPolicy:
+        if not self.low_threshold < self.high_threshold:
+            raise ValueError(f"low_threshold ({self.low_threshold}) must be below high_threshold ({self.high_threshold})")
+        if self.scorer == "model" and not self.model_uri:
+            raise ValueError("scorer 'model' needs model_uri")
+        return self
+
+    @property
+    def fingerprint(self) -> str:
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+DataClass = Literal["raw", "features", "model_weights", "logs", "checkpoints", "reports"]
+
+
+class RetentionRule(Block):
+    _block_type_name = "edgehaul Retention Rule"
+    data_class: DataClass = Field(description="Which class of data this rule covers.")
+    cold_after_days: float | None = Field(default=30, ge=0, description="Move to cold after this age (None: never).")
+    cold_if_unused_days: float | None = Field(default=None, ge=0, description="Move when no run read it for D days.")
+    cold_storage_class: Literal["STANDARD_IA", "ONEZONE_IA", "GLACIER_IR", "GLACIER", "DEEP_ARCHIVE"] = Field(
+        default="STANDARD_IA", description="Storage class in the cold tier."
+    )
+    expire_after_days: float | None = Field(default=None, ge=0, description="Delete after this age (None: keep).")
+
+
+class RetentionPolicy(Block):
+    """Retention per data class, and which dataset versions stay pinned.
+
+    Example:
+        ```python
+        RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365)],
+                        keep_latest_versions=3).save("default")
+        ```
+    """
+
+    _block_type_name = "edgehaul Retention Policy"
+    _block_type_slug = "edgehaul-retention-policy"
+
+    rules: list[RetentionRule] = Field(default_factory=list, description="One rule per data class.")
+    keep_latest_versions: int = Field(default=3, ge=1, description="Latest N dataset versions are never moved.")
+    pinned_versions: list[int] = Field(default_factory=list, description="Dataset versions pinned by users.")
+
+    def rule(self, data_class: str) -> RetentionRule | None:
+        return next((r for r in self.rules if r.data_class == data_class), None)
+
+
+class TeamQuota(Block):
+    """A team's accelerator and storage quota; training refuses to start beyond it.
+
+    Example:
+        ```python
+        TeamQuota(team="geo", accelerator_hours_per_month=100, storage_bytes=5 * 2**40).save("geo")
+        ```
+    """
+
+    _block_type_name = "edgehaul Team Quota"
+    _block_type_slug = "edgehaul-team-quota"
+
+    team: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Team name.")
+    accelerator_hours_per_month: float = Field(ge=0, description="Accelerator hours the team may use a month.")
+    max_accelerators_per_run: int = Field(default=8, ge=0, description="Accelerators one run may request.")
+    storage_bytes: int = Field(ge=0, description="Bytes the team may keep in the curated and cold tiers.")
+
+
+class PriceSheet(Block):
+    """Unit prices for the cost report (defaults are list-price-like placeholders; set yours).
+
+    Example:
+        ```python
+        PriceSheet(currency="USD", uplink_per_gb=0.09).save("default")
+        ```
+    """
+
+    _block_type_name = "edgehaul Price Sheet"
+    _block_type_slug = "edgehaul-price-sheet"
+
+    currency: str = Field(default="USD", min_length=3, max_length=3, description="ISO currency code.")
+    uplink_per_gb: float = Field(default=0.50, ge=0, description="Price of 1 GB uplinked (metered on its own).")
+    storage_per_gb_month: dict[str, float] = Field(
+        default_factory=lambda: {
+            "STANDARD": 0.023, "STANDARD_IA": 0.0125, "ONEZONE_IA": 0.01, "GLACIER_IR": 0.004,
+            "GLACIER": 0.0036, "DEEP_ARCHIVE": 0.00099,
+        },
+        description="Price of 1 GB-month per storage class.",
+    )
+    accelerator_hour: float = Field(default=2.50, ge=0, description="Price of one accelerator hour.")
+    per_1000_requests: float = Field(default=0.005, ge=0, description="Price of 1,000 object-store requests.")

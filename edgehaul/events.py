@@ -1,0 +1,38 @@
+"""The product's Prefect events: names, resources, and one way to emit them.
+
+Triggers (deployments/prefect.yaml) and alert automations match on these names, so they are
+constants here rather than strings scattered through flows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+BUNDLE_LANDED = "edgehaul.bundle.landed"
+BUNDLE_QUARANTINED = "edgehaul.bundle.quarantined"
+BUNDLE_RECEIPT = "edgehaul.bundle.receipt"
+DATASET_COMMITTED = "edgehaul.dataset.committed"
+MODEL_READY = "edgehaul.model.ready"
+SPOOL_WATERMARK = "edgehaul.spool.watermark"  # payload: level, used_fraction
+LINK_STATS = "edgehaul.link.stats"  # payload: retransmission_rate, goodput_bps, rate_cap_use
+CHECKPOINT_FAILED = "edgehaul.checkpoint.failed"
+CONTACT_OPENED = "edgehaul.contact.opened"
+RETRY_EXPIRED = "edgehaul.retry.expired"
+
+log = logging.getLogger(__name__)
+
+
+def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **labels: str) -> bool:
+    """Emit a Prefect event; never raises (an unreachable API must not fail the data path).
+
+    Returns whether the event was handed to the events client.
+    """
+    try:
+        from prefect.events import emit_event
+
+        resource = {"prefect.resource.id": resource_id, **labels}
+        return emit_event(event=event, resource=resource, payload=payload or {}) is not None
+    except Exception as e:
+        log.warning("event %s for %s not emitted: %s", event, resource_id, e)
+        return False

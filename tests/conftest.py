@@ -1,0 +1,61 @@
+"""One real Prefect server and one real SeaweedFS for the whole test session.
+
+Unit tests need neither; integration tests take the `stack` / `store` fixtures. The stack runs
+on free ports in a temporary folder, so a developer's `make demo` stack is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from blocks import ObjectStore
+from edgehaul import localstack
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.StackState]:
+    root = tmp_path_factory.mktemp("stack")
+    state = localstack.up(root, fixed_ports=False)
+    saved = {k: os.environ.get(k) for k in state.env()}
+    os.environ.update(state.env())
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
+            yield state
+    finally:
+        localstack.down(root)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def store_for(state: localstack.StackState, role: str = "admin", prefix: str = "") -> ObjectStore:
+    c = state.identities[role]
+    return ObjectStore(
+        endpoint_url=state.s3_endpoint,
+        access_key_id=SecretStr(c.access_key_id),
+        secret_access_key=SecretStr(c.secret_access_key),
+        prefix=prefix,
+    )
+
+
+@pytest.fixture
+def store(stack: localstack.StackState) -> ObjectStore:
+    """Admin store under a fresh prefix, so tests never see each other's objects."""
+    return store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "spool"
+    d.mkdir()
+    return d
