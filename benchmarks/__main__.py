@@ -1,0 +1,39 @@
+"""`make bench`: run every benchmarks/bench_*.py `main()` in turn and collect their output.
+
+    python -m benchmarks            # all
+    python -m benchmarks edge core  # only bench_edge.py and bench_core.py
+Set EDGEHAUL_BENCH_QUICK=1 for the short variants.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    here = Path(__file__).parent
+    names = sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))
+    if argv:
+        names = [n for n in names if n.removeprefix("bench_") in argv]
+    failed = []
+    for name in names:
+        print(f"\n=== {name} ===", flush=True)
+        t0 = time.perf_counter()
+        try:
+            importlib.import_module(f"benchmarks.{name}").main()
+        except Exception:  # noqa: BLE001 - report and go on with the other benchmarks
+            traceback.print_exc()
+            failed.append(name)
+        print(f"--- {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
