@@ -22,6 +22,30 @@ RETRY_EXPIRED = "edgehaul.retry.expired"
 
 log = logging.getLogger(__name__)
 
+# Prefect triggers match resource labels with globs, never payload numbers. So the payload values
+# alerts compare against are mirrored into labels as zero-padded permille strings ("0860" = 0.86),
+# which `edgehaul.automations.at_least_globs` turns into a threshold. emit() adds them itself.
+ALERT_LABELS = {
+    "retransmission_rate": "edgehaul.link.retransmission.permille",
+    "used_fraction": "edgehaul.spool.used.permille",
+}
+
+
+def permille_label(x: float) -> str:
+    import math
+
+    return f"{min(max(math.floor(round(x * 1000, 6)), 0), 9999):04d}"
+
+
+def alert_labels(payload: dict[str, Any]) -> dict[str, str]:
+    """Labels mirroring the alert-relevant numbers of `payload` (see ALERT_LABELS)."""
+    out = {}
+    for key, label in ALERT_LABELS.items():
+        v = payload.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and v == v and abs(v) != float("inf"):
+            out[label] = permille_label(float(v))
+    return out
+
 
 def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **labels: str) -> bool:
     """Emit a Prefect event; never raises (an unreachable API must not fail the data path).
@@ -31,7 +55,7 @@ def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **
     try:
         from prefect.events import emit_event
 
-        resource = {"prefect.resource.id": resource_id, **labels}
+        resource = {"prefect.resource.id": resource_id, **alert_labels(payload or {}), **labels}
         return emit_event(event=event, resource=resource, payload=payload or {}) is not None
     except Exception as e:
         log.warning("event %s for %s not emitted: %s", event, resource_id, e)

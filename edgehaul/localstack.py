@@ -298,6 +298,26 @@ def start_prefect(state: StackState) -> None:
     _wait_http(f"{state.prefect_api_url}/health", 120, pid, "Prefect server", root / "logs" / "prefect.log")
 
 
+def start_gateway(state: StackState, port: int | None = None) -> str:
+    """Start the webhook gateway (edgehaul.gateway) against this stack; return its base URL.
+
+    Its HMAC secret lives in the Prefect Secret block `edgehaul-gateway-hmac` (created, random, if
+    missing); the URL is kept in <root>/gateway.url.
+    """
+    root = Path(state.root)
+    url_file = root / "gateway.url"
+    if _read_pid(root, "gateway") and url_file.exists():
+        return url_file.read_text().strip()
+    port = port or int(os.environ.get("EDGEHAUL_GATEWAY_PORT", 0)) or free_port()
+    env = {**os.environ, **state.env()}
+    cmd = [sys.executable, "-m", "edgehaul.gateway", "--port", str(port), "--create-secret"]
+    pid = _spawn(root, "gateway", cmd, env)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(f"{url}/healthz", 60, pid, "webhook gateway", root / "logs" / "gateway.log")
+    url_file.write_text(url)
+    return url
+
+
 def new_state(
     root: Path, *, nodes: tuple[str, ...] = ("node-a", "node-b"), fixed_ports: bool = True,
     api_auth: bool = False,
@@ -378,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command == "up":
         state = up(args.root, api_auth=args.api_auth)
-        print(f"stack up: Prefect UI {state.prefect_ui_url}  S3 {state.s3_endpoint}", file=sys.stderr)
+        gateway = start_gateway(state)
+        print(f"stack up: Prefect UI {state.prefect_ui_url}  S3 {state.s3_endpoint}  webhooks {gateway}", file=sys.stderr)
     elif args.command == "down":
         print("stopped: " + (", ".join(down(args.root)) or "nothing was running"))
     elif args.command == "health":
@@ -392,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         for k, v in st.env().items():
             print(f"export {k}={v}")
+        if (args.root / "gateway.url").exists():
+            print(f"export EDGEHAUL_GATEWAY_URL={(args.root / 'gateway.url').read_text().strip()}")
     return 0
 
 

@@ -1,0 +1,158 @@
+"""Alerts as automations: each fires on its condition and not below it, on the real Prefect server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from fnmatch import fnmatchcase
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from edgehaul import events
+from edgehaul.automations import L1_NAME, L2_NAME, L3_NAME, AlertPolicy, apply_automations, at_least_globs
+from edgehaul.localstack import StackState
+
+
+@given(st.integers(0, 9999), st.integers(0, 9999))
+def test_at_least_globs_match_exactly_values_at_or_above(threshold: int, value: int) -> None:
+    globs = at_least_globs(threshold)
+    assert any(fnmatchcase(f"{value:04d}", g) for g in globs) == (value >= threshold)
+
+
+@given(st.integers(0, 100_000), st.sampled_from([0.05, 0.1, 0.85, 0.9, 0.001]))
+def test_permille_label_against_threshold_globs_is_a_numeric_comparison(k: int, threshold: float) -> None:
+    x = k / 100_000
+    label = events.alert_labels({"used_fraction": x})[events.ALERT_LABELS["used_fraction"]]
+    assert any(fnmatchcase(label, g) for g in at_least_globs(round(threshold * 1000))) == (x >= threshold)
+
+
+def test_alert_labels_ignore_non_numbers() -> None:
+    assert events.alert_labels({"used_fraction": "0.9", "retransmission_rate": float("nan")}) == {}
+    assert events.alert_labels({"retransmission_rate": True}) == {}
+
+
+def test_policy_rejects_thresholds_finer_than_permille() -> None:
+    with pytest.raises(ValueError, match="spool_watermark"):
+        AlertPolicy(spool_watermark=0.8505)
+
+
+class Receiver:
+    """A local HTTP server collecting the JSON bodies the notification block posts."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.auth: list[str | None] = []
+        lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                n = int(self.headers.get("content-length", 0))
+                doc = json.loads(self.rfile.read(n))
+                with lock:
+                    outer.bodies.append(json.loads(doc["body"]) | {"subject": doc["subject"]})
+                    outer.auth.append(self.headers.get("authorization"))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for b in list(self.bodies):
+                if pred(b):
+                    return b
+            time.sleep(0.2)
+        raise AssertionError(f"no matching notification within {timeout}s; got {self.bodies}")
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.server.shutdown()
+
+
+@pytest.mark.integration
+def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Receiver) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.events.utilities import emit_event
+
+    policy = AlertPolicy(sustained_samples=3, sustained_window_s=120)
+    first = apply_automations(policy, webhook_url=receiver.url, token="t0k3n")
+    again = apply_automations(policy, webhook_url=receiver.url, token="t0k3n")
+    assert [a.id for a in first] == [a.id for a in again] and not any(a.created for a in again)
+
+    uid = uuid.uuid4().hex[:8]
+    with get_client(sync_client=True) as client:
+        for name in (L1_NAME, L2_NAME, L3_NAME):
+            assert len(client.read_automations_by_name(name)) == 1
+        # A deployment (no worker serves it) for the level-3 retry to target.
+        flow_id = client.create_flow_from_name(f"trainer-{uid}")
+        dep_id = client.create_deployment(flow_id=flow_id, name="retry-target")
+
+    try:
+        # Warm-up: the automations are loaded once a probe fires.
+        deadline = time.monotonic() + 60
+        while not any(b["resource"].startswith(f"probe-{uid}") for b in receiver.bodies):
+            assert time.monotonic() < deadline, "automations never fired on a probe"
+            events.emit(events.SPOOL_WATERMARK, f"probe-{uid}-{time.monotonic_ns()}", {"used_fraction": 0.99})
+            time.sleep(1)
+
+        # Level 2: 0.86 fires, 0.84 and 0.849 do not.
+        events.emit(events.SPOOL_WATERMARK, f"spool-{uid}-low", {"level": "cleanup", "used_fraction": 0.84})
+        events.emit(events.SPOOL_WATERMARK, f"spool-{uid}-edge", {"level": "cleanup", "used_fraction": 0.849})
+        events.emit(events.SPOOL_WATERMARK, f"spool-{uid}-high", {"level": "alert", "used_fraction": 0.86})
+        # Level 1: three samples above 5% on one link fire; one spike among low samples does not.
+        for rate in (0.5, 0.01, 0.02):
+            events.emit(events.LINK_STATS, f"link-{uid}-spike", {"retransmission_rate": rate, "goodput_bps": 1e6})
+        for rate in (0.07, 0.12, 0.09):
+            events.emit(events.LINK_STATS, f"link-{uid}-sustained", {"retransmission_rate": rate, "goodput_bps": 1e5})
+        # Level 3: a failed checkpoint from a run of the deployment notifies and re-runs it.
+        emit_event(
+            event=events.CHECKPOINT_FAILED,
+            resource={"prefect.resource.id": f"edgehaul.train.{uid}"},
+            payload={"error": "PUT checkpoint: 503 SlowDown", "step": 40},
+            related=[{"prefect.resource.id": f"prefect.deployment.{dep_id}", "prefect.resource.role": "deployment"}],
+        )
+
+        l2 = receiver.wait_for(lambda b: b["resource"] == f"spool-{uid}-high")
+        assert l2["level"] == 2 and l2["used_fraction"] == 0.86 and "[edgehaul L2]" in l2["subject"]
+        l1 = receiver.wait_for(lambda b: b["resource"] == f"link-{uid}-sustained")
+        assert l1["level"] == 1 and l1["alert"] == "link-retransmission"
+        l3 = receiver.wait_for(lambda b: b["resource"] == f"edgehaul.train.{uid}")
+        assert l3["level"] == 3 and "SlowDown" in l3["error"]
+        deadline = time.monotonic() + 30
+        runs: list[Any] = []
+        while not runs and time.monotonic() < deadline:
+            with get_client(sync_client=True) as client:
+                from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
+            time.sleep(0.5)
+        assert len(runs) == 1, "level 3 should re-run the deployment exactly once"
+
+        # Give the below-threshold cases as long again as the slowest positive took.
+        time.sleep(5)
+        fired = {b["resource"] for b in receiver.bodies}
+        assert not fired & {f"spool-{uid}-low", f"spool-{uid}-edge", f"link-{uid}-spike"}, fired
+        assert sum(b["resource"] == f"link-{uid}-sustained" for b in receiver.bodies) == 1
+        assert set(receiver.auth) == {"Bearer t0k3n"}
+    finally:
+        with get_client(sync_client=True) as client:
+            for a in first:
+                client.delete_automation(a.id)
+            client.delete_deployment(dep_id)
