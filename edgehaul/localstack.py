@@ -121,7 +121,9 @@ def identities_config(
             "Read:edgehaul-checkpoints", "Write:edgehaul-checkpoints", "List:edgehaul-checkpoints",
         ],
         "lifecycle": [
-            f"{a}:{b}" for b in ("edgehaul-curated", "edgehaul-cold", "edgehaul-landing", "edgehaul-checkpoints")
+            # ops: the move journal, access records and the metering log live there
+            f"{a}:{b}"
+            for b in ("edgehaul-curated", "edgehaul-cold", "edgehaul-landing", "edgehaul-checkpoints", "edgehaul-ops")
             for a in ("Read", "Write", "List", "Tagging")
         ],
     }

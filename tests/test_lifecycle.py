@@ -1,0 +1,310 @@
+"""Cold-tier lifecycle: cost rules, crash-safe moves, Delta versions kept readable, lifecycle config round trip."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocks import ObjectStore, RetentionPolicy, RetentionRule
+from edgehaul import lifecycle as lc
+from edgehaul.lifecycle_config import apply_configuration, lifecycle_configuration
+from edgehaul.storage_classes import BELOW_MIN_SIZE, CLASSES, check_delete, check_move
+from tests.builders import processed_rows
+from tests.conftest import store_for
+
+KiB = 1024
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+# ------------------------------------------------------------------------------------ unit: rules
+
+
+@given(
+    size=st.integers(0, 1 << 30), cls=st.sampled_from(sorted(CLASSES)), target=st.sampled_from(sorted(CLASSES)),
+    held=st.floats(0, 400), force=st.sampled_from([None, "legal hold lifted"]),
+)
+def test_move_rules_never_pay_for_a_mistake(size: int, cls: str, target: str, held: float, force: str | None) -> None:
+    v = check_move(size, cls, T0, target, T0 + timedelta(days=held), force)
+    if size < CLASSES[target].min_billable_bytes:
+        assert not v.allowed and v.reason == BELOW_MIN_SIZE  # not even forced: merge first
+    elif held < CLASSES[cls].min_duration_days:
+        assert v.allowed == (force is not None) and v.forced == (force is not None)
+        assert (force in v.reason) if force else "minimum storage duration" in v.reason
+    else:
+        assert v.allowed and not v.forced
+    d = check_delete(cls, T0, T0 + timedelta(days=held), force)
+    assert d.allowed == (held >= CLASSES[cls].min_duration_days or force is not None)
+
+
+def test_classify_follows_the_key_layout() -> None:
+    s = ObjectStore(prefix="p")
+    cases = {
+        (s.bucket("landing"), "p/node-a/2026-01-01/b1.parquet"): "raw",
+        (s.bucket("curated"), "p/quarantine/node-a/b1.parquet"): "raw",
+        (s.bucket("curated"), "p/datasets/landsat_patch/part-0.parquet"): "features",
+        (s.bucket("curated"), "p/datasets/landsat_patch/_delta_log/00000000000000000000.json"): None,
+        (s.bucket("models"), "p/models/landcover/m1/model.pt"): "model_weights",
+        (s.bucket("checkpoints"), "p/run1/100/state.pt"): "checkpoints",
+        (s.bucket("ops"), "p/logs/x.log"): "logs",
+        (s.bucket("ops"), "p/reports/costs/2026-01/report.parquet"): "reports",
+        (s.bucket("ops"), "p/lifecycle/journal/x.json"): None,
+        (s.bucket("landing"), "other/node-a/x.parquet"): None,
+    }
+    for (bucket, key), want in cases.items():
+        assert lc.classify(s, bucket, key) == want, key
+    ck = lc.cold_key(s, s.bucket("landing"), "p/node-a/2026-01-01/b1.parquet")
+    assert ck == "p/edgehaul-landing/node-a/2026-01-01/b1.parquet"
+    assert lc.origin_of(s, ck) == (s.bucket("landing"), "p/node-a/2026-01-01/b1.parquet")
+
+
+def test_generated_lifecycle_configuration_keeps_cost_rules() -> None:
+    s = ObjectStore(prefix="p")
+    policy = RetentionPolicy(rules=[
+        RetentionRule(data_class="raw", cold_after_days=7, expire_after_days=20),
+        RetentionRule(data_class="features", cold_after_days=60, cold_storage_class="GLACIER", expire_after_days=400),
+        RetentionRule(data_class="model_weights", cold_after_days=90, cold_storage_class="GLACIER_IR",
+                      cold_if_unused_days=30),
+        RetentionRule(data_class="checkpoints", cold_after_days=30),
+    ])
+    cfg = lifecycle_configuration(s, policy)
+    landing = {r["ID"]: r for r in cfg[s.bucket("landing")].rules}
+    cold = landing["edgehaul:p/:raw:cold"]
+    assert cold["Transitions"] == [{"Days": 30, "StorageClass": "STANDARD_IA"}]  # raised from 7: IA minimum
+    assert cold["Filter"]["And"] == {"Prefix": "p/", "ObjectSizeGreaterThan": 128 * KiB - 1}
+    assert landing["edgehaul:p/:raw:expire"]["Expiration"] == {"Days": 60}  # 30 + 30 days in IA
+    curated = cfg[s.bucket("curated")]
+    assert not any("datasets/" in json.dumps(r) for r in curated.rules)  # GLACIER breaks Delta reads; no expiry
+    assert any("breaks Delta reads" in n for n in curated.notes)
+    notes = " ".join(cfg[s.bucket("checkpoints")].notes)
+    assert "not expressible" in notes and "no prefix isolates" in notes
+
+
+# ----------------------------------------------------------------------------- integration helpers
+
+
+def _fresh_store(stack: object, role: str = "admin") -> ObjectStore:
+    return store_for(stack, role, prefix=f"t-{uuid.uuid4().hex[:10]}")  # type: ignore[arg-type]
+
+
+def _sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def _put_raw(store: ObjectStore, n: int, size: int = 140 * KiB) -> dict[str, str]:
+    s3 = store.client()
+    out = {}
+    for i in range(n):
+        body = os.urandom(size)
+        key = store.key("landing", f"node-a/2026-01-01/b{i:03d}.parquet")
+        s3.put_object(Bucket=store.bucket("landing"), Key=key, Body=body)
+        out[key] = _sha(body)
+    return out
+
+
+def _places(store: ObjectStore, key: str) -> list[str]:
+    s3 = store.client()
+    found = []
+    for bucket, k in ((store.bucket("landing"), key), (store.bucket("cold"), lc.cold_key(store, store.bucket("landing"), key))):
+        if lc._head(s3, bucket, k) is not None:
+            found.append(bucket)
+    return found
+
+
+def _finish(store: ObjectStore, policy: RetentionPolicy, now: datetime) -> None:
+    """What a rerun of the flow does: finish journalled batches, then plan and run again."""
+    for _bid, (at, actions) in lc.pending_batches(store).items():
+        assert not lc.run_batch(store, actions, at).errors
+    p = lc.plan(store, policy, now)
+    for batch in p.batches(2):
+        assert not lc.run_batch(store, batch, now).errors
+
+
+RAW_POLICY = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=30)])
+
+
+# ------------------------------------------------------------------------------ integration tests
+
+
+@pytest.mark.integration
+def test_interrupted_move_leaves_one_authoritative_copy_and_rerun_finishes(stack: object) -> None:
+    now = datetime.now(UTC) + timedelta(days=31)
+    n = 3
+    for crash_at in range(2 * n + 1):  # every point between copy, verify, delete of every object, and none
+        store = _fresh_store(stack, "lifecycle")
+        want = _put_raw(store, n)
+        calls = []
+
+        def hook(step: str, a: lc.Action, crash_at: int = crash_at, calls: list = calls) -> None:
+            calls.append(step)
+            if len(calls) == crash_at:
+                raise lc.SimulatedCrash(f"crash after {step} of {a.src_key}")
+
+        p = lc.plan(store, RAW_POLICY, now)
+        assert p.counts() == {"move": n}
+        try:
+            for batch in p.batches(2):
+                lc.run_batch(store, batch, now, hook=hook)
+        except lc.SimulatedCrash:
+            pass
+        for key, sha in want.items():  # mid-way: readable, identical, in one authoritative place
+            assert 1 <= len(_places(store, key)) <= 2
+            assert _sha(lc.read_object(store, store.bucket("landing"), key)) == sha
+        assert bool(lc.pending_batches(store)) == (crash_at != 0)
+        _finish(store, RAW_POLICY, now)
+        for key, sha in want.items():
+            assert _places(store, key) == [store.bucket("cold")], (crash_at, key)
+            loc = lc.resolve(store, store.bucket("landing"), key)
+            assert (loc.tier, loc.storage_class) == ("cold", "STANDARD_IA")
+            assert _sha(lc.read_object(store, store.bucket("landing"), key)) == sha
+        assert not lc.pending_batches(store)
+        assert lc.plan(store, RAW_POLICY, now).actions == []  # nothing left: idempotent
+
+
+@pytest.mark.integration
+def test_large_objects_move_by_multipart_copy(stack: object) -> None:
+    store = _fresh_store(stack)
+    body = os.urandom(11 * 1024 * KiB)
+    key = store.key("landing", "node-b/2026-01-02/big.parquet")
+    store.client().put_object(Bucket=store.bucket("landing"), Key=key, Body=body)
+    now = datetime.now(UTC) + timedelta(days=40)
+    p = lc.plan(store, RAW_POLICY, now)
+    res = lc.run_batch(store, p.actions, now, multipart_threshold=6 * 1024 * KiB, part_bytes=5 * 1024 * KiB)
+    assert res.done == {"moved": 1} and res.bytes_moved == len(body)
+    loc = lc.resolve(store, store.bucket("landing"), key)
+    head = store.client().head_object(Bucket=loc.bucket, Key=loc.key)
+    assert head["ETag"].strip('"').endswith("-3")  # three copied parts, no bytes through the client
+    assert _sha(lc.read_object(store, store.bucket("landing"), key)) == _sha(body)
+
+
+@pytest.mark.integration
+def test_minimum_size_and_duration_rules_with_injected_time(stack: object) -> None:
+    store = _fresh_store(stack)
+    s3 = store.client()
+    big = _put_raw(store, 1)
+    small_key = store.key("landing", "node-a/2026-01-01/small.parquet")
+    s3.put_object(Bucket=store.bucket("landing"), Key=small_key, Body=os.urandom(20 * KiB))
+    policy = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=35)])
+    t_move = datetime.now(UTC) + timedelta(days=31)
+    p = lc.plan(store, policy, t_move)
+    assert [a.src_key for a in p.actions] == list(big)
+    assert p.skipped_keys[small_key] == BELOW_MIN_SIZE and p.skipped[BELOW_MIN_SIZE] == 1
+    assert not lc.run_batch(store, p.actions, t_move).errors
+    (key,) = big
+    # day 41 of the data, day 10 in STANDARD_IA: expired by age, but IA bills 30 days: not deleted
+    t_early = t_move + timedelta(days=10)
+    p = lc.plan(store, policy, t_early)
+    cold = lc.cold_key(store, store.bucket("landing"), key)
+    assert "minimum storage duration of STANDARD_IA not reached" in p.skipped_keys[cold]
+    assert all(a.src_key != cold for a in p.actions)
+    # the small object is old enough to expire in place (STANDARD has no minimum duration)
+    assert [a.src_key for a in p.actions if a.kind == "delete"] == [small_key]
+    forced = lc.plan(store, policy, t_early, force_reason="GDPR erasure request 42")
+    (a,) = [a for a in forced.actions if a.src_key == cold]
+    assert a.kind == "delete" and "forced: GDPR erasure request 42" in a.reason
+    # without force, 30 days after the move it goes
+    p = lc.plan(store, policy, t_move + timedelta(days=30))
+    assert {a.src_key for a in p.actions if a.kind == "delete"} == {cold, small_key}
+    assert not lc.run_batch(store, p.actions, t_move + timedelta(days=30)).errors
+    assert _places(store, key) == [] and _places(store, small_key) == []
+
+
+@pytest.mark.integration
+def test_last_use_keeps_recently_read_objects_hot(stack: object) -> None:
+    store = _fresh_store(stack)
+    keys = list(_put_raw(store, 2))
+    policy = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=None, cold_if_unused_days=14)])
+    now = datetime.now(UTC) + timedelta(days=20)
+    lc.record_access(store, at=now - timedelta(days=3), reader="eval-run-7", bucket=store.bucket("landing"),
+                     prefix=keys[0])
+    p = lc.plan(store, policy, now)
+    assert [a.src_key for a in p.actions] == [keys[1]] and "unused 20d" in p.actions[0].reason
+    assert [a.src_key for a in lc.plan(store, policy, now + timedelta(days=12)).actions] == keys
+
+
+def _write_table(store: ObjectStore, rows: pa.Table, mode: str) -> None:
+    from deltalake import write_deltalake
+
+    write_deltalake(store.uri("curated", "landsat_patch"), rows, mode=mode,  # type: ignore[arg-type]
+                    storage_options=store.storage_options())
+
+
+def _version_sha(store: ObjectStore, v: int) -> str:
+    from deltalake import DeltaTable
+
+    t = DeltaTable(store.uri("curated", "landsat_patch"), version=v, storage_options=store.storage_options())
+    tab = t.to_pyarrow_table().sort_by("sample_id")
+    return hashlib.sha256(b"".join(str(x).encode() for x in tab.column("content_sha256").to_pylist())
+                          + str(tab.column("value").to_pylist()).encode()).hexdigest()
+
+
+@pytest.mark.integration
+def test_referenced_dataset_versions_read_identically_after_lifecycle(stack: object) -> None:
+    store = _fresh_store(stack)
+    uri = store.uri("curated", "landsat_patch")
+    # v0, v1 appends; v2 overwrites (v0/v1 files now only read by old versions); v3 appends
+    for i, mode in enumerate(["append", "append", "overwrite", "append"]):
+        _write_table(store, processed_rows(250, seed=i, start_seq=i * 1000), mode)
+    s3 = store.client()
+    files = [o for o in lc.list_objects(s3, store.bucket("curated"), store.key("curated")) if o.key.endswith(".parquet")]
+    assert len(files) == 4 and min(o.size for o in files) >= 128 * KiB  # big enough for STANDARD_IA
+    lineage = {"team": "geo", "accelerator_hours": 1.5, "dataset_uri": uri, "dataset_version": 0}
+    s3.put_object(Bucket=store.bucket("models"), Key=store.key("models", "landcover/m0/lineage.json"),
+                  Body=json.dumps(lineage).encode())
+    before = {v: _version_sha(store, v) for v in range(4)}
+    policy = RetentionPolicy(rules=[RetentionRule(data_class="features", cold_after_days=10, expire_after_days=90)],
+                             keep_latest_versions=1)
+    now = datetime.now(UTC) + timedelta(days=40)
+    p = lc.plan(store, policy, now)
+    assert p.protected_versions[uri] == {0: "model m0", 3: "latest 1"}
+    moved = [a.src_key for a in p.actions]
+    assert len(moved) == 1 and p.counts() == {"move": 1}  # only v1's file: not read by v0, v3
+    assert not lc.run_batch(store, p.actions, now).errors
+    assert {v: _version_sha(store, v) for v in (0, 2, 3)} == {v: before[v] for v in (0, 2, 3)}
+    # a pin makes v1 referenced again: its file is restored into the table, read identically
+    pinned = policy.model_copy(update={"pinned_versions": [1]})
+    p = lc.plan(store, pinned, now + timedelta(days=1))
+    assert p.counts() == {"restore": 1} and p.actions[0].dst_key == moved[0]
+    assert not lc.run_batch(store, p.actions, now + timedelta(days=1)).errors
+    assert _version_sha(store, 1) == before[1]
+    # far later: expired, but only files no protected version reads are deleted
+    late = now + timedelta(days=200)
+    p = lc.plan(store, policy, late)
+    deleted = {a.src_key for a in p.actions if a.kind == "delete"}
+    assert deleted == {moved[0]}
+    assert not lc.run_batch(store, p.actions, late).errors
+    assert {v: _version_sha(store, v) for v in (0, 3)} == {v: before[v] for v in (0, 3)}
+
+
+@pytest.mark.integration
+def test_generated_lifecycle_configuration_round_trips_through_the_server(stack: object) -> None:
+    admin = store_for(stack)  # type: ignore[arg-type]
+    bucket = f"eh-lc-{uuid.uuid4().hex[:10]}"
+    admin.client().create_bucket(Bucket=bucket)
+    store = ObjectStore(**{**admin.model_dump(), "landing_bucket": bucket, "ops_bucket": bucket, "prefix": "t1"})
+    s3 = store.client()
+    foreign = {"ID": "someone-else", "Status": "Enabled", "Filter": {"Prefix": "other/"}, "Expiration": {"Days": 3}}
+    s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [foreign]})
+    policy = RetentionPolicy(rules=[
+        RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365),
+        RetentionRule(data_class="logs", cold_after_days=None, expire_after_days=14),
+    ])
+    (res,) = [r for r in apply_configuration(store, policy) if r.bucket == bucket]
+    ids = {r["ID"] for r in res.emitted}
+    assert ids == {"edgehaul:t1/:raw:cold", "edgehaul:t1/:raw:expire", "edgehaul:t1/:logs:expire"}
+    # this server answers 501 to Transition rules: refused by name, the rest applied and read back equal
+    assert set(res.refused) == {"edgehaul:t1/:raw:cold"} and "NotImplemented" in res.refused["edgehaul:t1/:raw:cold"]
+    assert {r["ID"] for r in res.applied} == ids - set(res.refused)
+    assert res.round_trip_ok
+    got = s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+    assert any(r["ID"] == "someone-else" for r in got)  # other owners' rules kept
+    # applying again is idempotent
+    (again,) = [r for r in apply_configuration(store, policy) if r.bucket == bucket]
+    assert again.round_trip_ok and len(s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]) == 3
