@@ -1,0 +1,390 @@
+"""Versioned curated datasets: one Delta Lake table per observation kind in the object store.
+
+A dataset version is a Delta version. Commits are Delta's own optimistic concurrency on S3
+conditional writes (`If-None-Match: *` on the next `_delta_log/<version>.json`): two ingest runs
+appending at once both land, one after the other, with no lock service. Each ingest run makes one
+commit that carries its lineage in `commitInfo` (custom metadata, see `COMMIT_KEYS`).
+
+The dataset table is the contract's bundle schema plus one column, `bundle_id` (which bundle a row
+came from): lineage version -> bundles -> nodes is then a query over the data of any version, and it
+survives compaction (which rewrites files but keeps rows).
+
+A bundle enters a dataset once. Each commit also records one Delta transaction id per bundle
+(`txn` action, app id `edgehaul/bundle/<id>`), so "already committed?" is a lookup in the table
+snapshot, independent of table size. Delta does not treat two concurrent commits of the same app id
+as a conflict, so before committing, a run claims each bundle with a conditional PUT of
+`datasets/_claims/<kind>/<bundle>.json`: exactly one of two racing runs wins; the other skips the
+bundle (committed) or defers it (claim held by a live run; taken over when older than the lease,
+which covers a run killed mid-commit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from botocore.exceptions import ClientError
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import DeltaError, TableNotFoundError
+
+from edgehaul.bundles import BundleManifest
+from edgehaul.contracts import Contract
+from edgehaul.validation import ValidationResult
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+    from blocks import ObjectStore
+
+log = logging.getLogger(__name__)
+
+BUNDLE_ID_COLUMN = "bundle_id"
+COMMIT_KEYS = ("edgehaul.commit_id", "edgehaul.run", "edgehaul.contract", "edgehaul.contract_sha256",
+               "edgehaul.bundles", "edgehaul.nodes", "edgehaul.validation", "edgehaul.stats")
+DEFAULT_LEASE_S = 900.0
+
+Reader = Literal["pyarrow", "polars", "duckdb"]
+
+
+class DatasetError(ValueError):
+    """A commit or read of a dataset cannot proceed (schema mismatch, unknown version, ...)."""
+
+
+def dataset_schema(contract: Contract) -> pa.Schema:
+    schema = contract.bundle_schema
+    return schema.append(pa.field(BUNDLE_ID_COLUMN, pa.string(), nullable=False)).with_metadata(schema.metadata)
+
+
+def table_uri(store: ObjectStore, kind: str) -> str:
+    return store.uri("curated", kind)
+
+
+def txn_app_id(bundle_id: str) -> str:
+    return f"edgehaul/bundle/{bundle_id}"
+
+
+def open_table(store: ObjectStore, kind: str, version: int | str | datetime | None = None) -> DeltaTable:
+    try:
+        dt = DeltaTable(table_uri(store, kind), storage_options=store.storage_options())
+    except TableNotFoundError as e:
+        raise DatasetError(f"no dataset for kind {kind!r} at {table_uri(store, kind)}") from e
+    if version is not None:
+        try:
+            dt.load_as_version(version)
+        except (DeltaError, ValueError, OSError) as e:
+            raise DatasetError(f"dataset {kind}: no version {version!r} ({e})") from e
+    return dt
+
+
+def ensure_table(store: ObjectStore, contract: Contract) -> DeltaTable:
+    """Open the kind's table, creating it on first use. Two creators racing: the `_delta_log/0.json`
+    conditional PUT lets one win; the loser re-opens the winner's table (and checks its schema)."""
+    uri, opts = table_uri(store, contract.kind), store.storage_options()
+    want = dataset_schema(contract)
+    try:
+        dt = DeltaTable(uri, storage_options=opts)
+    except TableNotFoundError:
+        try:
+            dt = DeltaTable.create(
+                uri, want, mode="error", storage_options=opts, name=contract.kind,
+                description=f"edgehaul curated dataset of {contract.kind}",
+                commit_properties=CommitProperties(custom_metadata={"edgehaul.contract": contract.id}),
+            )
+            log.info("created dataset table %s", uri)
+            return dt
+        except (DeltaError, OSError) as e:
+            log.info("dataset table %s created concurrently (%s); re-opening", uri, type(e).__name__)
+            dt = DeltaTable(uri, storage_options=opts)
+    have = pa.schema(dt.schema())
+    if have.names != want.names:
+        raise DatasetError(
+            f"dataset {contract.kind}: table columns {have.names} differ from contract {contract.id} {want.names}"
+        )
+    return dt
+
+
+# ---------------------------------------------------------------- claims (one committer per bundle)
+
+
+def _claim_key(store: ObjectStore, kind: str, bundle_id: str) -> str:
+    return store.key("curated", f"_claims/{kind}/{bundle_id}.json")
+
+
+@dataclass
+class Claims:
+    claimed: list[str] = field(default_factory=list)
+    committed: list[str] = field(default_factory=list)  # already in the table: no-op
+    deferred: list[str] = field(default_factory=list)  # a live run holds the claim: try again later
+
+
+def claim_bundles(
+    store: ObjectStore, dt: DeltaTable, kind: str, bundle_ids: list[str], run_id: str, *,
+    lease_s: float = DEFAULT_LEASE_S, s3: S3Client | None = None,
+) -> Claims:
+    s3 = s3 or store.client()
+    bucket = store.bucket("curated")
+    out = Claims()
+    for b in bundle_ids:
+        if dt.transaction_version(txn_app_id(b)) is not None:
+            out.committed.append(b)
+            continue
+        key = _claim_key(store, kind, b)
+        body = json.dumps({"run": run_id, "at": time.time()}).encode()
+        try:
+            s3.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+            out.claimed.append(b)
+            continue
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise
+        held = s3.get_object(Bucket=bucket, Key=key)
+        doc = json.loads(held["Body"].read())
+        dt.update_incremental()
+        if dt.transaction_version(txn_app_id(b)) is not None:
+            out.committed.append(b)
+        elif doc.get("run") == run_id:
+            out.claimed.append(b)  # our own claim from an earlier attempt of this run
+        elif time.time() - float(doc.get("at", 0)) < lease_s:
+            out.deferred.append(b)
+        else:
+            try:  # stale claim (its run died before committing): take it over, conditionally
+                s3.put_object(Bucket=bucket, Key=key, Body=body, IfMatch=held["ETag"])
+                out.claimed.append(b)
+            except ClientError:
+                out.deferred.append(b)
+    return out
+
+
+# ---------------------------------------------------------------- commit
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    kind: str
+    version: int | None  # None: nothing new to commit
+    parent: int | None
+    commit_id: str
+    bundles: list[str]
+    nodes: list[str]
+    rows: int
+    already_committed: list[str]
+    deferred: list[str]
+    stats: dict[str, Any]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summary_stats(table: pa.Table, contract: Contract) -> dict[str, Any]:
+    """Small numbers worth keeping with a version: counts by label and tier, value and band means."""
+    def counts(col: str) -> dict[str, int]:
+        vc = pc.value_counts(table.column(col)).to_pylist()
+        return {str(d["values"]): int(d["counts"]) for d in vc}
+
+    times = table.column("capture_time")
+    return {
+        "rows": table.num_rows,
+        "summary_rows": int(pc.sum(table.column("is_summary")).as_py() or 0),
+        "labels": counts(contract.label_column),
+        "tiers": counts("tier"),
+        "value_mean": float(pc.mean(table.column("value")).as_py() or 0.0),
+        "band_means": {c: round(float(pc.mean(table.column(f"mean_{c}")).as_py() or 0.0), 6) for c in contract.channels},
+        "min_capture_time": pc.min(times).as_py().isoformat() if table.num_rows else None,
+        "max_capture_time": pc.max(times).as_py().isoformat() if table.num_rows else None,
+    }
+
+
+@dataclass
+class ValidatedBundle:
+    manifest: BundleManifest
+    table: pa.Table
+    result: ValidationResult
+
+
+def commit_bundles(
+    store: ObjectStore, contract: Contract, bundles: list[ValidatedBundle], *, run_id: str = "",
+    lease_s: float = DEFAULT_LEASE_S, s3: S3Client | None = None,
+) -> CommitResult:
+    """Append validated bundles to the kind's dataset as ONE Delta commit (all or nothing).
+
+    Bundles already in the table are a no-op; bundles claimed by another live run are deferred.
+    """
+    t0 = time.perf_counter()
+    run_id = run_id or uuid.uuid4().hex
+    commit_id = uuid.uuid4().hex
+    for vb in bundles:
+        if not vb.result.success:
+            raise DatasetError(f"bundle {vb.manifest.bundle_id} failed validation ({vb.result.reason}); not committing")
+        if vb.manifest.contract != contract.id:
+            raise DatasetError(f"bundle {vb.manifest.bundle_id} is {vb.manifest.contract}, dataset commit is {contract.id}")
+    by_id = {vb.manifest.bundle_id: vb for vb in bundles}  # the same bundle twice in one run: once
+    dt = ensure_table(store, contract)
+    claims = claim_bundles(store, dt, contract.kind, sorted(by_id), run_id, lease_s=lease_s, s3=s3)
+    todo = [by_id[b] for b in claims.claimed]
+    if not todo:
+        return CommitResult(contract.kind, None, dt.version(), commit_id, [], [], 0, claims.committed,
+                            claims.deferred, {}, time.perf_counter() - t0)
+    schema = dataset_schema(contract)
+    parts = []
+    for vb in todo:
+        t = vb.table.cast(contract.bundle_schema)
+        parts.append(t.append_column(schema.field(BUNDLE_ID_COLUMN), pa.array([vb.manifest.bundle_id] * t.num_rows)))
+    data = pa.concat_tables(parts)
+    nodes = sorted({vb.manifest.node_id for vb in todo})
+    stats = summary_stats(data, contract)
+    lineage = [
+        {"bundle_id": vb.manifest.bundle_id, "node_id": vb.manifest.node_id, "sha256": vb.manifest.sha256,
+         "rows": vb.manifest.row_count, "tier": vb.manifest.tier, "created_at": vb.manifest.created_at}
+        for vb in todo
+    ]
+    metadata = {
+        "edgehaul.commit_id": commit_id,
+        "edgehaul.run": run_id,
+        "edgehaul.contract": contract.id,
+        "edgehaul.contract_sha256": contract.sha256,
+        "edgehaul.bundles": json.dumps(lineage),
+        "edgehaul.nodes": json.dumps(nodes),
+        "edgehaul.validation": json.dumps([vb.result.summary() for vb in todo]),
+        "edgehaul.stats": json.dumps(stats),
+    }
+    txns = [Transaction(app_id=txn_app_id(vb.manifest.bundle_id), version=1) for vb in todo]
+    parent = dt.version()
+    try:
+        write_deltalake(
+            table_uri(store, contract.kind), data, mode="append", storage_options=store.storage_options(),
+            commit_properties=CommitProperties(custom_metadata=metadata, app_transactions=txns, max_commit_retries=50),
+        )
+    except (DeltaError, OSError) as e:
+        raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles failed, nothing written: {e}") from e
+    version = find_commit(store, contract.kind, commit_id, after=parent)
+    log.info("dataset %s v%d: %d bundles, %d rows from %s", contract.kind, version, len(todo), data.num_rows, nodes)
+    return CommitResult(contract.kind, version, version - 1, commit_id, [vb.manifest.bundle_id for vb in todo], nodes,
+                        data.num_rows, claims.committed, claims.deferred, stats, time.perf_counter() - t0)
+
+
+def find_commit(store: ObjectStore, kind: str, commit_id: str, *, after: int = -1) -> int:
+    """The version whose commitInfo carries `commit_id` (concurrent writers may have committed since)."""
+    dt = open_table(store, kind)
+    limit = max(dt.version() - after, 1)
+    for h in dt.history(limit=limit + 8):
+        if h.get("edgehaul.commit_id") == commit_id:
+            return int(h["version"])
+    raise DatasetError(f"dataset {kind}: commit {commit_id} not found after version {after}")
+
+
+def committed_bundle_ids(store: ObjectStore, kind: str, bundle_ids: list[str]) -> set[str]:
+    dt = open_table(store, kind)
+    return {b for b in bundle_ids if dt.transaction_version(txn_app_id(b)) is not None}
+
+
+# ---------------------------------------------------------------- reading, time travel, lineage
+
+
+def read_version(
+    store: ObjectStore, kind: str, version: int | datetime | None = None, *, reader: Reader = "pyarrow",
+    columns: list[str] | None = None,
+) -> pa.Table:
+    """Read a version with a reader that knows nothing of edgehaul (only URI, storage options, version)."""
+    uri, opts = table_uri(store, kind), store.storage_options()
+    if reader == "polars":
+        import polars as pl
+
+        return pl.read_delta(uri, version=version, storage_options=opts, columns=columns).to_arrow()
+    dt = open_table(store, kind, version)
+    ds = dt.to_pyarrow_dataset()
+    if reader == "pyarrow":
+        return ds.to_table(columns=columns)
+    if reader == "duckdb":
+        import duckdb
+
+        con = duckdb.connect()
+        try:
+            con.register("ds", ds)
+            cols = ", ".join(f'"{c}"' for c in columns) if columns else "*"
+            return con.sql(f"SELECT {cols} FROM ds").to_arrow_table()
+        finally:
+            con.close()
+    raise DatasetError(f"unknown reader {reader!r}")
+
+
+def content_sha256(table: pa.Table) -> str:
+    """Order- and layout-independent digest of a table's content (rows sorted by bundle, sample id)."""
+    keys = [(c, "ascending") for c in (BUNDLE_ID_COLUMN, "sample_id") if c in table.column_names]
+    table = table.sort_by(keys)
+    h = hashlib.sha256()
+    for name in sorted(table.column_names):
+        col = table.column(name)
+        t = col.type
+        # Readers differ in string/binary flavours (large_, _view) and timestamp tz; normalise.
+        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+            col = col.cast(pa.large_string())
+        elif pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
+            col = col.cast(pa.large_binary())
+        elif pa.types.is_boolean(t):
+            col = col.cast(pa.uint8())
+        elif pa.types.is_timestamp(t):
+            col = col.cast(pa.timestamp("us", tz=t.tz)).cast(pa.int64())
+        h.update(name.encode())
+        arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        h.update(np.packbits(valid).tobytes())
+        if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type):
+            for v in arr.to_pylist():
+                h.update(b"\x00" if v is None else (v.encode() if isinstance(v, str) else v) + b"\x01")
+        else:
+            h.update(arr.fill_null(0).to_numpy(zero_copy_only=False).tobytes())
+    return h.hexdigest()
+
+
+def commit_info(store: ObjectStore, kind: str, version: int) -> dict[str, Any]:
+    """Delta commitInfo of one version, edgehaul's JSON fields decoded."""
+    dt = open_table(store, kind, version)
+    hist = dt.history(limit=1)
+    if not hist or int(hist[0]["version"]) != version:
+        raise DatasetError(f"dataset {kind}: no commit info for version {version}")
+    info = dict(hist[0])
+    for k in ("edgehaul.bundles", "edgehaul.nodes", "edgehaul.validation", "edgehaul.stats"):
+        if isinstance(info.get(k), str):
+            info[k] = json.loads(info[k])
+    return info
+
+
+@dataclass(frozen=True)
+class Lineage:
+    kind: str
+    version: int
+    rows: int
+    nodes: list[str]
+    bundles: list[dict[str, Any]]  # bundle_id, node_id, rows, added_in (version), sha256
+    commit: dict[str, Any]  # this version's own commit: operation, bundles it added, contract, stats
+
+
+def lineage(store: ObjectStore, kind: str, version: int) -> Lineage:
+    """Version -> bundles -> edge nodes: which bundles (and nodes) make up `version`, and which
+    commit added each one."""
+    data = read_version(store, kind, version, columns=[BUNDLE_ID_COLUMN, "node_id"])
+    grouped = data.group_by([BUNDLE_ID_COLUMN, "node_id"]).aggregate([([], "count_all")]).to_pylist()
+    dt = open_table(store, kind, version)
+    added: dict[str, tuple[int, str]] = {}
+    for h in dt.history():  # newest first; only commits up to `version`
+        for b in json.loads(h.get("edgehaul.bundles") or "[]"):
+            added.setdefault(b["bundle_id"], (int(h["version"]), b.get("sha256", "")))
+    bundles = sorted(
+        ({"bundle_id": g[BUNDLE_ID_COLUMN], "node_id": g["node_id"], "rows": int(g["count_all"]),
+          "added_in": added.get(g[BUNDLE_ID_COLUMN], (-1, ""))[0], "sha256": added.get(g[BUNDLE_ID_COLUMN], (-1, ""))[1]}
+         for g in grouped),
+        key=lambda b: (b["added_in"], b["bundle_id"]),
+    )
+    return Lineage(kind, version, data.num_rows, sorted({b["node_id"] for b in bundles}), bundles,
+                   commit_info(store, kind, version))
+
