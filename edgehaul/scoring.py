@@ -7,12 +7,12 @@ per row). Shipped here: `NoveltyScorer` (no model). The model scorer lives in
 NoveltyScorer = 1 - (1 - rarity) * (1 - novelty) (either signal alone can make a sample valuable),
 with rarity = 1 - p(class) / p(commonest class) and novelty from the diagonal Mahalanobis distance
 of the sample's band statistics, both against a running sketch:
-per-batch sketches (label counts, feature sums and sums of squares) kept in a small JSON state
-file keyed by batch content hash. A batch is scored against the sketch of every OTHER batch in
-the state plus itself, so the result is a pure function of (batch, state without that batch):
-rescoring a batch already folded into the state gives the same values, which keeps the
-score/tier cache valid on reruns while the sketch keeps learning from new batches.
-`cache_version(batch_key)` is the part of the cache key that names that context.
+per-batch sketches (label counts, feature sums and sums of squares) kept in fold order in a small
+JSON state file, keyed by batch content hash. A batch is scored against itself plus the batches
+folded BEFORE it: all of them for a new batch, the prefix up to its own position for a batch
+already folded. So rescoring a batch (a rerun) sees exactly the context it saw the first time,
+which keeps the score/tier cache valid while the sketch keeps learning from new batches.
+`cache_version(batch_key)` names that context (it is part of the score/tier cache key).
 """
 
 from __future__ import annotations
@@ -73,9 +73,14 @@ class NoveltyState:
     batches: OrderedDict[str, BatchSketch] = field(default_factory=OrderedDict)
     max_batches: int = 512
 
-    def digest(self, exclude: str | None = None) -> str:
+    def context(self, batch_key: str | None) -> list[str]:
+        """Keys a batch is scored against (besides itself): those folded before it."""
+        keys = list(self.batches)
+        return keys[: keys.index(batch_key)] if batch_key is not None and batch_key in self.batches else keys
+
+    def digest(self, keys: list[str] | None = None) -> str:
         h = hashlib.sha256(NOVELTY_VERSION.encode())
-        for key in sorted(k for k in self.batches if k != exclude):
+        for key in self.batches if keys is None else keys:
             h.update(key.encode())
         return h.hexdigest()[:16]
 
@@ -129,11 +134,11 @@ class NoveltyScorer:
 
     def cache_version(self, batch_key: str) -> str:
         """What the scores of batch `batch_key` depend on besides the batch itself."""
-        return f"{NOVELTY_VERSION}/{self.state.digest(exclude=batch_key)}"
+        return f"{NOVELTY_VERSION}/{self.state.digest(self.state.context(batch_key))}"
 
     def score(self, table: pa.Table, batch_key: str | None = None) -> np.ndarray:
         own = BatchSketch.of(table, self.contract)
-        ctx = [s for k, s in self.state.batches.items() if k != batch_key] + [own]
+        ctx = [self.state.batches[k] for k in self.state.context(batch_key)] + [own]
         n = sum(s.n for s in ctx)
         if table.num_rows == 0 or n == 0:
             return np.zeros(table.num_rows, np.float32)

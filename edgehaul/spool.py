@@ -446,6 +446,17 @@ class Spool:
             self._remove(e)
         self._check_alert(self.usage())
 
+    def discard(self, bundle_id: str) -> bool:
+        """Remove a waiting bundle whose samples the caller already recorded in the ledger (e.g. the
+        uplink retry queue gave up on it). Returns whether it was there."""
+        with self._locked():
+            e = self._load(self.bundles_dir / f"{bundle_id}{_SIDECAR}")
+            if e is None:
+                return False
+            self._remove(e)
+        self._check_alert(self.usage())
+        return True
+
     def expire(self) -> list[SpoolEntry]:
         """TTL expiry of bundles (ledger reason ttl-expired), raw-store retention, stale staging."""
         with self._locked():
