@@ -164,7 +164,8 @@ def test_contact_windows_wait_for_the_next_pass() -> None:
 
 
 def _client_error(code: str, status: int) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    resp = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return ClientError(resp, "PutObject")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

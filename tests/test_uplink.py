@@ -61,7 +61,8 @@ def keys_under(store: ObjectStore, prefix: str) -> list[str]:
 
 def test_retry_queue_cap_and_expiry_are_recorded_in_the_ledger_by_sample_id(tmp_path: Path) -> None:
     clock = [1000.0]
-    spool = Spool(tmp_path / "spool", cap_bytes=50 * MiB, node_id="node-a", clock=lambda: clock[0], emit=lambda *a, **k: True)
+    spool = Spool(tmp_path / "spool", cap_bytes=50 * MiB, node_id="node-a", clock=lambda: clock[0],
+                  emit=lambda *a, **k: True)
     bundles = [bundle(20, seed=s, start_seq=100 * s) for s in range(3)]
     for d, m in bundles:
         spool.put(d, m)
@@ -130,7 +131,7 @@ def test_rate_held_within_5pct_of_cap_and_control_plane_stays_responsive(
     # the cap leaves 30% of the bandwidth to the control plane
     assert link.cap_bytes_per_s == pytest.approx(0.7 * link.profile.bandwidth_bps / 8)
     assert len(lat) >= 10 and max(lat) < 1.0
-    for d, m in items:
+    for _, m in items:
         assert landed_sha(store, up.key_of(m)) == m.sha256
 
 
@@ -192,7 +193,8 @@ def test_kill_9_during_multipart_resumes_without_resending_finished_parts(
     args = {"endpoint": stack.s3_endpoint, "key": admin.access_key_id, "secret": admin.secret_access_key,
             "prefix": store.prefix, "profile": profile.model_dump(mode="json", include=set(LinkProfile.model_fields)),
             "manifest": str(tmp_path / "b.manifest.json"), "data": str(tmp_path / "b.parquet"), "state": str(state)}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     state_file = state / f"{m.bundle_id}.mpu.json"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -241,7 +243,8 @@ def test_duplicate_and_racing_sends_leave_one_object(store: ObjectStore, tmp_pat
         t.join()
     assert len(receipts) == 2
     keys = keys_under(store, f"{m.node_id}/")
-    assert keys == sorted([up.key_of(m), first.manifest_key, up.key_of(m2), up.key_of(m2).replace(".parquet", ".manifest.json")])
+    m2_manifest = up.key_of(m2).replace(".parquet", ".manifest.json")
+    assert keys == sorted([up.key_of(m), first.manifest_key, up.key_of(m2), m2_manifest])
     assert landed_sha(store, up.key_of(m2)) == m2.sha256
 
 
@@ -281,7 +284,7 @@ def test_outage_windows_pause_and_resume_with_nothing_lost(store: ObjectStore, t
     rep = Drainer(up, src, max_active=2, attempts=5, backoff_s=(0.2,), emit_events=False).run(max_seconds=60)
     assert rep.attempts > len(items)  # the outage failed some attempts...
     assert not rep.failed and len(src) == 0 and set(src.acked) == {m.bundle_id for _, m in items}  # ...none lost
-    for d, m in items:
+    for _, m in items:
         assert landed_sha(store, up.key_of(m)) == m.sha256
 
 
@@ -322,5 +325,6 @@ def test_orphaned_multipart_uploads_are_aborted_but_resumable_ones_kept(store: O
     assert up.abort_orphans("node-a", older_than_s=3600) == []  # too young
     aborted = up.abort_orphans("node-a", older_than_s=0)
     assert [u for _, u in aborted] == [orphan["UploadId"]]
-    left = {u["UploadId"] for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=store.key("landing", "")).get("Uploads", [])}
+    uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=store.key("landing", "")).get("Uploads", [])
+    left = {u["UploadId"] for u in uploads}
     assert left == {mine["UploadId"], other_node["UploadId"]}
