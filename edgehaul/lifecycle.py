@@ -76,7 +76,7 @@ class LifecycleError(RuntimeError):
     """An action could not be carried out; the message names the object."""
 
 
-class SimulatedCrash(RuntimeError):  # noqa: N818 - a test hook's signal, not an error condition
+class SimulatedCrash(RuntimeError):
     """Raised by a test hook to stop a batch between two steps."""
 
 

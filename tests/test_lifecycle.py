@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from blocks import ObjectStore, RetentionPolicy, RetentionRule
@@ -112,7 +112,8 @@ def _put_raw(store: ObjectStore, n: int, size: int = 140 * KiB) -> dict[str, str
 def _places(store: ObjectStore, key: str) -> list[str]:
     s3 = store.client()
     found = []
-    for bucket, k in ((store.bucket("landing"), key), (store.bucket("cold"), lc.cold_key(store, store.bucket("landing"), key))):
+    cold = lc.cold_key(store, store.bucket("landing"), key)
+    for bucket, k in ((store.bucket("landing"), key), (store.bucket("cold"), cold)):
         if lc._head(s3, bucket, k) is not None:
             found.append(bucket)
     return found
@@ -308,3 +309,26 @@ def test_generated_lifecycle_configuration_round_trips_through_the_server(stack:
     # applying again is idempotent
     (again,) = [r for r in apply_configuration(store, policy) if r.bucket == bucket]
     assert again.round_trip_ok and len(s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]) == 3
+
+
+@pytest.mark.integration
+def test_lifecycle_flow_dry_run_then_moves_and_meters_its_requests(stack: object) -> None:
+    from edgehaul.costs import usage_records
+    from flows.lifecycle_moves import LifecycleParams, lifecycle_moves
+
+    store = _fresh_store(stack, "lifecycle")
+    want = _put_raw(store, 3)
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    store_for(stack, "admin", prefix=store.prefix).save(name)  # type: ignore[arg-type]
+    RAW_POLICY.save(name)
+    now = datetime.now(UTC) + timedelta(days=31)
+    dry = lifecycle_moves(LifecycleParams(store_block=name, policy_block=name, now=now, dry_run=True, batch_size=2))
+    assert dry["planned"] == {"move": 3} and dry["done"] == {}
+    assert all(_places(store, k) == [store.bucket("landing")] for k in want)
+    out = lifecycle_moves(LifecycleParams(store_block=name, policy_block=name, now=now, batch_size=2))
+    assert out["done"] == {"moved": 3} and out["errors"] == [] and out["requests"] > 0
+    assert all(_places(store, k) == [store.bucket("cold")] for k in want)
+    recs = usage_records(store.client(), store, now - timedelta(minutes=1), now + timedelta(minutes=1))
+    assert [(r.source, r.quantity) for r in recs] == [("lifecycle_moves", out["requests"])]
+    with pytest.raises(ValueError, match="timezone-aware"):
+        LifecycleParams(now=datetime(2026, 1, 1))

@@ -1,0 +1,56 @@
+"""Prefect tasks of the lifecycle: plan, run a batch, finish pending batches, apply the S3 configuration.
+
+No caching: every result depends on `now` and on the store's current state. Retries only on transport
+errors and server-side (5xx / throttling) answers; each action is idempotent, so a retried batch
+finishes what the failed try started.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from blocks import ObjectStore, RetentionPolicy
+from edgehaul import lifecycle as lc
+from edgehaul.lifecycle_config import ApplyResult, apply_configuration
+
+RETRYABLE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "500", "502", "503", "504"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, ClientError):
+        return exc.response.get("Error", {}).get("Code", "") in RETRYABLE_CODES
+    return isinstance(exc, BotoCoreError | ConnectionError | TimeoutError)
+
+
+def _retry_io(task: Any, task_run: Any, state: Any) -> bool:
+    try:
+        state.result()
+    except Exception as e:
+        return is_transient(e)
+    return False
+
+
+@task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_io, cache_policy=NO_CACHE)
+def plan_task(store: ObjectStore, policy: RetentionPolicy, now: datetime, force_reason: str | None) -> lc.Plan:
+    return lc.plan(store, policy, now, force_reason=force_reason)
+
+
+@task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_io, cache_policy=NO_CACHE)
+def pending_task(store: ObjectStore) -> dict[str, tuple[datetime, list[lc.Action]]]:
+    return lc.pending_batches(store)
+
+
+@task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_io, cache_policy=NO_CACHE,
+      task_run_name="lifecycle-batch-{label}")
+def run_batch_task(store: ObjectStore, actions: list[lc.Action], now: datetime, label: str) -> lc.BatchResult:
+    return lc.run_batch(store, actions, now)
+
+
+@task(retries=1, retry_delay_seconds=[5], retry_condition_fn=_retry_io, cache_policy=NO_CACHE)
+def apply_config_task(store: ObjectStore, policy: RetentionPolicy) -> list[ApplyResult]:
+    return apply_configuration(store, policy)

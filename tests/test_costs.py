@@ -1,0 +1,152 @@
+"""Cost report: meters equal their inputs exactly, prices follow the price sheet, outputs land in the ops bucket."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from blocks import ObjectStore, PriceSheet
+from edgehaul import costs
+from edgehaul import lifecycle as lc
+from edgehaul.bundles import write_bundle
+from edgehaul.contracts import load_contract
+from edgehaul.storage_classes import billable_bytes
+from tests.builders import processed_rows
+from tests.conftest import store_for
+
+KiB = 1024
+
+
+@given(
+    uplink=st.lists(st.integers(0, 10**12), max_size=5), hours=st.lists(st.floats(0, 1e4), max_size=5),
+    reqs=st.lists(st.integers(0, 10**9), max_size=5),
+)
+def test_pricing_is_quantity_times_unit_price(uplink: list[int], hours: list[float], reqs: list[int]) -> None:
+    prices = PriceSheet(uplink_per_gb=0.5, accelerator_hour=2.5, per_1000_requests=0.005)
+    rep = costs.price(
+        "2026-01", prices,
+        [{"node": f"n{i}", "team": "geo", "bundles": 1, "bytes": b} for i, b in enumerate(uplink)],
+        [{"bucket": "b", "storage_class": "STANDARD_IA", "team": "geo", "objects": 1, "bytes": 10,
+          "billable_bytes": 128 * KiB}],
+        [{"team": f"t{i}", "runs": 1, "hours": h} for i, h in enumerate(hours)],
+        [{"team": "geo", "source": f"s{i}", "requests": r} for i, r in enumerate(reqs)],
+        datetime(2026, 2, 1, tzinfo=UTC),
+    )
+    t = rep.totals()
+    assert t.get("uplink_quantity", 0) == sum(uplink)
+    assert t.get("uplink_cost", 0) == pytest.approx(sum(uplink) / costs.GB * 0.5)
+    assert t.get("accelerator_cost", 0) == pytest.approx(sum(hours) * 2.5)
+    assert t.get("requests_cost", 0) == pytest.approx(sum(reqs) / 1000 * 0.005)
+    assert t["storage_quantity"] == 10  # metered size, billed at the 128 KiB minimum
+    assert t["storage_cost"] == pytest.approx(128 * KiB / costs.GB * 0.0125)
+    assert t["cost"] == pytest.approx(sum(rep.cost_by_team().values()))
+
+
+def test_usage_records_are_validated() -> None:
+    s = ObjectStore()
+    with pytest.raises(ValueError, match="timezone-aware"):
+        costs.record_usage(s, costs.UsageRecord(at=datetime(2026, 1, 1), meter="requests", quantity=1))
+    with pytest.raises(ValueError, match="negative quantity"):
+        costs.record_usage(s, costs.UsageRecord(at=datetime(2026, 1, 1, tzinfo=UTC), meter="requests", quantity=-1))
+    assert costs.month_bounds("2026-12") == (datetime(2026, 12, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC))
+
+
+def _seed(store: ObjectStore, now: datetime) -> dict[str, object]:
+    """Real bundles + manifests of two nodes/teams, model lineages, a cold copy, metering records."""
+    s3 = store.client()
+    contract = load_contract("landsat_patch")
+    uplink: dict[tuple[str, str], int] = {}
+    sizes: dict[tuple[str, str], int] = {}  # (class, team) -> bytes
+    billable: dict[tuple[str, str], int] = {}
+
+    def put(bucket: str, key: str, body: bytes, team: str, cls: str = "STANDARD") -> None:
+        s3.put_object(Bucket=bucket, Key=key, Body=body, **({"StorageClass": cls} if cls != "STANDARD" else {}))
+        sizes[(cls, team)] = sizes.get((cls, team), 0) + len(body)
+        billable[(cls, team)] = billable.get((cls, team), 0) + billable_bytes(len(body), cls)
+
+    for node, team, n in (("node-a", "geo", 2), ("node-b", "ice", 1)):
+        for i in range(n):
+            data, m = write_bundle(processed_rows(40 + i, node, seed=i, start_seq=100 * i), contract, tier="normal",
+                                   team=team)
+            put(store.bucket("landing"), store.key("landing", m.object_key), data, team)
+            put(store.bucket("landing"), store.key("landing", m.manifest_key), m.to_json(), team)
+            uplink[(node, team)] = uplink.get((node, team), 0) + m.nbytes
+    hours = {"geo": 0.0, "ice": 0.0}
+    for mid, team, h in (("m1", "geo", 1.25), ("m2", "geo", 3.5), ("m3", "ice", 0.75)):
+        lin = {"team": team, "accelerator_hours": h, "dataset_version": 0, "dataset_uri": store.uri("curated", "x"),
+               "finished_at": now.isoformat()}
+        put(store.bucket("models"), store.key("models", f"landcover/{mid}/lineage.json"), json.dumps(lin).encode(), team)
+        put(store.bucket("models"), store.key("models", f"landcover/{mid}/model.pt"), os.urandom(50 * KiB), team)
+        hours[team] += h
+    # an old run from last month is not this month's
+    old = {"team": "geo", "accelerator_hours": 99.0, "finished_at": (now - timedelta(days=40)).isoformat()}
+    put(store.bucket("models"), store.key("models", "landcover/m0/lineage.json"), json.dumps(old).encode(), "geo")
+    # a cold copy of a node-b bundle is billed to node-b's team, in its class
+    cold_key = lc.cold_key(store, store.bucket("landing"), store.key("landing", "node-b/2026-01-01/old.parquet"))
+    put(store.bucket("cold"), cold_key, os.urandom(150 * KiB), "ice", "STANDARD_IA")
+    put(store.bucket("curated"), store.key("curated", "landsat_patch/part-0.parquet"), os.urandom(30 * KiB), "shared")
+    costs.record_usage(store, [costs.UsageRecord(at=now, meter="requests", quantity=1200, team="geo", source="train"),
+                               costs.UsageRecord(at=now, meter="requests", quantity=34, team="ice", source="ingest")])
+    costs.record_usage(store, costs.UsageRecord(at=now - timedelta(days=40), meter="requests", quantity=7, team="geo"))
+    return {"uplink": uplink, "sizes": sizes, "billable": billable, "hours": hours}
+
+
+@pytest.mark.integration
+def test_report_totals_match_metered_inputs(stack: object) -> None:
+    store = store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")  # type: ignore[arg-type]
+    now = datetime.now(UTC)
+    seed = _seed(store, now)
+    month = f"{now:%Y-%m}"
+    prices = PriceSheet()
+    rep = costs.build_report(store, prices, month, now=now)
+    by = lambda meter: [x for x in rep.lines if x["meter"] == meter]  # noqa: E731
+    assert {(x["node"], x["team"]): x["quantity"] for x in by("uplink")} == seed["uplink"]
+    # the usage log lives in the ops bucket too: take the report's ops rows out, then compare exactly
+    storage = {(x["storage_class"], x["team"]): x["quantity"] for x in by("storage")}
+    ops_rows = [s for s in rep.storage if s["bucket"] == store.bucket("ops")]
+    assert {(s["storage_class"], s["team"]) for s in ops_rows} == {("STANDARD", "shared")}
+    storage[("STANDARD", "shared")] -= sum(s["bytes"] for s in ops_rows)
+    if storage[("STANDARD", "shared")] == 0:
+        del storage[("STANDARD", "shared")]
+    assert storage == seed["sizes"]
+    assert {x["team"]: x["quantity"] for x in by("accelerator")} == seed["hours"]
+    assert {x["team"]: x["quantity"] for x in by("requests")} == {"geo": 1200, "ice": 34}
+    t = rep.totals()
+    assert t["cost"] == pytest.approx(sum(x["billed_quantity"] * x["unit_price"] for x in rep.lines))
+    ia = next(x for x in by("storage") if x["storage_class"] == "STANDARD_IA")
+    assert ia["unit_price"] == prices.storage_per_gb_month["STANDARD_IA"]
+
+
+@pytest.mark.integration
+def test_cost_report_flow_writes_artifacts_parquet_and_chart(stack: object) -> None:
+    from prefect.artifacts import Artifact
+
+    from flows.cost_report import CostReportParams, cost_report
+
+    store = store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")  # type: ignore[arg-type]
+    now = datetime.now(UTC)
+    seed = _seed(store, now)
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    store.save(name)
+    PriceSheet(uplink_per_gb=1.0).save(name)
+    out = cost_report(CostReportParams(store_block=name, prices_block=name, month=f"{now:%Y-%m}", now=now))
+    s3 = store.client()
+    bucket, key = out["report"].removeprefix("s3://").split("/", 1)
+    table = pq.read_table(io.BytesIO(s3.get_object(Bucket=bucket, Key=key)["Body"].read()))
+    rows = table.to_pylist()
+    assert sum(r["quantity"] for r in rows if r["meter"] == "uplink") == sum(seed["uplink"].values())  # type: ignore[attr-defined]
+    assert sum(r["cost"] for r in rows) == pytest.approx(out["totals"]["cost"])
+    bucket, key = out["chart"].removeprefix("s3://").split("/", 1)
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = Artifact.get(f"cost-report-{now:%Y-%m}-summary")
+    assert md is not None and out["chart_url"] in str(md.data)
+    tab = Artifact.get(f"cost-report-{now:%Y-%m}")
+    assert tab is not None and "uplink" in str(tab.data)
