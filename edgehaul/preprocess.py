@@ -100,6 +100,8 @@ def _binary_values(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, data) of a binary array as numpy views, honouring a sliced array's offset."""
     arr = arr.cast(pa.binary()) if not pa.types.is_binary(arr.type) else arr
     _, off_buf, data_buf = arr.buffers()
+    if off_buf is None:  # e.g. an all-null array
+        return np.zeros(len(arr) + 1, dtype=np.int32), np.empty(0, np.uint8)
     offsets = np.frombuffer(off_buf, dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
     data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.empty(0, np.uint8)
     return offsets, data
@@ -198,7 +200,7 @@ def preprocess(raw: pa.Table, contract: Contract, *, node_id: str | None = None)
     flat = data[offsets[0] : offsets[-1]] if m else data[:0]
     tensor = flat.view(contract.np_dtype).reshape((m, *contract.shape))
     c = len(contract.channels)
-    x = tensor.reshape(m, -1, c)  # channels last (HWC)
+    x = tensor.reshape(m, int(np.prod(contract.shape[:-1])), c)  # channels last (HWC)
     if np.issubdtype(contract.np_dtype, np.floating) and m:
         nan_frac = np.isnan(x).mean(axis=(1, 2))
         too_many = nan_frac > contract.max_nan_fraction

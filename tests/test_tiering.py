@@ -1,0 +1,156 @@
+"""Tiering and batching: routing per policy, flush on N/B/T, urgent bundles, summaries, report."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocks import TieringPolicy
+from edgehaul.bundles import read_bundle
+from edgehaul.contracts import load_contract
+from edgehaul.landsat import generate, table_sha256
+from edgehaul.preprocess import preprocess
+from edgehaul.scoring import NoveltyScorer
+from edgehaul.tiering import Batcher, assign, route
+
+C = load_contract("landsat_patch")
+
+
+@pytest.fixture(scope="module")
+def accepted() -> pa.Table:
+    return preprocess(next(generate(1200, "node-a", seed=9, batch_size=1200)), C).accepted
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=50), st.floats(0.01, 0.5), st.floats(0.51, 1.0))
+def test_route_follows_thresholds(values: list[float], low: float, high: float) -> None:
+    p = TieringPolicy(low_threshold=low, high_threshold=high)
+    tiers = route(np.array(values), p)
+    for v, t in zip(values, tiers, strict=True):
+        assert t == ("high" if v >= high else "low" if v < low else "normal")
+
+
+def test_assign_rejects_nan_values(accepted: pa.Table) -> None:
+    v = np.full(accepted.num_rows, 0.5, np.float32)
+    v[3] = np.nan
+    with pytest.raises(ValueError, match="NaN for 1 of"):
+        assign(accepted, v, TieringPolicy(), C)
+
+
+def _values(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).random(n).astype(np.float32)
+
+
+def test_routing_bundles_and_summaries_account_for_every_sample(accepted: pa.Table) -> None:
+    p = TieringPolicy(flush_max_samples=400, urgent_max_bytes=200_000)
+    scored = assign(accepted, _values(accepted.num_rows), p, C)
+    b = Batcher(p, C)
+    out = b.add(scored) + b.flush()
+    tiers = dict(zip(scored.column("sample_id").to_pylist(), scored.column("tier").to_pylist(), strict=True))
+    seen_full: list[str] = []
+    seen_summary: list[str] = []
+    raw_store: list[str] = []
+    for bb in out:
+        t = read_bundle(bb.data, bb.manifest)
+        ids = t.column("sample_id").to_pylist()
+        summ = t.column("is_summary").to_pylist()
+        if bb.manifest.tier == "high":
+            assert bb.reason == "urgent" and bb.manifest.nbytes <= p.urgent_max_bytes
+            assert {tiers[i] for i in ids} == {"high"}
+        if bb.manifest.tier == "low":
+            raw_store += ids
+            assert t.column("pixels").null_count == 0
+            continue
+        assert t.num_rows <= p.flush_max_samples
+        for i, s, px in zip(ids, summ, t.column("pixels").to_pylist(), strict=True):
+            if s:
+                assert tiers[i] == "low" and px is None
+                seen_summary.append(i)
+            else:
+                assert tiers[i] in ("high", "normal") and px is not None
+                seen_full.append(i)
+    assert sorted(seen_full) == sorted(i for i, t in tiers.items() if t != "low")
+    assert sorted(seen_summary) == sorted(raw_store) == sorted(i for i, t in tiers.items() if t == "low")
+    assert len(seen_full) == len(set(seen_full))
+    assert b.report.samples == {k: sum(1 for t in tiers.values() if t == k) for k in ("high", "normal", "low")}
+
+
+def test_flush_on_samples_bytes_and_age(accepted: pa.Table) -> None:
+    clock = Clock()
+    normal = np.full(accepted.num_rows, 0.5, np.float32)
+    scored = assign(accepted, normal, TieringPolicy(), C)
+    # N: 1200 rows at N=500 -> 500, 500 now, 200 buffered
+    b = Batcher(TieringPolicy(flush_max_samples=500), C, clock=clock)
+    out = b.add(scored)
+    assert [(x.reason, x.manifest.row_count) for x in out] == [("samples", 500), ("samples", 500)]
+    assert b.buffered_rows == 200
+    # T: the buffered rows leave once their first row is flush_max_seconds old
+    b2 = Batcher(TieringPolicy(flush_max_seconds=30), C, clock=clock)
+    assert b2.add(scored.slice(0, 100)) == []
+    clock.t += 29
+    assert b2.poll() == []
+    clock.t += 1
+    aged = b2.poll()
+    assert [(x.reason, x.manifest.row_count) for x in aged] == [("age", 100)] and b2.buffered_rows == 0
+    # B: bytes limit well below what 1200 full rows take
+    limit = 400_000
+    b3 = Batcher(TieringPolicy(flush_max_bytes=limit), C, clock=clock)
+    out3 = b3.add(scored) + b3.flush()
+    assert {x.reason for x in out3[:-1]} == {"bytes"} and len(out3) >= 4
+    assert all(x.manifest.nbytes <= limit for x in out3)
+    assert sum(x.manifest.row_count for x in out3) == 1200
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n_rows=st.integers(1, 300), max_rows=st.integers(1, 400), max_bytes=st.integers(30_000, 400_000),
+    urgent=st.integers(20_000, 200_000), seed=st.integers(0, 1000), chunks=st.integers(1, 3),
+)
+def test_batcher_never_exceeds_n_or_b(accepted: pa.Table, n_rows: int, max_rows: int, max_bytes: int, urgent: int,
+                                      seed: int, chunks: int) -> None:
+    p = TieringPolicy(flush_max_samples=max_rows, flush_max_bytes=max_bytes, urgent_max_bytes=urgent)
+    scored = assign(accepted.slice(0, n_rows), _values(n_rows, seed), p, C)
+    b = Batcher(p, C)
+    out = []
+    step = -(-n_rows // chunks)
+    for a in range(0, n_rows, step):
+        out += b.add(scored.slice(a, step))
+    out += b.flush()
+    for x in out:
+        if x.manifest.tier == "normal":
+            assert x.manifest.row_count <= max_rows and x.manifest.nbytes <= max_bytes
+        elif x.manifest.tier == "high":
+            assert x.manifest.nbytes <= urgent or x.manifest.row_count == 1
+    uplinked = [i for x in out if x.manifest.tier != "low" for i in x.manifest.sample_ids]
+    assert sorted(uplinked) == sorted(scored.column("sample_id").to_pylist())
+
+
+def test_tiering_raises_value_per_uplinked_byte_over_sending_everything() -> None:
+    raw = next(generate(3000, "node-a", seed=2, batch_size=3000))
+    t = preprocess(raw, C).accepted
+    p = TieringPolicy()
+    values = NoveltyScorer(C).score(t, table_sha256(raw))
+    scored = assign(t, values, p, C)
+    b = Batcher(p, C)
+    b.add(scored)
+    b.flush()
+    # measured baseline: every sample sent in full in normal bundles
+    everything = scored.set_column(scored.schema.get_field_index("tier"), "tier", pa.array(["normal"] * t.num_rows))
+    base = Batcher(p, C)
+    base.add(everything)
+    base.flush()
+    assert base.report.value_per_mb > 0
+    assert b.report.value_per_mb > 1.3 * base.report.value_per_mb
+    assert b.report.samples["low"] > 0 and b.report.samples["high"] > 0
+    assert pc.sum(scored.column("value")).as_py() == pytest.approx(b.report.value_total, rel=1e-5)
