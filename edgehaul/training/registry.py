@@ -1,0 +1,172 @@
+"""The model registry in object storage: model files, their lineage, and the published edge model.
+
+    models/<name>/<model_id>/model.pt     torch file: arch, state_dict, contract, classes
+    models/<name>/<model_id>/lineage.json written after model.pt with If-None-Match: * (its presence =
+                                          a registered model); read by quota checks and the lifecycle/cost
+                                          reports: keys team, accelerator_hours, dataset_version, dataset_uri
+    models/<name>/latest.json             the model edges score with; replaced only by compare-and-swap
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from botocore.exceptions import ClientError
+
+from blocks import ObjectStore
+
+
+class RegistryError(RuntimeError):
+    """A model or lineage record is missing, malformed, or was changed concurrently."""
+
+
+def _code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def code_version() -> str:
+    """Git sha of the checkout this code runs from, else EDGEHAUL_CODE_VERSION, else 'unknown'."""
+    import os
+
+    if os.environ.get("EDGEHAUL_CODE_VERSION"):
+        return os.environ["EDGEHAUL_CODE_VERSION"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+            timeout=5, check=True,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def model_key(store: ObjectStore, name: str, model_id: str, file: str) -> str:
+    return store.key("models", f"{name}/{model_id}/{file}")
+
+
+def register_model(
+    store: ObjectStore, name: str, model_id: str, model_file: dict[str, Any], lineage: dict[str, Any]
+) -> dict[str, Any]:
+    """Upload model.pt then lineage.json (conditional: a model id is registered once). Returns lineage."""
+    s3 = store.client()
+    bucket = store.bucket("models")
+    buf = io.BytesIO()
+    torch.save(model_file, buf)
+    data = buf.getvalue()
+    sha = hashlib.sha256(data).hexdigest()
+    mkey = model_key(store, name, model_id, "model.pt")
+    s3.put_object(Bucket=bucket, Key=mkey, Body=data, Metadata={"sha256": sha, "model-id": model_id})
+    record = {
+        **lineage, "model_id": model_id, "model_name": name, "model_uri": f"s3://{bucket}/{mkey}",
+        "model_sha256": sha, "model_bytes": len(data),
+        # what the team keeps for this model: the model file plus any retained checkpoints
+        "storage_bytes": int(lineage.get("storage_bytes", 0)) + len(data),
+    }
+    lkey = model_key(store, name, model_id, "lineage.json")
+    try:
+        s3.put_object(Bucket=bucket, Key=lkey, Body=json.dumps(record, indent=2).encode(), IfNoneMatch="*",
+                      ContentType="application/json")
+    except ClientError as e:
+        if _code(e) in ("PreconditionFailed", "412"):
+            raise RegistryError(f"model {name}/{model_id} is already registered ({lkey})") from e
+        raise
+    return record
+
+
+def read_lineage(store: ObjectStore, name: str, model_id: str) -> dict[str, Any] | None:
+    try:
+        return read_json(store, store.uri("models", f"{name}/{model_id}/lineage.json"))[0]
+    except RegistryError:
+        return None
+
+
+def iter_lineage(store: ObjectStore) -> Iterator[dict[str, Any]]:
+    """Every registered model's lineage record (any model name)."""
+    s3 = store.client()
+    bucket = store.bucket("models")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=store.key("models", "")):
+        for o in page.get("Contents", []):
+            if o["Key"].endswith("/lineage.json"):
+                body = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+                try:
+                    yield json.loads(body)
+                except json.JSONDecodeError as e:
+                    raise RegistryError(f"lineage record {o['Key']} is not JSON: {e}") from e
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://") or "/" not in uri[5:]:
+        raise RegistryError(f"not an s3://bucket/key URI: {uri!r}")
+    bucket, key = uri[5:].split("/", 1)
+    return bucket, key
+
+
+def read_json(store: ObjectStore, uri: str) -> tuple[dict[str, Any], str]:
+    """JSON object at `uri` and its ETag."""
+    bucket, key = parse_s3_uri(uri)
+    try:
+        r = store.client().get_object(Bucket=bucket, Key=key)
+    except ClientError as e:
+        if _code(e) in ("NoSuchKey", "404"):
+            raise RegistryError(f"{uri} does not exist") from e
+        raise
+    return json.loads(r["Body"].read()), str(r["ETag"])
+
+
+def latest_uri(store: ObjectStore, name: str = "landcover") -> str:
+    return store.uri("models", f"{name}/latest.json")
+
+
+def publish(store: ObjectStore, name: str, model_id: str) -> dict[str, Any]:
+    """Make `model_id` the edge model: compare-and-swap of latest.json (create-if-absent or If-Match)."""
+    lineage, _ = read_json(store, store.uri("models", f"{name}/{model_id}/lineage.json"))
+    s3 = store.client()
+    bucket, key = parse_s3_uri(latest_uri(store, name))
+    previous: str | None = None
+    etag: str | None = None
+    try:
+        cur, etag = read_json(store, latest_uri(store, name))
+        previous = cur.get("model_id")
+    except RegistryError:
+        pass
+    if previous == model_id:
+        return cur
+    pointer = {
+        "model_id": model_id, "model_name": name, "model_uri": lineage["model_uri"],
+        "lineage_uri": store.uri("models", f"{name}/{model_id}/lineage.json"), "model_sha256": lineage["model_sha256"],
+        "published": datetime.now(UTC).isoformat(), "previous": previous,
+    }
+    cond: dict[str, str] = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    try:
+        s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(pointer).encode(), ContentType="application/json", **cond)
+    except ClientError as e:
+        if _code(e) in ("PreconditionFailed", "412"):
+            raise RegistryError(
+                f"{name}/latest.json changed while publishing {model_id} (was {previous}); retry the publish"
+            ) from e
+        raise
+    return pointer
+
+
+def load_model_file(store: ObjectStore, model_uri: str) -> dict[str, Any]:
+    bucket, key = parse_s3_uri(model_uri)
+    try:
+        r = store.client().get_object(Bucket=bucket, Key=key)
+    except ClientError as e:
+        if _code(e) in ("NoSuchKey", "404"):
+            raise RegistryError(f"model {model_uri} does not exist") from e
+        raise
+    data = r["Body"].read()
+    want = r.get("Metadata", {}).get("sha256")
+    if want and hashlib.sha256(data).hexdigest() != want:
+        raise RegistryError(f"model {model_uri} is corrupt: sha256 differs from its metadata")
+    out: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return out

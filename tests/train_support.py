@@ -1,0 +1,40 @@
+"""Helpers of the training tests: a small Delta dataset in the test store, one append per version."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from blocks import ObjectStore
+from tests.builders import processed_rows
+
+
+def with_unusable_rows(table: pa.Table, every: int = 7) -> pa.Table:
+    """Make every `every`-th row unlabelled and every (every+1)-th a summary (null pixels), as real
+    datasets have; training must skip both."""
+    n = table.num_rows
+    labels = table.column("label").to_pylist()
+    pixels = table.column("pixels").to_pylist()
+    summary = [False] * n
+    for i in range(n):
+        if i % every == every - 1:
+            labels[i] = None
+        if i % (every + 1) == every:
+            pixels[i] = None
+            summary[i] = True
+    t = table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels, pa.int16()))
+    t = t.set_column(t.schema.get_field_index("pixels"), "pixels", pa.array(pixels, pa.binary()))
+    t = t.set_column(t.schema.get_field_index("is_summary"), "is_summary", pa.array(summary))
+    return t.cast(table.schema)
+
+
+def make_dataset(store: ObjectStore, sizes: list[int], kind: str = "landsat_patch", node: str = "node-a") -> str:
+    """Append one batch of real rows per entry of `sizes` (Delta versions 0..len-1); returns the URI."""
+    from deltalake import write_deltalake
+
+    uri = store.uri("curated", kind)
+    start = 0
+    for v, n in enumerate(sizes):
+        rows = with_unusable_rows(processed_rows(n, node, seed=100 + v, start_seq=start))
+        write_deltalake(uri, rows, storage_options=store.storage_options(), mode="append")
+        start += n
+    return uri
