@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -82,6 +82,12 @@ def open_table(store: ObjectStore, kind: str, version: int | str | datetime | No
             dt.load_as_version(version)
         except (DeltaError, ValueError, OSError) as e:
             raise DatasetError(f"dataset {kind}: no version {version!r} ({e})") from e
+        if isinstance(version, datetime):
+            # delta-rs falls back to version 0 for a time before the table existed; that is no version.
+            created_ms = int(_commit_json(store, kind, dt.version())["timestamp"])
+            if version.timestamp() * 1000 < created_ms:
+                raise DatasetError(f"dataset {kind}: no version at {version.isoformat()} (version "
+                                   f"{dt.version()} was committed at {datetime.fromtimestamp(created_ms / 1000, UTC)})")
     return dt
 
 
@@ -295,12 +301,12 @@ def read_version(
     columns: list[str] | None = None,
 ) -> pa.Table:
     """Read a version with a reader that knows nothing of edgehaul (only URI, storage options, version)."""
-    uri, opts = table_uri(store, kind), store.storage_options()
+    dt = open_table(store, kind, version)  # resolves a time to the version current at that time
     if reader == "polars":
         import polars as pl
 
-        return pl.read_delta(uri, version=version, storage_options=opts, columns=columns).to_arrow()
-    dt = open_table(store, kind, version)
+        return pl.read_delta(table_uri(store, kind), version=dt.version(), storage_options=store.storage_options(),
+                             columns=columns).to_arrow()
     ds = dt.to_pyarrow_dataset()
     if reader == "pyarrow":
         return ds.to_table(columns=columns)
@@ -346,13 +352,25 @@ def content_sha256(table: pa.Table) -> str:
     return h.hexdigest()
 
 
+def _commit_json(store: ObjectStore, kind: str, version: int) -> dict[str, Any]:
+    """The commitInfo action of one version, read straight from its `_delta_log` entry (one GET)."""
+    s3 = store.client()
+    key = store.key("curated", f"{kind}/_delta_log/{version:020d}.json")
+    try:
+        body = s3.get_object(Bucket=store.bucket("curated"), Key=key)["Body"].read()
+    except ClientError as e:
+        raise DatasetError(f"dataset {kind}: no commit log entry for version {version} ({key})") from e
+    for line in body.splitlines():
+        action = json.loads(line)
+        if "commitInfo" in action:
+            return dict(action["commitInfo"])
+    raise DatasetError(f"dataset {kind}: version {version} has no commitInfo")
+
+
 def commit_info(store: ObjectStore, kind: str, version: int) -> dict[str, Any]:
-    """Delta commitInfo of one version, edgehaul's JSON fields decoded."""
-    dt = open_table(store, kind, version)
-    hist = dt.history(limit=1)
-    if not hist or int(hist[0]["version"]) != version:
-        raise DatasetError(f"dataset {kind}: no commit info for version {version}")
-    info = dict(hist[0])
+    """Delta commitInfo of one version (operation, timestamp, edgehaul lineage), JSON fields decoded."""
+    info = _commit_json(store, kind, version)
+    info["version"] = version
     for k in ("edgehaul.bundles", "edgehaul.nodes", "edgehaul.validation", "edgehaul.stats"):
         if isinstance(info.get(k), str):
             info[k] = json.loads(info[k])
@@ -376,7 +394,9 @@ def lineage(store: ObjectStore, kind: str, version: int) -> Lineage:
     grouped = data.group_by([BUNDLE_ID_COLUMN, "node_id"]).aggregate([([], "count_all")]).to_pylist()
     dt = open_table(store, kind, version)
     added: dict[str, tuple[int, str]] = {}
-    for h in dt.history():  # newest first; only commits up to `version`
+    for h in dt.history():  # newest first, from the latest commit; keep those up to `version`
+        if int(h["version"]) > version:
+            continue
         for b in json.loads(h.get("edgehaul.bundles") or "[]"):
             added.setdefault(b["bundle_id"], (int(h["version"]), b.get("sha256", "")))
     bundles = sorted(
