@@ -143,7 +143,7 @@ class TierReport:
     def summary(self) -> dict[str, object]:
         return {
             "samples": dict(self.samples), "uplink_bytes": dict(self.uplink_bytes), "raw_store_bytes": self.raw_store_bytes,
-            "bundles": dict(self.bundles), "value_per_MB": round(self.value_per_mb, 3),
+            "bundles_by_reason": dict(self.bundles), "value_per_MB": round(self.value_per_mb, 3),
             "baseline_value_per_MB": round(self.baseline_value_per_mb, 3),
             "baseline": "measured" if self.baseline_measured else "estimated", "gain": round(self.gain, 3),
         }
