@@ -32,6 +32,11 @@ versions stops working (as after a vacuum). If a version becomes protected after
 allowed before the cold class's minimum duration because a broken read costs more; the reason is
 recorded). Restoring from GLACIER / DEEP_ARCHIVE needs an S3 restore first and is reported, not done.
 
+Races are healed, not locked out: a version that becomes protected between plan and run (a model
+trained on it meanwhile) may lose files to that run; the next run restores them. An object rewritten
+or deleted after the plan is left alone (`skipped: changed since planned` / `source gone`).
+`pinned_versions` apply to every table.
+
 Time is injected: every decision takes `now`. Hot objects' age and class start are their
 LastModified; cold copies use the `eh-created` / `eh-class-since` written at move time (the injected
 `now`). Last use of an object is the latest of its creation, access records (`record_access`) and,
@@ -363,6 +368,7 @@ class Plan:
     skipped: Counter[str] = field(default_factory=Counter)
     skipped_keys: dict[str, str] = field(default_factory=dict)  # key -> reason
     protected_versions: dict[str, dict[int, str]] = field(default_factory=dict)
+    protected_keys: set[str] = field(default_factory=set)  # files read by protected dataset versions
     notes: list[str] = field(default_factory=list)
 
     def skip(self, key: str, reason: str) -> None:
@@ -409,6 +415,7 @@ def plan(
         p.notes.extend(tf.notes)
         for k in tf.protected_keys:
             protected[k] = f"referenced: {tf.uri} protected versions"
+        p.protected_keys |= tf.protected_keys
         used_at.update(tf.used_at)
         del root
 
@@ -440,6 +447,12 @@ def plan(
         created = _iso(meta.get("eh-created"), c.last_modified)
         since = _iso(meta.get("eh-class-since"), c.last_modified)
         cls = h.get("StorageClass") or "STANDARD"
+        if src is not None and sk in protected:
+            # an interrupted move of a file that became referenced: keep it in the table, drop the copy
+            cold_seen.add((sb, sk))
+            p.actions.append(Action("delete", cold_bucket, c.key, cold_bucket, c.key, c.size, c.etag, cls, dc or "",
+                                    created.isoformat(), f"{protected[sk]}; redundant cold copy"))
+            continue
         if src is not None:
             if meta.get("eh-source-etag") == src.etag:
                 cold_seen.add((sb, sk))
@@ -561,13 +574,11 @@ def _transfer(
         dst["Metadata"].get("eh-source-etag") == a.etag or _etag(dst["ETag"]) == a.etag
     )
     if src is None:
-        if copied:
-            return "already done"
-        raise LifecycleError(f"{a.kind} s3://{a.src_bucket}/{a.src_key}: source gone and no verified copy at "
-                             f"s3://{a.dst_bucket}/{a.dst_key}")
+        # gone without a verified copy: deleted by someone else since the plan; nothing to move
+        return "already done" if copied else "skipped: source gone"
     if _etag(src["ETag"]) != a.etag:
-        raise LifecycleError(f"{a.kind} s3://{a.src_bucket}/{a.src_key}: changed since planned "
-                             f"(etag {_etag(src['ETag'])} != {a.etag}); replan")
+        log.warning("%s s3://%s/%s changed since planned; left for the next plan", a.kind, a.src_bucket, a.src_key)
+        return "skipped: changed since planned"
     if not copied:
         if a.kind == "move":
             meta = {k: v for k, v in src.get("Metadata", {}).items() if not k.startswith("eh-")}
@@ -637,8 +648,12 @@ def pending_batches(store: ObjectStore, s3: S3Client | None = None) -> dict[str,
 def run_batch(
     store: ObjectStore, actions: list[Action], now: datetime, *, hook: Hook | None = None,
     multipart_threshold: int = MULTIPART_THRESHOLD, part_bytes: int = PART_BYTES, s3: S3Client | None = None,
+    protected: set[str] | frozenset[str] = frozenset(),
 ) -> BatchResult:
     """Journal, then carry out a batch of actions; a crash anywhere leaves it for `pending_batches`.
+
+    `protected`: keys a fresh plan found referenced; journalled moves/deletes of them (planned before
+    they became referenced) are skipped instead of finished.
 
     Errors of single objects are collected (the batch stays pending and is retried on the next run);
     a `SimulatedCrash` from the hook propagates.
@@ -647,6 +662,9 @@ def run_batch(
     bid = journal_batch(store, actions, now, s3)
     res = BatchResult(bid)
     for a in actions:
+        if a.kind != "restore" and a.src_key in protected:
+            res.done["skipped: now referenced"] += 1
+            continue
         try:
             if a.kind == "delete":
                 out = _delete(s3, a, hook)

@@ -1,11 +1,12 @@
 """Flow `lifecycle_moves` (ops pool, scheduled daily): move data no longer hot to the cold tier, expire old data.
 
 What it does, in order:
-1. finishes every journalled batch an interrupted run left (`edgehaul.lifecycle.pending_batches`);
-2. plans at `now` from the retention policy: by age, by last use, by data class; referenced dataset
+1. plans at `now` from the retention policy: by age, by last use, by data class; referenced dataset
    versions (latest N, pinned, in a model's lineage) keep every file they read; storage-class cost
    rules (128 KiB minimum size, 30/90/180-day minimum durations) skip what would cost more, unless
    `force_reason` is given (recorded in every forced action's reason);
+2. finishes every journalled batch an interrupted run left (`edgehaul.lifecycle.pending_batches`),
+   skipping files the plan found referenced now;
 3. runs the plan in batches (one task per batch of `batch_size` objects), server-side copies + deletes;
 4. optionally applies the equivalent S3 lifecycle configuration (refused rule classes are reported);
 5. appends its S3 request count to the metering log and publishes a markdown artifact.
@@ -61,14 +62,17 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
     done: Counter[str] = Counter()
     errors: list[str] = []
     with RequestMeter.process() as meter:
+        # Plan first: it sees interrupted moves too, and says which files are referenced now, so
+        # finishing an old journalled batch never removes a file a version needs today.
+        plan = plan_task(store, policy, now, params.force_reason)
         recovered = 0
         if not params.dry_run:
             for bid, (planned_at, actions) in pending_task(store).items():
-                res = run_batch_task(store, actions, planned_at, label=f"recover-{bid[:8]}")
+                res = run_batch_task(store, actions, planned_at, label=f"recover-{bid[:8]}",
+                                     protected=frozenset(plan.protected_keys))
                 done.update(res.done)
                 errors.extend(res.errors)
                 recovered += 1
-        plan = plan_task(store, policy, now, params.force_reason)
         if not params.dry_run:
             for i, batch in enumerate(plan.batches(params.batch_size)):
                 res = run_batch_task(store, batch, now, label=str(i))

@@ -47,8 +47,10 @@ def pending_task(store: ObjectStore) -> dict[str, tuple[datetime, list[lc.Action
 
 @task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_io, cache_policy=NO_CACHE,
       task_run_name="lifecycle-batch-{label}")
-def run_batch_task(store: ObjectStore, actions: list[lc.Action], now: datetime, label: str) -> lc.BatchResult:
-    return lc.run_batch(store, actions, now)
+def run_batch_task(
+    store: ObjectStore, actions: list[lc.Action], now: datetime, label: str, protected: frozenset[str] = frozenset()
+) -> lc.BatchResult:
+    return lc.run_batch(store, actions, now, protected=protected)
 
 
 @task(retries=1, retry_delay_seconds=[5], retry_condition_fn=_retry_io, cache_policy=NO_CACHE)

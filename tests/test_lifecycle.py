@@ -120,10 +120,10 @@ def _places(store: ObjectStore, key: str) -> list[str]:
 
 
 def _finish(store: ObjectStore, policy: RetentionPolicy, now: datetime) -> None:
-    """What a rerun of the flow does: finish journalled batches, then plan and run again."""
-    for _bid, (at, actions) in lc.pending_batches(store).items():
-        assert not lc.run_batch(store, actions, at).errors
+    """What a rerun of the flow does: plan, finish journalled batches (sparing referenced files), run the plan."""
     p = lc.plan(store, policy, now)
+    for _bid, (at, actions) in lc.pending_batches(store).items():
+        assert not lc.run_batch(store, actions, at, protected=p.protected_keys).errors
     for batch in p.batches(2):
         assert not lc.run_batch(store, batch, now).errors
 
@@ -282,6 +282,21 @@ def test_referenced_dataset_versions_read_identically_after_lifecycle(stack: obj
     assert deleted == {moved[0]}
     assert not lc.run_batch(store, p.actions, late).errors
     assert {v: _version_sha(store, v) for v in (0, 3)} == {v: before[v] for v in (0, 3)}
+    # a move journalled before v3 was referenced, interrupted after the copy: the rerun spares v3's file
+    v3_file = next(k for k in lc._version_keys(store, uri, 3) if lc._head(s3, store.bucket("curated"), k))
+    h = s3.head_object(Bucket=store.bucket("curated"), Key=v3_file)
+    stale = lc.Action("move", store.bucket("curated"), v3_file, store.bucket("cold"),
+                      lc.cold_key(store, store.bucket("curated"), v3_file), h["ContentLength"], h["ETag"].strip('"'),
+                      "STANDARD_IA", "features", late.isoformat(), "planned when v3 was not referenced")
+
+    def crash(step: str, a: lc.Action) -> None:
+        raise lc.SimulatedCrash(step)
+
+    with pytest.raises(lc.SimulatedCrash):
+        lc.run_batch(store, [stale], late, hook=crash)
+    _finish(store, policy, late)
+    assert lc._head(s3, store.bucket("cold"), stale.dst_key) is None  # redundant copy dropped
+    assert not lc.pending_batches(store) and _version_sha(store, 3) == before[3]
 
 
 @pytest.mark.integration
@@ -319,7 +334,7 @@ def test_lifecycle_flow_dry_run_then_moves_and_meters_its_requests(stack: object
     store = _fresh_store(stack, "lifecycle")
     want = _put_raw(store, 3)
     name = f"t-{uuid.uuid4().hex[:10]}"
-    store_for(stack, "admin", prefix=store.prefix).save(name)  # type: ignore[arg-type]
+    store.save(name)  # the lifecycle identity: its grants suffice (incl. the ops bucket)
     RAW_POLICY.save(name)
     now = datetime.now(UTC) + timedelta(days=31)
     dry = lifecycle_moves(LifecycleParams(store_block=name, policy_block=name, now=now, dry_run=True, batch_size=2))
@@ -332,3 +347,19 @@ def test_lifecycle_flow_dry_run_then_moves_and_meters_its_requests(stack: object
     assert [(r.source, r.quantity) for r in recs] == [("lifecycle_moves", out["requests"])]
     with pytest.raises(ValueError, match="timezone-aware"):
         LifecycleParams(now=datetime(2026, 1, 1))
+
+
+@pytest.mark.integration
+def test_object_rewritten_after_plan_is_left_alone_and_batch_closes(stack: object) -> None:
+    store = _fresh_store(stack, "lifecycle")
+    (key, _), (gone, _) = _put_raw(store, 2).items()
+    now = datetime.now(UTC) + timedelta(days=31)
+    p = lc.plan(store, RAW_POLICY, now)
+    new = os.urandom(150 * KiB)
+    store.client().put_object(Bucket=store.bucket("landing"), Key=key, Body=new)
+    store.client().delete_object(Bucket=store.bucket("landing"), Key=gone)
+    res = lc.run_batch(store, p.actions, now)
+    assert res.done == {"skipped: changed since planned": 1, "skipped: source gone": 1} and not res.errors
+    assert not lc.pending_batches(store)
+    assert _places(store, key) == [store.bucket("landing")] and _places(store, gone) == []
+    assert lc.read_object(store, store.bucket("landing"), key) == new
