@@ -79,7 +79,7 @@ class TokenBucket:
         so big chunks are paced too, never refused."""
         self._refill()
         need = min(float(n), self.burst)
-        if self._level >= need:
+        if self._level >= need - 1e-6:  # float dust must not cause a zero-length wait loop
             self._level -= n
             return 0.0
         return (need - self._level) / self.rate
@@ -175,8 +175,11 @@ class Link:
         self.profile = profile
         self.chunk_bytes = int(profile.chunk_bytes)
         self.cap_bytes_per_s = float(profile.rate_cap_bytes_per_s)
-        # Burst of one chunk: enough to keep the pipe busy, small enough to hold the rate over seconds.
-        self.shaper = Shaper(self.cap_bytes_per_s, burst_bytes=self.chunk_bytes, clock=clock)
+        # Burst: one chunk, or 0.1 s of the cap if more, so a scheduling hiccup between two chunks does
+        # not waste capacity; small enough that any window of W seconds is within 0.1/W of the cap.
+        self.shaper = Shaper(
+            self.cap_bytes_per_s, burst_bytes=max(self.chunk_bytes, 0.1 * self.cap_bytes_per_s), clock=clock
+        )
         self.clock = clock
         self.sleep = sleep
         self.epoch = clock() if epoch is None else epoch
