@@ -134,7 +134,7 @@ class Trained:
 def config(uri: str, run_id: str, version: int = 1, **kw: object) -> TrainConfig:
     base: dict[str, object] = dict(
         run_id=run_id, dataset_uri=uri, dataset_version=version, team="geo", seed=7, epochs=3, batch_size=16,
-        width=8, num_threads=1, checkpoint_every_steps=8, val_fraction=0.15,
+        width=8, num_threads=1, checkpoint_every_steps=10, val_fraction=0.15,
     )
     base.update(kw)
     return TrainConfig.model_validate(base)
@@ -142,9 +142,9 @@ def config(uri: str, run_id: str, version: int = 1, **kw: object) -> TrainConfig
 
 @pytest.fixture(scope="module")
 def trained(stack: localstack.StackState) -> Iterator[Trained]:
-    """Two dataset versions (600 rows each) and one uninterrupted 3-epoch run on version 1."""
+    """Two dataset versions (400 rows each) and one uninterrupted 3-epoch run on version 1."""
     store = store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")
-    uri = make_dataset(store, [600, 600])
+    uri = make_dataset(store, [400, 400])
     cfg = config(uri, "uninterrupted")
     yield Trained(store, uri, cfg, train(cfg, store))
 
@@ -160,7 +160,7 @@ def test_stream_continues_exactly_from_a_position(trained: Trained) -> None:
     resumed = [b.column("sample_id").to_pylist() for _, b in stream(frags, files, cut, 50)]
     assert resumed == [ids for _, ids in full[len(full) // 2 + 1 :]]
     ids = [i for _, b in full for i in b]
-    assert len(ids) == len(set(ids)) == 1200  # version 1 = both appends, each row once per epoch
+    assert len(ids) == len(set(ids)) == 800  # version 1 = both appends, each row once per epoch
 
 
 @pytest.mark.integration
@@ -168,7 +168,7 @@ def test_uninterrupted_run_learns_and_registers_lineage(trained: Trained) -> Non
     h = trained.result.history
     assert [r["epoch"] for r in h] == [0, 1, 2]
     assert h[-1]["train_loss"] < h[0]["train_loss"]
-    usable = sum(1 for i in range(600) if i % 7 != 6 and i % 8 != 7) * 2
+    usable = sum(1 for i in range(400) if i % 7 != 6 and i % 8 != 7) * 2
     assert all(r["train_samples"] + r["val_samples"] == usable for r in h)
     lin = registry.read_lineage(trained.store, "landcover", "uninterrupted")
     assert lin is not None
@@ -197,14 +197,14 @@ def test_kill_9_mid_training_then_resume_matches_the_uninterrupted_run(trained: 
     seen = []
     for line in proc.stderr:
         seen.append(line)
-        if "checkpoint committed run=killed step=16" in line:
+        if "checkpoint committed run=killed step=20" in line:
             os.kill(proc.pid, signal.SIGKILL)
             break
     assert proc.wait(timeout=60) == -signal.SIGKILL, "".join(seen[-20:])
     assert registry.read_lineage(trained.store, "landcover", "killed") is None  # it did not finish
     ckpts = CheckpointStore(trained.store, "killed")
     latest = ckpts.latest()
-    assert latest is not None and latest.step >= 16
+    assert latest is not None and latest.step >= 20
     total_steps = trained.result.steps
     assert latest.step < total_steps
 
