@@ -28,7 +28,7 @@ from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.landsat import generate
 from edgehaul.link import SimulatedLink
-from edgehaul.uplink import Drainer, MemorySource, Uplink
+from edgehaul.uplink import Drainer, MemorySource, Receipt, Uplink
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -162,9 +162,12 @@ def oversubscribed(store: ObjectStore, state: Path, quick: bool) -> None:
         src = MemorySource()
         flushed: dict[str, tuple[float, float]] = {}  # bundle -> (first capture, last capture)
         landed: dict[str, float] = {}
+
+        def on_landed(r: Receipt, _e: Any, out: dict[str, float] = landed) -> None:
+            out.setdefault(r.bundle_id, time.time())
+
         drainer = Drainer(Uplink(sub, link, state / f"o-{policy}"), src, max_active=2, policy=policy,  # type: ignore[arg-type]
-                          emit_events=False, poll_s=0.005,
-                          on_landed=lambda r, e, out=landed: out.setdefault(r.bundle_id, time.time()))
+                          emit_events=False, poll_s=0.005, on_landed=on_landed)
         th = threading.Thread(target=drainer.run, kwargs={"max_seconds": duration + grace, "until_empty": False})
         t_start = time.time()
         th.start()

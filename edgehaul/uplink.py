@@ -668,10 +668,15 @@ class Drainer:
         rep.manifest_bytes_landed += r.manifest_nbytes
         rep.landing_latency_s.setdefault(r.tier, []).append(self._latency(e, wall))
         if self.emit_events:
+            # Same payload fields as the gateway's bundle-uploaded hook (object/manifest keys relative to
+            # the store prefix), plus the full `key` and `bucket` that core_ingest takes.
+            m = e.manifest
             events.emit(
                 events.BUNDLE_LANDED, f"edgehaul.bundle.{r.bundle_id}",
-                {"bucket": r.bucket, "key": r.key, "manifest_key": r.manifest_key, "sha256": r.sha256,
-                 "rows": r.rows, "tier": r.tier, "node_id": e.manifest.node_id, "duplicate": r.already_present},
+                {"node_id": m.node_id, "bundle_id": m.bundle_id, "object_key": m.object_key,
+                 "manifest_key": m.manifest_key, "sha256": r.sha256, "row_count": r.rows, "contract": m.contract,
+                 "tier": r.tier, "nbytes": r.nbytes, "bucket": r.bucket, "key": r.key, "duplicate": r.already_present},
+                **{"edgehaul.node.id": m.node_id},
             )
         if self.on_landed is not None:
             self.on_landed(r, e)
