@@ -21,6 +21,10 @@ and not yet deleted (two identical copies: the cold copy is authoritative, `reso
 moved. A rerun first finishes every journalled batch without a done marker; each action is idempotent
 (an existing verified copy is not copied again; a delete of a missing key is a no-op).
 
+Models: the published model of each name (`models/<name>/latest.json`: `model_id`) and the one it
+replaced (`previous`, the rollback target) are protected like referenced dataset files; the pointer
+itself is never touched.
+
 Delta datasets (decision): Delta paths are relative to the table root, so a data file moved out of the
 table breaks every version that reads it. A version is *protected* when it is among the latest
 `keep_latest_versions`, in `pinned_versions`, or referenced by a model's `lineage.json`
@@ -124,7 +128,9 @@ def classify(store: ObjectStore, bucket: str, key: str) -> str | None:
             return "raw"
         return None
     if bucket == store.bucket("checkpoints"):
-        return "model_weights" if rel.startswith("models/") else "checkpoints"
+        if rel.startswith("models/"):
+            return None if rel.endswith("/latest.json") else "model_weights"  # the published pointer: never touched
+        return "checkpoints"
     if bucket == store.bucket("ops"):
         if rel.startswith("logs/"):
             return "logs"
@@ -260,7 +266,7 @@ def model_lineages(s3: S3Client, store: ObjectStore) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             raise LifecycleError(f"s3://{o.bucket}/{o.key}: malformed lineage ({e})") from e
         doc["_key"] = o.key
-        at = doc.get("finished_at") or doc.get("created_at")
+        at = doc.get("finished_at") or doc.get("finished") or doc.get("created_at")
         doc["_at"] = _iso(at, o.last_modified) if isinstance(at, str) else o.last_modified
         out.append(doc)
     return out
@@ -418,6 +424,21 @@ def plan(
         p.protected_keys |= tf.protected_keys
         used_at.update(tf.used_at)
         del root
+    # the published model (and the one it replaced, the rollback target) stay hot: edges load them
+    protected_prefixes: dict[str, str] = {}
+    for (b, k) in hot:
+        if b == store.bucket("models") and k.startswith(store.key("models")) and k.endswith("/latest.json"):
+            ptr = json.loads(s3.get_object(Bucket=b, Key=k)["Body"].read())
+            for mid in (ptr.get("model_id"), ptr.get("previous")):
+                if mid:
+                    protected_prefixes[k.removesuffix("latest.json") + f"{mid}/"] = f"referenced: published model {mid}"
+    cold_origins = [origin_of(store, c.key) for c in list_objects(s3, store.bucket("cold"), store.key("cold"))
+                    if c.key.count("/") > store.key("cold").count("/")] if protected_prefixes else []
+    for (b, k) in [*hot, *cold_origins]:
+        for pre, why in protected_prefixes.items():
+            if b == store.bucket("models") and k.startswith(pre):
+                protected[k] = why
+                p.protected_keys.add(k)
 
     def last_use(o: ObjectInfo, created: datetime) -> datetime:
         t = max(created, used_at.get(o.key, created))
@@ -499,8 +520,8 @@ def plan(
                                     created.isoformat(),
                                     f"expired after {rule.expire_after_days:g}d" + (f"; {v.reason}" if v.forced else "")))
             continue
-        why = _due_move(rule, age, now - last_use(o, created))
-        if why is None:
+        due = _due_move(rule, age, now - last_use(o, created))
+        if due is None:
             continue
         if _is_meta_file(key):
             p.skip(key, "skipped: metadata object stays hot")
@@ -514,7 +535,7 @@ def plan(
             continue
         p.actions.append(Action("move", bucket, key, cold_bucket, cold_key(store, bucket, key), o.size, o.etag,
                                 rule.cold_storage_class, dc, created.isoformat(),
-                                why + (f"; {v.reason}" if v.forced else "")))
+                                due + (f"; {v.reason}" if v.forced else "")))
     log.info("lifecycle plan at %s: %s, skipped %s", now.date(), p.counts(), dict(p.skipped))
     return p
 

@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, Field, field_validator
 
 from blocks import ObjectStore, PriceSheet
-from edgehaul.costs import markdown_summary
+from edgehaul.costs import RequestMeter, UsageRecord, markdown_summary, record_usage
 from tasks.costs import build_report_task, write_outputs_task
 
 
@@ -49,8 +49,11 @@ def cost_report(params: CostReportParams = CostReportParams()) -> dict[str, Any]
     month = params.month or f"{now.replace(day=1) - timedelta(days=1):%Y-%m}"
     store = cast(ObjectStore, ObjectStore.load(params.store_block))  # sync flow: the block itself
     prices = cast(PriceSheet, PriceSheet.load(params.prices_block))
-    report = build_report_task(store, prices, month, now)
-    out = write_outputs_task(store, report)
+    with RequestMeter.process() as meter:
+        report = build_report_task(store, prices, month, now)
+        out = write_outputs_task(store, report)
+    # this run's own requests go to the metering log (they show in the report of `now`'s month)
+    record_usage(store, UsageRecord(at=now, meter="requests", quantity=meter.count, source="cost_report"))
     key = f"cost-report-{month}"
     create_table_artifact([{**line, "cost": round(line["cost"], 6)} for line in report.lines], key=key,
                           description=f"Priced meters for {month} ({report.currency})")
@@ -59,4 +62,5 @@ def cost_report(params: CostReportParams = CostReportParams()) -> dict[str, Any]
     totals = report.totals()
     logger.info("cost report %s: %d lines, total %.4f %s", month, len(report.lines), totals.get("cost", 0.0),
                 report.currency)
-    return {"month": month, "totals": totals, "by_team": report.cost_by_team(), **out}
+    return {"month": month, "total": round(totals.get("cost", 0.0), 6), "currency": report.currency, "totals": totals,
+            "by_team": report.cost_by_team(), "requests": meter.count, **out}

@@ -143,7 +143,10 @@ def test_cost_report_flow_writes_artifacts_parquet_and_chart(stack: object) -> N
     table = pq.read_table(io.BytesIO(s3.get_object(Bucket=bucket, Key=key)["Body"].read()))
     rows = table.to_pylist()
     assert sum(r["quantity"] for r in rows if r["meter"] == "uplink") == sum(seed["uplink"].values())  # type: ignore[attr-defined]
-    assert sum(r["cost"] for r in rows) == pytest.approx(out["totals"]["cost"])
+    assert sum(r["cost"] for r in rows) == pytest.approx(out["totals"]["cost"]) == pytest.approx(out["total"])
+    mine = [r for r in costs.usage_records(s3, store, now - timedelta(minutes=1), now + timedelta(minutes=1))
+            if r.source == "cost_report"]
+    assert [r.quantity for r in mine] == [out["requests"]] and out["requests"] > 0
     bucket, key = out["chart"].removeprefix("s3://").split("/", 1)
     assert s3.get_object(Bucket=bucket, Key=key)["Body"].read()[:8] == b"\x89PNG\r\n\x1a\n"
     md = Artifact.get(f"cost-report-{now:%Y-%m}-summary")

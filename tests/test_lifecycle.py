@@ -363,3 +363,29 @@ def test_object_rewritten_after_plan_is_left_alone_and_batch_closes(stack: objec
     assert not lc.pending_batches(store)
     assert _places(store, key) == [store.bucket("landing")] and _places(store, gone) == []
     assert lc.read_object(store, store.bucket("landing"), key) == new
+
+
+@pytest.mark.integration
+def test_published_model_stays_hot_while_old_models_go_cold(stack: object) -> None:
+    store = _fresh_store(stack, "lifecycle")
+    s3 = store.client()
+    for mid in ("m1", "m2", "m3"):
+        s3.put_object(Bucket=store.bucket("models"), Key=store.key("models", f"landcover/{mid}/model.pt"),
+                      Body=os.urandom(200 * KiB))
+        s3.put_object(Bucket=store.bucket("models"), Key=store.key("models", f"landcover/{mid}/lineage.json"),
+                      Body=json.dumps({"team": "geo", "accelerator_hours": 1.0}).encode())
+    s3.put_object(Bucket=store.bucket("models"), Key=store.key("models", "landcover/latest.json"),
+                  Body=json.dumps({"model_id": "m3", "previous": "m2"}).encode())
+    policy = RetentionPolicy(rules=[RetentionRule(data_class="model_weights", cold_after_days=180,
+                                                  cold_storage_class="GLACIER_IR", expire_after_days=181)])
+    now = datetime.now(UTC) + timedelta(days=180)
+    p = lc.plan(store, policy, now)
+    assert [(a.kind, a.src_key) for a in p.actions] == [("move", store.key("models", "landcover/m1/model.pt"))]
+    assert p.skipped_keys[store.key("models", "landcover/m3/model.pt")] == "referenced: published model m3"
+    assert "metadata object stays hot" in p.skipped_keys[store.key("models", "landcover/m1/lineage.json")]
+    assert not lc.run_batch(store, p.actions, now).errors
+    # a day later everything is past expiry; the pointer, the published model and its rollback target stay
+    later = lc.plan(store, policy, now + timedelta(days=1), force_reason="test: expire the rest")
+    gone = {a.src_key for a in later.actions if a.kind == "delete"}
+    assert store.key("models", "landcover/latest.json") not in gone
+    assert not any("/m2/model.pt" in k or "/m3/model.pt" in k for k in gone)
