@@ -182,10 +182,21 @@ class Uplink:
         r.landed_at = datetime.now(UTC).isoformat()
         return r
 
-    def abort_orphans(self, node_id: str, *, older_than_s: float) -> list[tuple[str, str]]:
+    def abort_orphans(
+        self, node_id: str, *, older_than_s: float, live_bundles: set[str] | None = None
+    ) -> list[tuple[str, str]]:
         """Abort multipart uploads under the node's prefix older than the bound that no local
-        resume state refers to (a crash before the state was saved, or a dropped bundle)."""
-        live = {st.get("upload_id") for st in self._states()}
+        resume state refers to (a crash before the state was saved, or a dropped bundle).
+
+        With `live_bundles` (the spool's pending ids), resume states of bundles no longer in the
+        spool are forgotten first, so their uploads count as orphans too."""
+        states = self._states()
+        if live_bundles is not None:
+            for st in states:
+                if st.get("bundle_id") and st["bundle_id"] not in live_bundles:
+                    self.forget(st["bundle_id"])
+            states = [st for st in states if not st.get("bundle_id") or st["bundle_id"] in live_bundles]
+        live = {st.get("upload_id") for st in states}
         prefix = self.store.key("landing", f"{node_id}/")
         now = datetime.now(UTC)
         aborted = []

@@ -78,9 +78,13 @@ def expire_retries(node: EdgeNode) -> dict[str, int]:
 @task(name="abort-orphaned-uploads", retries=3, retry_delay_seconds=[2, 10, 30],
       retry_condition_fn=retry_on_safe_errors, cache_policy=NO_CACHE)
 def abort_orphans(store: ObjectStore, profile: LinkProfile, node: EdgeNode, older_than_s: float) -> int:
-    spool_root = Path(node.spool_dir)
-    up = Uplink(store, Link(profile), spool_root / "uplink")
-    return len(up.abort_orphans(node.node_id, older_than_s=older_than_s))
+    spool = Spool.from_block(node)
+    try:
+        live = {e.bundle_id for e in spool.pending()}
+    finally:
+        spool.close()
+    up = Uplink(store, Link(profile), Path(node.spool_dir) / "uplink")
+    return len(up.abort_orphans(node.node_id, older_than_s=older_than_s, live_bundles=live))
 
 
 @task(name="drain-spool", retries=2, retry_delay_seconds=[5, 30],

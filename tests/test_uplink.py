@@ -328,3 +328,8 @@ def test_orphaned_multipart_uploads_are_aborted_but_resumable_ones_kept(store: O
     uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=store.key("landing", "")).get("Uploads", [])
     left = {u["UploadId"] for u in uploads}
     assert left == {mine["UploadId"], other_node["UploadId"]}
+    # once its bundle has left the spool, a resume state no longer protects its upload
+    (tmp_path / "state" / "mine.mpu.json").unlink()
+    (tmp_path / "state" / "gone.mpu.json").write_text(json.dumps({"upload_id": mine["UploadId"], "bundle_id": "gone"}))
+    assert [u for _, u in up.abort_orphans("node-a", older_than_s=0, live_bundles={"other"})] == [mine["UploadId"]]
+    assert not (tmp_path / "state" / "gone.mpu.json").exists()

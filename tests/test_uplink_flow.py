@@ -76,3 +76,26 @@ def test_uplink_drain_flow_lands_the_spool_in_priority_order_and_publishes_metri
     again = uplink_drain(params)
     assert again["bundles_landed"] == 0 and again["bytes_landed"] == 0
     spool.close()
+
+
+@pytest.mark.integration
+def test_task_retries_only_safe_errors(stack: localstack.StackState) -> None:
+    from botocore.exceptions import ClientError
+    from prefect import task
+
+    from tasks.uplink import retry_on_safe_errors
+
+    calls: dict[str, int] = {}
+
+    @task(retries=2, retry_delay_seconds=0, retry_condition_fn=retry_on_safe_errors)
+    def flaky(kind: str) -> None:
+        calls[kind] = calls.get(kind, 0) + 1
+        if kind == "denied":
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"},  # type: ignore[typeddict-item]
+                               "ResponseMetadata": {"HTTPStatusCode": 403}}, "PutObject")
+        raise ConnectionResetError("link dropped")
+
+    for kind in ("denied", "reset"):
+        with pytest.raises((ClientError, ConnectionResetError)):
+            flaky(kind)
+    assert calls == {"denied": 1, "reset": 3}
