@@ -167,7 +167,7 @@ def oversubscribed(store: ObjectStore, state: Path, quick: bool) -> None:
             out.setdefault(r.bundle_id, time.time())
 
         drainer = Drainer(Uplink(sub, link, state / f"o-{policy}"), src, max_active=2, policy=policy,  # type: ignore[arg-type]
-                          emit_events=False, poll_s=0.005, on_landed=on_landed)
+                          emit_events=False, poll_s=0.005, refresh_s=0.01, on_landed=on_landed)
         th = threading.Thread(target=drainer.run, kwargs={"max_seconds": duration + grace, "until_empty": False})
         t_start = time.time()
         th.start()

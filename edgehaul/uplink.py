@@ -560,6 +560,7 @@ class Drainer:
         retry_queue: RetryQueue | None = None,
         on_landed: Callable[[Receipt, Any], None] | None = None,
         poll_s: float = 0.02,
+        refresh_s: float = 0.25,
         capture_time: Callable[[Any], float] | None = None,
         emit_events: bool = True,
     ) -> None:
@@ -572,6 +573,9 @@ class Drainer:
         self.retry_queue = retry_queue
         self.on_landed = on_landed
         self.poll_s = poll_s
+        # How often the source is re-read for new bundles while transfers run (a spool lists its
+        # directory; after a transfer ends it is re-read at once).
+        self.refresh_s = refresh_s
         self.capture_time = capture_time
         self.emit_events = emit_events
         self._stop = threading.Event()
@@ -603,15 +607,20 @@ class Drainer:
         tries: dict[str, int] = {}
         not_before: dict[str, float] = {}
         active: dict[Future[Receipt], Any] = {}
+        done_ids: set[str] = set()
         blocked = self.retry_queue.blocked_ids() if self.retry_queue is not None else set()
+        listed: list[Any] = []
+        listed_at = -1e9
         with ThreadPoolExecutor(max_workers=self.max_active + 1, thread_name_prefix="uplink") as pool:
             while not self._stop.is_set():
                 now = time.monotonic()
+                if now - listed_at >= self.refresh_s or not active:
+                    listed, listed_at = list(self.source.pending()), now
                 busy = {e.bundle_id for e in active.values()}
                 pending = [
-                    e for e in self.source.pending()
+                    e for e in listed
                     if e.bundle_id not in busy and e.bundle_id not in rep.failed and e.bundle_id not in blocked
-                    and not_before.get(e.bundle_id, 0.0) <= now
+                    and not_before.get(e.bundle_id, 0.0) <= now and e.bundle_id not in done_ids
                 ]
                 pending.sort(key=self._order)
                 if now < deadline:
@@ -636,10 +645,13 @@ class Drainer:
                     time.sleep(self.poll_s)
                     continue
                 done, _ = wait(list(active), timeout=self.poll_s, return_when=FIRST_COMPLETED)
+                if done:
+                    listed_at = -1e9  # something finished: re-read the source on the next round
                 for f in done:
                     e = active.pop(f)
                     exc = f.exception()
                     if exc is None:
+                        done_ids.add(e.bundle_id)
                         self._landed(e, f.result(), rep)
                         not_before.pop(e.bundle_id, None)
                         continue

@@ -43,15 +43,8 @@ def make_link(profile: LinkProfile, *, simulate: bool, seed: int = 0, node_id: s
 
 def spool_discard(spool: Spool, bundle_id: str) -> None:
     """Remove a bundle's bytes from the spool after the retry queue gave up on it (its samples are
-    already in the ledger). Uses the spool's public drop when it has one."""
-    public = getattr(spool, "discard", None)
-    if callable(public):
-        public(bundle_id)
-        return
-    with spool._locked():
-        e = spool.get(bundle_id)
-        if e is not None:
-            spool._remove(e)
+    already in the ledger)."""
+    spool.discard(bundle_id)
 
 
 def open_retry_queue(spool: Spool, node: EdgeNode, *, emit_events: bool = True) -> RetryQueue:
