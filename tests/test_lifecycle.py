@@ -363,6 +363,8 @@ def test_object_rewritten_after_plan_is_left_alone_and_batch_closes(stack: objec
     assert not lc.pending_batches(store)
     assert _places(store, key) == [store.bucket("landing")] and _places(store, gone) == []
     assert lc.read_object(store, store.bucket("landing"), key) == new
+    with pytest.raises(FileNotFoundError, match=gone):
+        lc.resolve(store, store.bucket("landing"), gone)
 
 
 @pytest.mark.integration
@@ -389,3 +391,42 @@ def test_published_model_stays_hot_while_old_models_go_cold(stack: object) -> No
     gone = {a.src_key for a in later.actions if a.kind == "delete"}
     assert store.key("models", "landcover/latest.json") not in gone
     assert not any("/m2/model.pt" in k or "/m3/model.pt" in k for k in gone)
+
+
+@pytest.mark.integration
+def test_plans_obey_cost_rules_for_any_policy_and_time(stack: object) -> None:
+    """Property: whatever the policy, time and force, a plan never moves an object below the target's
+    minimum billable size, never moves to a class no colder, and never deletes a cold copy before its
+    class's minimum duration without a recorded force reason."""
+    from hypothesis import HealthCheck, settings
+
+    store = _fresh_store(stack)
+    s3 = store.client()
+    for i, size in enumerate((10 * KiB, 128 * KiB - 1, 128 * KiB, 300 * KiB)):
+        s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", f"node-a/2026-01-01/s{i}.parquet"),
+                      Body=os.urandom(size))
+    t_move = datetime.now(UTC) + timedelta(days=30)
+    first = lc.plan(store, RAW_POLICY, t_move)
+    assert len(first.actions) == 2 and not lc.run_batch(store, first.actions, t_move).errors  # 2 big ones go cold
+    since = {lc.cold_key(store, a.src_bucket, a.src_key): t_move for a in first.actions}
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        cold_after=st.one_of(st.none(), st.integers(0, 400)), expire=st.one_of(st.none(), st.integers(0, 400)),
+        target=st.sampled_from(sorted(set(CLASSES) - {"STANDARD"})), days=st.integers(0, 500),
+        force=st.sampled_from([None, "audit 7"]),
+    )
+    def check(cold_after: int | None, expire: int | None, target: str, days: int, force: str | None) -> None:
+        policy = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=cold_after,
+                                                      expire_after_days=expire, cold_storage_class=target)])
+        now = t_move + timedelta(days=days)
+        p = lc.plan(store, policy, now, force_reason=force)
+        for a in p.actions:
+            if a.kind == "move":
+                assert a.size >= CLASSES[target].min_billable_bytes and CLASSES[a.storage_class].rank >= 1
+            if a.kind == "delete" and a.src_key in since:
+                held = now - since[a.src_key]
+                assert held >= timedelta(days=30) or (force is not None and f"forced: {force}" in a.reason)
+        assert all(a.kind != "restore" for a in p.actions)
+
+    check()
