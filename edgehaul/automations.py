@@ -2,7 +2,8 @@
 
     level 1  link retransmission rate above threshold, sustained   (edgehaul.link.stats)
     level 2  edge spool above its alert watermark (85%)             (edgehaul.spool.watermark)
-    level 3  checkpoint write failure, plus an automatic retry      (edgehaul.checkpoint.failed)
+    level 3  checkpoint write failure                               (edgehaul.checkpoint.failed)
+             and an automatic retry of the train_model run that failed on it (prefect.flow-run.Failed)
 
 Triggers can only match resource labels (globs), so the compared numbers travel as permille labels
 that `edgehaul.events.emit` derives from the payload; `at_least_globs` turns a threshold into the
@@ -33,6 +34,7 @@ TAGS = ["edgehaul", "alert"]
 L1_NAME = "edgehaul L1: link retransmission sustained"
 L2_NAME = "edgehaul L2: edge spool above watermark"
 L3_NAME = "edgehaul L3: checkpoint write failed"
+L3_RETRY_NAME = "edgehaul L3: retry training after checkpoint failure"
 
 
 class AlertPolicy(BaseModel):
@@ -45,7 +47,9 @@ class AlertPolicy(BaseModel):
     sustained_window_s: float = Field(default=600, ge=10, le=86400, description="Window for the samples, seconds.")
     spool_watermark: float = Field(default=0.85, gt=0, le=1, description="Level-2 spool fill fraction.")
     checkpoint_retry: bool = Field(default=True, description="Level 3 re-runs the failing run's deployment.")
-    retry_delay_s: float = Field(default=0, ge=0, le=3600, description="Delay before the automatic retry.")
+    retry_delay_s: float = Field(
+        default=60, ge=0, le=3600, description="Delay before the automatic retry (backs off a store that is down)."
+    )
 
     @model_validator(mode="after")
     def _resolution(self) -> AlertPolicy:
@@ -132,26 +136,41 @@ def alert_automations(policy: AlertPolicy, notify_block_id: UUID) -> list[Any]:
         ),
         actions=[_notify(notify_block_id, 2, "spool-watermark", '"used_fraction": {{ event.payload.used_fraction }}')],
     )
-    l3_actions: list[Any] = [
-        _notify(notify_block_id, 3, "checkpoint-failed", '"error": {{ (event.payload.error or "") | tojson }}')
-    ]
-    if policy.checkpoint_retry:
-        # 'inferred': re-run the deployment of the run that emitted the event (its related
-        # prefect.deployment resource); the trainer resumes from its last good checkpoint.
-        l3_actions.append(
-            RunDeployment(
-                source="inferred", deployment_id=None, parameters=None, job_variables=None,
-                schedule_after=timedelta(seconds=policy.retry_delay_s),
-            )
-        )
     l3 = AutomationCore(
         name=L3_NAME,
-        description="Level 3: a checkpoint write failed; notify and re-run the training deployment.",
+        description="Level 3: a checkpoint write failed (every failed attempt is reported).",
         tags=TAGS,
         trigger=EventTrigger(expect={events.CHECKPOINT_FAILED}, posture=Posture.Reactive, threshold=1),
-        actions=l3_actions,
+        actions=[_notify(notify_block_id, 3, "checkpoint-failed", '"error": {{ (event.payload.error or "") | tojson }}')],
     )
-    return [l1, l2, l3]
+    out = [l1, l2, l3]
+    if policy.checkpoint_retry:
+        # The trainer already retries each write in-process and emits CHECKPOINT_FAILED per attempt, so
+        # re-running on that event would start a second trainer beside a live one. The automatic retry
+        # fires when the train_model run itself failed with CheckpointError: it re-runs the same
+        # deployment ('inferred' from the event) with the failed run's parameters and its run_id, so
+        # the new run resumes from the last committed checkpoint.
+        params = (
+            "{{ dict(flow_run.parameters.params or {}, run_id=(flow_run.parameters.params or {}).run_id"
+            " or 'train-' ~ flow_run.id) }}"
+        )
+        out.append(AutomationCore(
+            name=L3_RETRY_NAME,
+            description="Level 3 retry: re-run a train_model deployment run that failed on a checkpoint write.",
+            tags=TAGS,
+            trigger=EventTrigger(
+                expect={"prefect.flow-run.Failed"},
+                match={"prefect.state-message": "*CheckpointError*"},
+                match_related={"prefect.resource.role": "flow", "prefect.resource.name": "train_model"},
+                posture=Posture.Reactive,
+                threshold=1,
+            ),
+            actions=[RunDeployment(
+                source="inferred", deployment_id=None, parameters={"params": params}, job_variables=None,
+                schedule_after=timedelta(seconds=policy.retry_delay_s),
+            )],
+        ))
+    return out
 
 
 @dataclass

@@ -11,6 +11,9 @@ every request must carry
 with a secret shared through a Prefect `Secret` block (`EDGEHAUL_GATEWAY_SECRET_BLOCK`, default
 `edgehaul-gateway-hmac`; `EDGEHAUL_GATEWAY_SECRET` overrides it for tests and one-off runs).
 
+`POST /alerts` (bearer token derived from the same secret, `alert_token`) is the local receiver
+of the alert automations' webhook notifications: it appends them to `alerts.jsonl`.
+
 Answers: 202 accepted (event emitted, id in the body); 401 unsigned, badly signed or stale;
 404 unknown kind; 409 replayed; 413 body over the cap (enforced while reading); 422 malformed or
 schema-invalid (field errors listed); 429 replay store full; 503 Prefect unreachable (safe to retry:
@@ -231,6 +234,12 @@ class GatewayConfig:
     max_body_bytes: int = 64 * 1024
     tolerance_s: float = 300.0
     replay_capacity: int = 10_000
+    alert_log: str | None = None
+
+
+def alert_token(secret: str) -> str:
+    """Bearer token the alert notification block sends to /alerts (derived, so one secret to manage)."""
+    return hmac.new(secret.encode(), b"edgehaul-alerts", hashlib.sha256).hexdigest()
 
 
 class _Reject(Exception):
@@ -334,6 +343,26 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
         log.info("accepted %s -> %s %s", kind_name, kind.event, event_id)
         return JSONResponse({"event": kind.event, "event_id": str(event_id)}, status_code=202)
 
+    async def alerts(request: Request) -> JSONResponse:
+        # Sink for the alert automations' webhook notifications (local stack): one JSON line per alert
+        # in config.alert_log, so operators and `make verify` can see what fired without a pager.
+        if not config.alert_log:
+            return JSONResponse({"error": "no alert log configured"}, status_code=404)
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {alert_token(config.secret)}".encode()):
+            return JSONResponse({"error": "bad or missing bearer token"}, status_code=401)
+        try:
+            doc = json.loads(await _read_capped(request, config.max_body_bytes))
+        except _Reject as r:
+            return r.response()
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return JSONResponse({"error": f"body is not JSON: {e}"}, status_code=422)
+        line = json.dumps({"received": time.time(), **(doc if isinstance(doc, dict) else {"body": doc})})
+        with open(config.alert_log, "a") as f:
+            f.write(line + "\n")
+        log.warning("alert: %s", str(doc.get("subject", "")) if isinstance(doc, dict) else "")
+        return JSONResponse({"ok": True}, status_code=202)
+
     async def health(_: Request) -> JSONResponse:
         return JSONResponse({"ok": True, "kinds": sorted(HOOKS), "replay_entries": len(guard), **stats})
 
@@ -344,7 +373,11 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
             await emit.close()
 
     return Starlette(
-        routes=[Route("/hooks/{kind}", handle, methods=["POST"]), Route("/healthz", health, methods=["GET"])],
+        routes=[
+            Route("/hooks/{kind}", handle, methods=["POST"]),
+            Route("/alerts", alerts, methods=["POST"]),
+            Route("/healthz", health, methods=["GET"]),
+        ],
         lifespan=lifespan,
     )
 
@@ -391,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-body", type=int, default=64 * 1024, help="largest accepted body in bytes")
     ap.add_argument("--tolerance", type=float, default=300.0, help="allowed clock skew / replay window, seconds")
     ap.add_argument("--replay-capacity", type=int, default=10_000)
+    ap.add_argument("--alert-log", default=os.environ.get("EDGEHAUL_ALERT_LOG", "alerts.jsonl"),
+                    help="where POST /alerts appends alert notifications (JSON lines)")
     ap.add_argument("--create-secret", action="store_true", help="create the Secret block (random value) if missing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -398,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.create_secret and not os.environ.get(SECRET_ENV):
         ensure_secret_block(os.environ.get(SECRET_BLOCK_ENV, DEFAULT_SECRET_BLOCK))
-    app = create_app(GatewayConfig(load_secret(), args.max_body, args.tolerance, args.replay_capacity))
+    app = create_app(GatewayConfig(load_secret(), args.max_body, args.tolerance, args.replay_capacity, args.alert_log))
     log.info("gateway on http://%s:%d/hooks/{%s}", args.host, args.port, ",".join(sorted(HOOKS)))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

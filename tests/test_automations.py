@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgehaul import events
-from edgehaul.automations import L1_NAME, L2_NAME, L3_NAME, AlertPolicy, apply_automations, at_least_globs
+from edgehaul.automations import L1_NAME, L2_NAME, L3_NAME, L3_RETRY_NAME, AlertPolicy, apply_automations, at_least_globs
 from edgehaul.localstack import StackState
 
 
@@ -89,20 +89,21 @@ def receiver() -> Iterator[Receiver]:
 @pytest.mark.integration
 def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Receiver) -> None:
     from prefect.client.orchestration import get_client
-    from prefect.events.utilities import emit_event
 
-    policy = AlertPolicy(sustained_samples=3, sustained_window_s=120)
+    policy = AlertPolicy(sustained_samples=3, sustained_window_s=120, retry_delay_s=0)
     first = apply_automations(policy, webhook_url=receiver.url, token="t0k3n")
     again = apply_automations(policy, webhook_url=receiver.url, token="t0k3n")
     assert [a.id for a in first] == [a.id for a in again] and not any(a.created for a in again)
 
     uid = uuid.uuid4().hex[:8]
     with get_client(sync_client=True) as client:
-        for name in (L1_NAME, L2_NAME, L3_NAME):
+        for name in (L1_NAME, L2_NAME, L3_NAME, L3_RETRY_NAME):
             assert len(client.read_automations_by_name(name)) == 1
-        # A deployment (no worker serves it) for the level-3 retry to target.
-        flow_id = client.create_flow_from_name(f"trainer-{uid}")
-        dep_id = client.create_deployment(flow_id=flow_id, name="retry-target")
+        # A train_model deployment (no worker serves it) whose run fails on a checkpoint write.
+        flow_id = client.create_flow_from_name("train_model")
+        dep_id = client.create_deployment(flow_id=flow_id, name=f"retry-target-{uid}")
+        failed = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 2, "team": "t"}})
+        other = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 5}})
 
     try:
         # Warm-up: the automations are loaded once a probe fires.
@@ -121,29 +122,36 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
             events.emit(events.LINK_STATS, f"link-{uid}-spike", {"retransmission_rate": rate, "goodput_bps": 1e6})
         for rate in (0.07, 0.12, 0.09):
             events.emit(events.LINK_STATS, f"link-{uid}-sustained", {"retransmission_rate": rate, "goodput_bps": 1e5})
-        # Level 3: a failed checkpoint from a run of the deployment notifies and re-runs it.
-        emit_event(
-            event=events.CHECKPOINT_FAILED,
-            resource={"prefect.resource.id": f"edgehaul.train.{uid}"},
-            payload={"error": "PUT checkpoint: 503 SlowDown", "step": 40},
-            related=[{"prefect.resource.id": f"prefect.deployment.{dep_id}", "prefect.resource.role": "deployment"}],
-        )
+        # Level 3: every failed checkpoint write notifies; a run that failed on one is re-run once,
+        # resuming its run_id with its other parameters.
+        events.emit(events.CHECKPOINT_FAILED, f"edgehaul.training.run.{uid}",
+                    {"run_id": uid, "step": 40, "error": "ClientError: PUT checkpoint: 503 SlowDown", "attempt": 1})
+        from prefect.states import Failed
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(failed.id, Failed(message="Flow run encountered an exception: CheckpointError: "
+                                                               "checkpoint of run x step 40 failed after 3 attempts"),
+                                      force=True)
+            client.set_flow_run_state(other.id, Failed(message="Flow run encountered an exception: ValueError: bad"),
+                                      force=True)
 
         l2 = receiver.wait_for(lambda b: b["resource"] == f"spool-{uid}-high")
         assert l2["level"] == 2 and l2["used_fraction"] == 0.86 and "[edgehaul L2]" in l2["subject"]
         l1 = receiver.wait_for(lambda b: b["resource"] == f"link-{uid}-sustained")
         assert l1["level"] == 1 and l1["alert"] == "link-retransmission"
-        l3 = receiver.wait_for(lambda b: b["resource"] == f"edgehaul.train.{uid}")
+        l3 = receiver.wait_for(lambda b: b["resource"] == f"edgehaul.training.run.{uid}")
         assert l3["level"] == 3 and "SlowDown" in l3["error"]
         deadline = time.monotonic() + 30
         runs: list[Any] = []
-        while not runs and time.monotonic() < deadline:
+        while len(runs) < 3 and time.monotonic() < deadline:
             with get_client(sync_client=True) as client:
                 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
                 runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
             time.sleep(0.5)
-        assert len(runs) == 1, "level 3 should re-run the deployment exactly once"
+        retries = [r for r in runs if r.id not in (failed.id, other.id)]
+        assert len(retries) == 1, "level 3 should re-run the deployment exactly once"
+        assert retries[0].parameters == {"params": {"epochs": 2, "team": "t", "run_id": f"train-{failed.id}"}}
 
         # Give the below-threshold cases as long again as the slowest positive took.
         time.sleep(5)
@@ -151,6 +159,9 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         assert not fired & {f"spool-{uid}-low", f"spool-{uid}-edge", f"link-{uid}-spike"}, fired
         assert sum(b["resource"] == f"link-{uid}-sustained" for b in receiver.bodies) == 1
         assert set(receiver.auth) == {"Bearer t0k3n"}
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
+        assert len(runs) == 3, "a run failing for another reason is not retried"
     finally:
         with get_client(sync_client=True) as client:
             for a in first:
