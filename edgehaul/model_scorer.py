@@ -28,8 +28,9 @@ class ModelScorer:
     """Scores rows by the uncertainty of a registered model. `version` is the model id (it keys the
     scoring cache, so a newly published model re-scores)."""
 
-    def __init__(self, model_uri: str, store: ObjectStore | None = None, *, batch_size: int = 1024) -> None:
+    def __init__(self, model_uri: str | None, store: ObjectStore | None = None, *, batch_size: int = 1024) -> None:
         self.store = store or ObjectStore.from_env()
+        model_uri = model_uri or "latest"
         if model_uri == "latest" or model_uri.startswith("latest:"):
             name = model_uri.split(":", 1)[1] if ":" in model_uri else "landcover"
             try:

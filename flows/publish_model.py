@@ -12,7 +12,7 @@ Blocks: ObjectStore `store_block`. Cache policy: none (publishing is idempotent 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
@@ -36,7 +36,7 @@ class QualityGateFailed(RuntimeError):
 @flow(name="publish_model", log_prints=True)
 def publish_model(params: PublishModelParams) -> dict[str, Any]:
     """Publish a registered model to the edge; see the module docstring."""
-    store = ObjectStore.load(params.store_block)
+    store = cast(ObjectStore, ObjectStore.load(params.store_block))
     lineage = registry.read_lineage(store, params.model_name, params.model_id)
     if lineage is None:
         raise registry.RegistryError(f"model {params.model_name}/{params.model_id} is not registered")

@@ -15,7 +15,7 @@ name). Cache policy: none; training is idempotent by run_id (a registered run is
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from prefect import flow, get_run_logger
@@ -69,8 +69,8 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
     p = params or TrainModelParams()
     logger = get_run_logger()
     where = check_placement(current_work_pool(), p.allow_local)
-    store = ObjectStore.load(p.store_block)
-    quota = TeamQuota.load(p.quota_block or p.team)
+    store = cast(ObjectStore, ObjectStore.load(p.store_block))
+    quota = cast(TeamQuota, TeamQuota.load(p.quota_block or p.team))
     if quota.team != p.team:
         raise ValueError(f"quota block {p.quota_block or p.team!r} is for team {quota.team!r}, not {p.team!r}")
     uri, version = resolve_dataset(store, p.dataset_kind, p.dataset_version)
@@ -96,6 +96,7 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
         "run_id": run_id, "model_id": result["model_id"], "work_pool": where, "dataset_uri": uri,
         "dataset_version": version, "history": result["history"], "checkpoint": result["checkpoint"],
         "resumed_from_step": result["resumed_from_step"], "world_size": result["world_size"],
+        "rank_files": result["rank_files"],
         "model_uri": result["lineage"].get("model_uri"), "plot_uri": links["plot_uri"], "published": published,
     }
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -46,6 +47,7 @@ def test_train_model_runs_on_central_pool_and_is_refused_on_edge_pool(stack: loc
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment
     from prefect.flows import Flow
 
@@ -56,14 +58,14 @@ def test_train_model_runs_on_central_pool_and_is_refused_on_edge_pool(stack: loc
     with get_client(sync_client=True) as client:
         for pool in pools.values():
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-    runs = {}
+    runs: dict[str, FlowRun] = {}
     for kind, pool in pools.items():
         flow = Flow.from_source(source=str(ROOT), entrypoint="flows/train_model.py:train_model")
         flow.deploy(  # type: ignore[union-attr]
             name=f"train-{kind}-{tag}", work_pool_name=pool, build=False, push=False, print_next_steps=False,
             parameters={"params": _small(store_block, quota_block, run_id=f"flow-{kind}-{tag}")},
         )
-        runs[kind] = run_deployment(name=f"train_model/train-{kind}-{tag}", timeout=0)
+        runs[kind] = cast(FlowRun, run_deployment(name=f"train_model/train-{kind}-{tag}", timeout=0))
     env = {**os.environ, "PREFECT_API_URL": stack.prefect_api_url, "PREFECT_WORKER_QUERY_SECONDS": "1",
            "PREFECT_LOGGING_LEVEL": "WARNING"}
     workers = {

@@ -55,7 +55,7 @@ def test_pixels_become_normalised_nchw_and_bad_widths_fail() -> None:
 
 def test_labels_map_to_class_indices_and_unknown_labels_fail() -> None:
     assert labels_to_targets(pa.array([1, 7, 3], pa.int16()), CONTRACT).tolist() == [0, 6, 2]
-    with pytest.raises(ValueError, match="label 9 not in contract landsat_patch.v1"):
+    with pytest.raises(ValueError, match=r"label 9 not in contract landsat_patch\.v1"):
         labels_to_targets(pa.array([1, 9], pa.int16()), CONTRACT)
 
 

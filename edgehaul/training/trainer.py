@@ -114,7 +114,7 @@ class DistContext:
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": [str(np_state[0]), torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)), int(np_state[2]),
@@ -174,7 +174,7 @@ class TrainResult:
     samples_per_s: float
     accelerator_hours: float
     lineage: dict[str, Any]
-    rank_files: list[list[str]]
+    rank_files: list[dict[str, list[str]]]  # per rank: epoch -> data files it read
 
 
 def _prepare(batch: pa.RecordBatch, contract: Contract, val_fraction: float, device: torch.device
@@ -264,7 +264,7 @@ def train(cfg: TrainConfig, store: ObjectStore) -> TrainResult:
             "seed": cfg.seed, "config": cfg.model_dump(mode="json")}
     since_steps, since_train_s = 0, 0.0
     samples = 0
-    rank_files: list[str] = []
+    rank_files: dict[str, list[str]] = {}
     train_s = 0.0
 
     def checkpoint() -> None:
@@ -291,7 +291,7 @@ def train(cfg: TrainConfig, store: ObjectStore) -> TrainResult:
 
     for epoch in range(pos.epoch, cfg.epochs):
         files = shard(epoch_order(len(fragments), cfg.seed, epoch), d.rank, d.world)
-        rank_files.extend(fragments[i].path for i in files if fragments[i].path not in rank_files)
+        rank_files[str(epoch)] = [fragments[i].path for i in files]
         it = stream(fragments, files, pos if pos.epoch == epoch else Position(epoch), cfg.batch_size)
         while True:
             t0 = time.perf_counter()
