@@ -112,6 +112,7 @@ class Receipt:
     tier: str
     rows: int
     manifest_nbytes: int = 0
+    verified_by: str = ""  # "put-checksum": the PUT's own SHA-256 check; "head": size + sha256 metadata
     already_present: bool = False
     multipart: bool = False
     parts_total: int = 0
@@ -170,13 +171,18 @@ class Uplink:
             manifest_key=self.store.key("landing", manifest.manifest_key), sha256=manifest.sha256,
             nbytes=manifest.nbytes, tier=manifest.tier, rows=manifest.row_count,
         )
-        if self._landed(key, manifest):
+        small = manifest.nbytes < self.profile.multipart_threshold_bytes
+        # HEAD first saves re-sending the bytes of a bundle that already landed (a crash between
+        # landing and ack). An urgent bundle is small and latency-bound: it skips that round trip,
+        # and IfNoneMatch still keeps a duplicate from making a second object.
+        if not (small and manifest.tier == "high") and self._landed(key, manifest):
             r.already_present = True
-        elif manifest.nbytes >= self.profile.multipart_threshold_bytes:
+        elif not small:
             self._multipart(data, manifest, key, prio, r)
         else:
             self._single(data, manifest, key, prio, r)
-        self._verify(key, manifest, data, r)
+        if not r.verified_by:
+            self._verify(key, manifest, data, r)
         r.manifest_nbytes = self._put_manifest(manifest, r.manifest_key, prio)
         r.seconds = time.monotonic() - t0
         r.landed_at = datetime.now(UTC).isoformat()
@@ -243,15 +249,19 @@ class Uplink:
     def _single(self, data: bytes, m: BundleManifest, key: str, prio: Priority, r: Receipt) -> None:
         checksum = _b64(bytes.fromhex(m.sha256))
 
-        def put() -> None:
-            self.client.put_object(
+        def put() -> Any:
+            return self.client.put_object(
                 Bucket=self.bucket, Key=key, Body=self.link.body(data, prio), ChecksumSHA256=checksum,
                 IfNoneMatch="*", Metadata=self._metadata(m), ContentType="application/vnd.apache.parquet",
             )
 
         try:
-            self._with_digest_resends(f"bundle {m.bundle_id}", r, put)
+            resp = self._with_digest_resends(f"bundle {m.bundle_id}", r, put)
             r.parts_total = r.parts_sent = 1
+            # A 200 to a PUT carrying x-amz-checksum-sha256 means the server checked the stored bytes
+            # against it (a mismatch is BadDigest): that is the receipt, no extra HEAD round trip.
+            if resp.get("ChecksumSHA256") == checksum:
+                r.verified_by = "put-checksum"
         except ClientError as e:
             if error_code(e) != "PreconditionFailed" and e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 412:
                 raise
@@ -406,6 +416,7 @@ class Uplink:
         if problems:
             raise UplinkError(f"bundle {m.bundle_id}: landed object fails verification: {'; '.join(problems)}",
                               retryable=False)
+        r.verified_by = "head"
         self.forget(m.bundle_id)
 
     def _put_manifest(self, m: BundleManifest, manifest_key: str, prio: Priority) -> int:
@@ -544,8 +555,9 @@ class DrainReport:
 class Drainer:
     """Drains a source through an `Uplink`, in priority (or FIFO) order, with bounded concurrency.
 
-    `max_active` transfers share the link; one extra lane is kept for high-tier bundles so an urgent
-    bundle never waits for a normal one to finish (the shaper then gives its chunks precedence).
+    `max_active` transfers share the link; `urgent_lanes` extra lanes are kept for high-tier bundles so
+    an urgent bundle never waits for a normal one to finish (the shaper then gives its chunks
+    precedence), and several urgent bundles overlap their request round trips.
     """
 
     def __init__(
@@ -554,6 +566,7 @@ class Drainer:
         source: Source,
         *,
         max_active: int = 2,
+        urgent_lanes: int = 2,
         policy: Literal["priority", "fifo"] = "priority",
         attempts: int = 3,
         backoff_s: Sequence[float] = (0.5, 2.0, 8.0),
@@ -567,6 +580,7 @@ class Drainer:
         self.uplink = uplink
         self.source = source
         self.max_active = max_active
+        self.urgent_lanes = urgent_lanes
         self.policy = policy
         self.attempts = attempts
         self.backoff_s = list(backoff_s)
@@ -611,10 +625,10 @@ class Drainer:
         blocked = self.retry_queue.blocked_ids() if self.retry_queue is not None else set()
         listed: list[Any] = []
         listed_at = -1e9
-        with ThreadPoolExecutor(max_workers=self.max_active + 1, thread_name_prefix="uplink") as pool:
+        with ThreadPoolExecutor(max_workers=self.max_active + self.urgent_lanes, thread_name_prefix="uplink") as pool:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if now - listed_at >= self.refresh_s or not active:
+                if now - listed_at >= self.refresh_s:
                     listed, listed_at = list(self.source.pending()), now
                 busy = {e.bundle_id for e in active.values()}
                 pending = [
@@ -628,8 +642,8 @@ class Drainer:
                         n_active = len(active)
                         high_active = sum(1 for a in active.values() if _tier(a) == "high")
                         lane = n_active < self.max_active or (
-                            self.policy == "priority" and _tier(e) == "high" and high_active == 0
-                            and n_active < self.max_active + 1
+                            self.policy == "priority" and _tier(e) == "high" and high_active < self.urgent_lanes
+                            and n_active < self.max_active + self.urgent_lanes
                         )
                         if not lane:
                             if self.policy == "priority" and _tier(e) != "high":
@@ -652,8 +666,12 @@ class Drainer:
                     exc = f.exception()
                     if exc is None:
                         done_ids.add(e.bundle_id)
-                        self._landed(e, f.result(), rep)
                         not_before.pop(e.bundle_id, None)
+                        try:
+                            self._landed(e, f.result(), rep)
+                        except Exception as ack_exc:  # landed but not acknowledged: keep draining the others
+                            log.error("bundle %s landed but the spool ack failed: %s", e.bundle_id, ack_exc)
+                            rep.failed[e.bundle_id] = f"ack failed: {type(ack_exc).__name__}: {ack_exc}"
                         continue
                     retryable = is_retryable(exc)
                     log.info("bundle %s attempt %d failed (%s): %s", e.bundle_id, tries[e.bundle_id],

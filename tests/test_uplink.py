@@ -242,9 +242,14 @@ def test_duplicate_and_racing_sends_leave_one_object(store: ObjectStore, tmp_pat
     for t in threads:
         t.join()
     assert len(receipts) == 2
+    # an urgent bundle skips the HEAD round trip; IfNoneMatch still stops the duplicate
+    d3, m3 = urgent(20, seed=33)
+    u1, u2 = up.send(d3, m3), up.send(d3, m3)
+    assert (u1.already_present, u1.verified_by) == (False, "put-checksum")
+    assert (u2.already_present, u2.verified_by) == (True, "head")
     keys = keys_under(store, f"{m.node_id}/")
-    m2_manifest = up.key_of(m2).replace(".parquet", ".manifest.json")
-    assert keys == sorted([up.key_of(m), first.manifest_key, up.key_of(m2), m2_manifest])
+    expect = [up.key_of(x) for x in (m, m2, m3)] + [up.key_of(x).replace(".parquet", ".manifest.json") for x in (m, m2, m3)]
+    assert keys == sorted(expect)
     assert landed_sha(store, up.key_of(m2)) == m2.sha256
 
 
