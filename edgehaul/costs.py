@@ -9,7 +9,9 @@ Meters (one source each, so nothing is counted twice):
   else (datasets, checkpoints, ops) is `shared`. Priced as one month at the snapshot taken by the
   report, on billable bytes (the class's minimum billable size and per-object overhead);
 - accelerator hours per team: `lineage.json` of models (`team`, `accelerator_hours`) finished in the month;
-- requests: the metering log below. Flows count their own S3 calls with `RequestMeter` and append them.
+- requests: the metering log below. Flows count their own S3 calls with `RequestMeter` and append them
+  (boto3 calls only: reads deltalake/pyarrow make through their own S3 clients are not counted, and
+  flows that record nothing are not metered; the meter is as complete as its callers).
 
 Metering log (append-only; anyone may write): `record_usage(store, UsageRecord(...))` writes one
 JSON-lines object at `<ops prefix>metering/usage/<yyyy-mm>/<yyyymmddTHHMMSS>-<uuid>.jsonl` with
