@@ -31,6 +31,10 @@ down:
 demo: up
 	source $(STACK_DIR).env && $(BIN)/python -m edgehaul.demo
 
+# blocks, work pools, deployments/prefect.yaml (schedules, triggers), alert automations, workers
+deploy: up
+	source $(STACK_DIR).env && $(BIN)/python -m edgehaul.deploy
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy

@@ -1,0 +1,149 @@
+"""deployments/prefect.yaml: `prefect deploy --all` on the session's server, and a webhook-triggered
+deployment run executed by a worker on the right pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from edgehaul import deploy, localstack
+from edgehaul.gateway import signed_headers
+
+FLOW_POOLS = {  # docs/ARCHITECTURE.md, "Flows"
+    "edge_ingest": "edge-", "uplink_drain": "edge-", "core_ingest": "central", "compact_dataset": "central",
+    "train_model": "central", "publish_model": "central", "lifecycle_moves": "ops", "cost_report": "ops",
+}
+
+
+def test_spec_deploys_every_flow_to_its_pool_with_schedules_and_triggers() -> None:
+    spec = deploy.load_spec()
+    assert not deploy.missing_entrypoints(spec), "an entrypoint in deployments/prefect.yaml does not exist"
+    by_flow: dict[str, list[dict[str, Any]]] = {}
+    for d in spec["deployments"]:
+        by_flow.setdefault(d["entrypoint"].rsplit(":", 1)[1], []).append(d)
+    assert set(by_flow) == set(FLOW_POOLS)
+    for flow, deps in by_flow.items():
+        for d in deps:
+            assert d["work_pool"]["name"].startswith(FLOW_POOLS[flow]), (flow, d["work_pool"])
+            assert Path(deploy.REPO, d["entrypoint"].split(":")[0]).name == f"{flow}.py"
+    assert {d["name"] for d in by_flow["uplink_drain"]} == {"node-a", "node-b"}
+    assert all("interval" in s for d in by_flow["uplink_drain"] for s in d["schedules"])
+    assert by_flow["lifecycle_moves"][0]["schedules"][0]["cron"] == "0 3 * * *"
+    assert by_flow["cost_report"][0]["schedules"][0]["cron"].endswith(" 1 * *")  # monthly
+    expects = {flow: {e for d in deps for t in d.get("triggers", []) for e in t["expect"]} for flow, deps in by_flow.items()}
+    assert expects["core_ingest"] == {"edgehaul.bundle.landed"}
+    assert expects["train_model"] == {"edgehaul.dataset.committed"}
+    assert expects["publish_model"] == {"edgehaul.model.ready"}
+    assert expects["uplink_drain"] == {"edgehaul.contact.opened"}
+    text = (deploy.REPO / "deployments" / "prefect.yaml").read_text()
+    assert "definitions:" in text and "*bundle_landed" in text and "&central" in text
+
+
+def test_missing_entrypoint_is_named(tmp_path: Path) -> None:
+    spec = {"deployments": [{"name": "x", "entrypoint": "flows/nope.py:nope", "work_pool": {"name": "ops"}}]}
+    assert deploy.missing_entrypoints(spec) == ["flows/nope.py:nope"]
+    bad = tmp_path / "prefect.yaml"
+    bad.write_text(json.dumps(spec))
+    with pytest.raises(FileNotFoundError, match=r"flows/nope\.py:nope"):
+        deploy.prefect_deploy(bad)
+
+
+def _wait(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.mark.integration
+def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: localstack.StackState) -> None:
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+
+    from edgehaul import configure
+
+    spec = deploy.load_spec()
+    configure.register_block_types()
+    configure.save_blocks(stack)
+    deploy.ensure_pools(deploy.pools_of(spec))
+    assert deploy.ensure_pools(deploy.pools_of(spec)) == []  # idempotent
+    out = deploy.prefect_deploy()
+    assert "successfully created" in out
+
+    ids = []
+    try:
+        with get_client(sync_client=True) as client:
+            pools = {p.name: p.type for p in client.read_work_pools()}
+            assert {pools[p] for p in deploy.pools_of(spec)} == {"process"}
+            deps = {}
+            for name in deploy.deployment_names(spec):
+                d = client.read_deployment_by_name(name)
+                deps[name] = d
+                ids.append(d.id)
+            assert deps["train_model/on-dataset-committed"].work_pool_name == "central"
+            assert deps["uplink_drain/node-b"].work_queue_name == "node-b"
+            assert deps["uplink_drain/node-a"].schedules[0].schedule.interval.total_seconds() == 600  # type: ignore[union-attr]
+            assert deps["cost_report/monthly"].schedules[0].schedule.cron == "0 6 1 * *"  # type: ignore[union-attr]
+            triggers = {
+                name: client.read_resource_related_automations(f"prefect.deployment.{d.id}") for name, d in deps.items()
+            }
+            ingest = triggers["core_ingest/on-bundle-landed"]
+            assert len(ingest) == 1 and ingest[0].trigger.expect == {"edgehaul.bundle.landed"}  # type: ignore[union-attr]
+            assert ingest[0].actions[0].parameters == {  # type: ignore[union-attr]
+                "params": {"store_block": "ingest", "bundle_keys": ["{{ event.payload.object_key }}"]}
+            }
+            assert len(triggers["publish_model/on-model-ready"]) == 1
+
+        # A ground station's signed webhook -> contact.opened -> uplink_drain/node-a on edge-default,
+        # executed by the pool's worker (an empty spool drains nothing and completes).
+        gateway = localstack.start_gateway(stack)
+        secret = Secret.load("edgehaul-gateway-hmac").get()  # type: ignore[union-attr]
+        os.environ["PREFECT_WORKER_QUERY_SECONDS"] = "1"
+        try:
+            pid = deploy.start_workers(["edge-default"], Path(stack.root))
+        finally:
+            del os.environ["PREFECT_WORKER_QUERY_SECONDS"]
+        try:
+            body = json.dumps({"station_id": "gs-svalbard", "node_id": "node-a", "window_start": "2026-12-03T10:00:00Z",
+                               "window_end": "2026-12-03T10:10:00Z"}).encode()
+            r = httpx.post(f"{gateway}/hooks/contact-window-opened", content=body, headers=signed_headers(secret, body))
+            assert r.status_code == 202, r.text
+            dep_a = deps["uplink_drain/node-a"]
+
+            def triggered() -> Any:
+                from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+                with get_client(sync_client=True) as client:
+                    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_a.id])))
+                return [fr for fr in runs if fr.created_by and fr.created_by.type == "AUTOMATION"]
+
+            run = _wait(triggered, 60, "the contact-window trigger to create a flow run")[0]
+
+            def finished() -> Any:
+                with get_client(sync_client=True) as client:
+                    fr = client.read_flow_run(run.id)
+                return fr if fr.state and fr.state.is_final() else None
+
+            logs = Path(stack.root) / "logs" / "workers.log"
+            fr = _wait(finished, 240, f"the triggered run to finish; worker log: {logs}")
+            assert fr.state.is_completed(), (fr.state, logs.read_text()[-3000:] if logs.exists() else "")
+            assert fr.work_pool_name == "edge-default" and fr.work_queue_name == "node-a"
+            assert fr.parameters["params"]["edge_node"] == "node-a"
+        finally:
+            os.killpg(pid, signal.SIGTERM)
+            (Path(stack.root) / "pids" / "workers.pid").unlink(missing_ok=True)
+    finally:
+        # Leave no triggers behind for the rest of the session's tests (their events would start runs).
+        with get_client(sync_client=True) as client:
+            for i in ids:
+                client.delete_deployment(i)
