@@ -288,6 +288,8 @@ def start_prefect(state: StackState) -> None:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
         PREFECT_LOGGING_LEVEL="WARNING",
+        # The UI asks the server where its API is; without this it says 127.0.0.1:4200 on any port.
+        PREFECT_UI_API_URL=state.prefect_api_url,
         PREFECT_API_DATABASE_CONNECTION_URL=os.environ.get(
             "EDGEHAUL_PREFECT_DB_URL", f"sqlite+aiosqlite:///{home / 'prefect.db'}"
         ),

@@ -90,7 +90,7 @@ def gateway(stack: localstack.StackState) -> Iterator[tuple[str, str]]:
     from prefect.blocks.system import Secret
 
     url = localstack.start_gateway(stack)
-    secret = Secret.load("edgehaul-gateway-hmac").get()
+    secret = Secret.load("edgehaul-gateway-hmac").get()  # type: ignore[union-attr]
     yield url, secret
 
 
