@@ -666,6 +666,22 @@ def pending_batches(store: ObjectStore, s3: S3Client | None = None) -> dict[str,
     return out
 
 
+def prune_journal(store: ObjectStore, older_than: datetime, s3: S3Client | None = None) -> int:
+    """Delete finished batches (journal + done marker) whose marker is older than `older_than`; returns how many.
+
+    Unfinished batches are never pruned: they are the only record of an interrupted run's intent.
+    """
+    s3 = s3 or store.client()
+    objs = {o.key: o for o in list_objects(s3, store.bucket("ops"), store.key("ops", JOURNAL))}
+    n = 0
+    for k, o in objs.items():
+        if k.endswith(".done") and o.last_modified < older_than:
+            for key in (k.removesuffix(".done") + ".json", k):  # intent first: a marker alone is harmless
+                s3.delete_object(Bucket=store.bucket("ops"), Key=key)
+            n += 1
+    return n
+
+
 def run_batch(
     store: ObjectStore, actions: list[Action], now: datetime, *, hook: Hook | None = None,
     multipart_threshold: int = MULTIPART_THRESHOLD, part_bytes: int = PART_BYTES, s3: S3Client | None = None,

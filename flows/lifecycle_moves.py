@@ -9,7 +9,8 @@ What it does, in order:
    skipping files the plan found referenced now;
 3. runs the plan in batches (one task per batch of `batch_size` objects), server-side copies + deletes;
 4. optionally applies the equivalent S3 lifecycle configuration (refused rule classes are reported);
-5. appends its S3 request count to the metering log and publishes a markdown artifact.
+5. prunes finished journal batches older than `journal_keep_days`;
+6. appends its S3 request count to the metering log and publishes a markdown artifact.
 
 Blocks: `ObjectStore` (`store_block`), `RetentionPolicy` (`policy_block`).
 Cache policy: none (decisions depend on `now` and the store's state); batches are idempotent and
@@ -19,7 +20,7 @@ journalled, so a retry or rerun finishes work instead of repeating it.
 from __future__ import annotations
 
 from collections import Counter
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from prefect import flow, get_run_logger
@@ -28,7 +29,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from blocks import ObjectStore, RetentionPolicy
 from edgehaul.costs import RequestMeter, UsageRecord, record_usage
-from tasks.lifecycle import apply_config_task, pending_task, plan_task, run_batch_task
+from tasks.lifecycle import apply_config_task, pending_task, plan_task, prune_journal_task, run_batch_task
 
 
 class LifecycleParams(BaseModel):
@@ -42,6 +43,7 @@ class LifecycleParams(BaseModel):
     )
     batch_size: int = Field(default=500, ge=1, le=10_000, description="Objects per batch task.")
     apply_store_lifecycle: bool = Field(default=False, description="Also put the equivalent S3 lifecycle config.")
+    journal_keep_days: int = Field(default=30, ge=0, le=3650, description="Keep finished journal batches this long.")
 
     @field_validator("now")
     @classmethod
@@ -78,6 +80,10 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
                 res = run_batch_task(store, batch, now, label=str(i))
                 done.update(res.done)
                 errors.extend(res.errors)
+        pruned = 0
+        if not params.dry_run and not errors:
+            # finished batches are kept a while for audit; their markers use the server's clock
+            pruned = prune_journal_task(store, datetime.now(UTC) - timedelta(days=params.journal_keep_days))
         config: list[dict[str, Any]] = []
         if params.apply_store_lifecycle and not params.dry_run:
             for r in apply_config_task(store, policy):
@@ -88,7 +94,8 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
                                         team="shared"))
     summary = {
         "now": now.isoformat(), "dry_run": params.dry_run, "recovered_batches": recovered, "planned": plan.counts(),
-        "done": dict(done), "skipped": dict(plan.skipped), "errors": errors, "requests": meter.count,
+        "done": dict(done), "skipped": dict(plan.skipped), "pruned_batches": pruned, "errors": errors,
+        "requests": meter.count,
         "protected_versions": {k: {str(v): w for v, w in d.items()} for k, d in plan.protected_versions.items()},
         "notes": plan.notes, "store_lifecycle": config,
     }

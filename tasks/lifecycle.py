@@ -56,3 +56,8 @@ def run_batch_task(
 @task(retries=1, retry_delay_seconds=[5], retry_condition_fn=_retry_io, cache_policy=NO_CACHE)
 def apply_config_task(store: ObjectStore, policy: RetentionPolicy) -> list[ApplyResult]:
     return apply_configuration(store, policy)
+
+
+@task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_io, cache_policy=NO_CACHE)
+def prune_journal_task(store: ObjectStore, older_than: datetime) -> int:
+    return lc.prune_journal(store, older_than)

@@ -345,6 +345,9 @@ def test_lifecycle_flow_dry_run_then_moves_and_meters_its_requests(stack: object
     assert all(_places(store, k) == [store.bucket("cold")] for k in want)
     recs = usage_records(store.client(), store, now - timedelta(minutes=1), now + timedelta(minutes=1))
     assert [(r.source, r.quantity) for r in recs] == [("lifecycle_moves", out["requests"])]
+    assert out["pruned_batches"] == 0 and lc.pending_batches(store) == {}  # finished batches kept for audit
+    again = lifecycle_moves(LifecycleParams(store_block=name, policy_block=name, now=now, journal_keep_days=0))
+    assert again["planned"] == {} and again["pruned_batches"] == 2  # idempotent; 3 objects were 2 batches
     with pytest.raises(ValueError, match="timezone-aware"):
         LifecycleParams(now=datetime(2026, 1, 1))
 
