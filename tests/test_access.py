@@ -1,0 +1,249 @@
+"""Least privilege: the AWS IAM documents in infra/iam/ and the real identities of the local S3 server.
+
+1. A tiny IAM evaluator (Allow/Deny, wildcards, `${aws:username}`, StringLike on s3:prefix) proves the
+   documents confine each role, and that they grant what the SeaweedFS identities of
+   `edgehaul.localstack.identities_config` grant (the two must not drift apart).
+2. Real requests against the session's SeaweedFS with each identity's own keys.
+3. Last: no configured secret appears in the stack's logs or in the session's Prefect artifacts/logs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from hypothesis import given
+from hypothesis import strategies as st
+
+from edgehaul import localstack
+from tests.conftest import store_for
+
+IAM = Path(__file__).resolve().parents[1] / "infra" / "iam"
+ROLE_DOC = {**{r: r for r in localstack.ROLES if r != "admin"}, "node-a": "edge-node", "node-b": "edge-node"}
+
+
+def load_policy(role: str) -> dict[str, Any]:
+    return json.loads((IAM / f"{ROLE_DOC[role]}.json").read_text())
+
+
+def _subst(pattern: str, ctx: dict[str, str]) -> str | None:
+    missing = False
+
+    def rep(m: re.Match[str]) -> str:
+        nonlocal missing
+        if m.group(1) not in ctx:
+            missing = True
+            return ""
+        return ctx[m.group(1)]
+
+    out = re.sub(r"\$\{([^}]+)\}", rep, pattern)
+    return None if missing else out
+
+
+def _list(v: str | list[str]) -> list[str]:
+    return [v] if isinstance(v, str) else v
+
+
+def _matches(st_: dict[str, Any], action: str, resource: str, ctx: dict[str, str]) -> bool:
+    if not any(fnmatch.fnmatchcase(action.lower(), a.lower()) for a in _list(st_["Action"])):
+        return False
+    resources = [_subst(r, ctx) for r in _list(st_["Resource"])]
+    if not any(r is not None and fnmatch.fnmatchcase(resource, r) for r in resources):
+        return False
+    for op, conds in st_.get("Condition", {}).items():
+        for key, want in conds.items():
+            have = ctx.get(key)
+            pats = [p for p in (_subst(w, ctx) for w in _list(want)) if p is not None]
+            if have is None or not pats:
+                return False
+            if op == "StringLike" and not any(fnmatch.fnmatchcase(have, p) for p in pats):
+                return False
+            if op == "StringEquals" and have not in pats:
+                return False
+            if op not in ("StringLike", "StringEquals"):
+                raise AssertionError(f"evaluator does not know condition operator {op}")
+    return True
+
+
+def allowed(policy: dict[str, Any], action: str, resource: str, ctx: dict[str, str] | None = None) -> bool:
+    """IAM evaluation for one identity policy: explicit Deny wins, otherwise any Allow, else implicit deny."""
+    ctx = ctx or {}
+    hits = [s["Effect"] for s in policy["Statement"] if _matches(s, action, resource, ctx)]
+    return "Allow" in hits and "Deny" not in hits
+
+
+def obj(bucket: str, key: str) -> str:
+    return f"arn:aws:s3:::{bucket}/{key}"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in IAM.glob("*.json")))
+def test_iam_documents_are_well_formed_and_scoped(name: str) -> None:
+    doc = json.loads((IAM / name).read_text())
+    assert doc["Version"] == "2012-10-17" and doc["Statement"]
+    for s in doc["Statement"]:
+        assert s["Effect"] in ("Allow", "Deny") and s.get("Sid")
+        assert all(a.startswith("s3:") and "*" not in a for a in _list(s["Action"])), s["Action"]
+        for r in _list(s["Resource"]):
+            # every resource names one of our buckets: never "*" or another account's data
+            assert re.fullmatch(r"arn:aws:s3:::edgehaul-[a-z]+(/.+)?", r), r
+        assert "NotAction" not in s and "NotResource" not in s
+
+
+def test_node_policy_cannot_write_another_nodes_prefix() -> None:
+    p = load_policy("node-a")
+    a = {"aws:username": "node-a"}
+    assert allowed(p, "s3:PutObject", obj("edgehaul-landing", "node-a/2026-12-03/b.parquet"), a)
+    assert allowed(p, "s3:ListBucket", "arn:aws:s3:::edgehaul-landing", {**a, "s3:prefix": "node-a/2026"})
+    assert not allowed(p, "s3:PutObject", obj("edgehaul-landing", "node-b/2026-12-03/b.parquet"), a)
+    assert not allowed(p, "s3:ListBucket", "arn:aws:s3:::edgehaul-landing", {**a, "s3:prefix": "node-b/"})
+    assert not allowed(p, "s3:ListBucket", "arn:aws:s3:::edgehaul-landing", a)  # no prefix: whole bucket
+    assert not allowed(p, "s3:GetObject", obj("edgehaul-curated", "datasets/landsat_patch/part-0.parquet"), a)
+    assert not allowed(p, "s3:DeleteObject", obj("edgehaul-landing", "node-a/x"), a)
+    # without a principal name the variable does not resolve and nothing is granted
+    assert not allowed(p, "s3:PutObject", obj("edgehaul-landing", "node-a/x"))
+
+
+@given(
+    writer=st.from_regex(r"node-[a-z0-9]{1,6}", fullmatch=True),
+    owner=st.from_regex(r"node-[a-z0-9]{1,6}", fullmatch=True),
+    rest=st.from_regex(r"[a-z0-9/._-]{1,30}", fullmatch=True),
+)
+def test_a_node_writes_exactly_its_own_prefix(writer: str, owner: str, rest: str) -> None:
+    p = load_policy("node-a")
+    ok = allowed(p, "s3:PutObject", obj("edgehaul-landing", f"{owner}/{rest}"), {"aws:username": writer})
+    assert ok == (writer == owner)
+
+
+def test_role_policies_follow_the_zones() -> None:
+    ingest, trainer, life = load_policy("ingest"), load_policy("trainer"), load_policy("lifecycle")
+    assert allowed(ingest, "s3:GetObject", obj("edgehaul-landing", "node-a/x.parquet"))
+    assert allowed(ingest, "s3:PutObject", obj("edgehaul-curated", "datasets/landsat_patch/_delta_log/1.json"))
+    assert allowed(ingest, "s3:PutObject", obj("edgehaul-curated", "quarantine/node-a/b.parquet"))
+    assert not allowed(ingest, "s3:PutObject", obj("edgehaul-checkpoints", "run/1/model.pt"))
+    assert not allowed(ingest, "s3:PutObject", obj("edgehaul-landing", "node-a/forged.parquet"))
+    assert allowed(trainer, "s3:GetObject", obj("edgehaul-curated", "datasets/x"))
+    assert not allowed(trainer, "s3:PutObject", obj("edgehaul-curated", "datasets/x"))
+    assert allowed(trainer, "s3:PutObject", obj("edgehaul-checkpoints", "models/m/1/model.pt"))
+    assert not allowed(trainer, "s3:GetObject", obj("edgehaul-landing", "node-a/x"))
+    for src, dst in (("edgehaul-curated", "edgehaul-cold"), ("edgehaul-cold", "edgehaul-curated")):
+        assert allowed(life, "s3:GetObject", obj(src, "k")) and allowed(life, "s3:PutObject", obj(dst, "k"))
+        assert allowed(life, "s3:DeleteObject", obj(src, "k"))
+    assert not allowed(trainer, "s3:GetObject", obj("edgehaul-ops", "ledger"))
+
+
+def _seaweed_grants(role: str, verb: str, bucket: str, key: str) -> bool:
+    cfg = localstack.identities_config(
+        {r: localstack.Credentials("k", "s") for r in [*localstack.ROLES, "node-a", "node-b"]}, ["node-a", "node-b"]
+    )
+    actions = next(i["actions"] for i in cfg["identities"] if i["name"] == role)  # type: ignore[index]
+    for a in actions:
+        v, _, target = a.partition(":")
+        if v != verb:
+            continue
+        if target == bucket or (target.endswith("/*") and f"{bucket}/{key}".startswith(target[:-1])):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("role", [*(r for r in localstack.ROLES if r != "admin"), "node-a"])
+def test_iam_documents_mirror_the_local_identities(role: str) -> None:
+    p = load_policy(role)
+    ctx = {"aws:username": role}
+    for bucket in localstack.BUCKETS:
+        for key in ("node-a/2026-12-03/b.parquet", "node-b/b.parquet", "datasets/k/part.parquet", "prefect-results/r"):
+            r = obj(bucket, key)
+            iam_read = allowed(p, "s3:GetObject", r, ctx)
+            iam_write = allowed(p, "s3:PutObject", r, ctx) or allowed(p, "s3:DeleteObject", r, ctx)
+            assert iam_read == _seaweed_grants(role, "Read", bucket, key), (role, "Read", r)
+            assert iam_write == _seaweed_grants(role, "Write", bucket, key), (role, "Write", r)
+
+
+# ---- real requests against the local S3 server -------------------------------------------------
+
+def _denied(call: Any, **kw: Any) -> None:
+    with pytest.raises(ClientError) as e:
+        call(**kw)
+    assert e.value.response["Error"]["Code"] in ("AccessDenied", "403"), e.value.response["Error"]
+
+
+@pytest.mark.integration
+def test_real_node_identity_is_confined(stack: localstack.StackState) -> None:
+    tag = uuid.uuid4().hex[:8]
+    admin = store_for(stack).client()
+    admin.put_object(Bucket="edgehaul-landing", Key=f"node-b/{tag}/theirs", Body=b"b")
+    admin.put_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/part", Body=b"c")
+    node = store_for(stack, "node-a").client()
+    node.put_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/mine", Body=b"a")
+    assert node.get_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/mine")["Body"].read() == b"a"
+    _denied(node.put_object, Bucket="edgehaul-landing", Key=f"node-b/{tag}/forged", Body=b"x")
+    _denied(node.get_object, Bucket="edgehaul-landing", Key=f"node-b/{tag}/theirs")
+    _denied(node.get_object, Bucket="edgehaul-curated", Key=f"datasets/{tag}/part")
+    _denied(node.put_object, Bucket="edgehaul-checkpoints", Key=f"{tag}/x", Body=b"x")
+    _denied(node.delete_object, Bucket="edgehaul-landing", Key=f"node-b/{tag}/theirs")
+    assert admin.get_object(Bucket="edgehaul-landing", Key=f"node-b/{tag}/theirs")["Body"].read() == b"b"
+
+
+@pytest.mark.integration
+def test_real_ingest_trainer_and_lifecycle_identities(stack: localstack.StackState) -> None:
+    tag = uuid.uuid4().hex[:8]
+    store_for(stack, "node-a").client().put_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b", Body=b"bundle")
+    ingest = store_for(stack, "ingest").client()
+    assert ingest.get_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b")["Body"].read() == b"bundle"
+    ingest.put_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/part", Body=b"rows")
+    _denied(ingest.put_object, Bucket="edgehaul-checkpoints", Key=f"{tag}/ckpt", Body=b"x")
+    _denied(ingest.get_object, Bucket="edgehaul-checkpoints", Key=f"{tag}/ckpt")
+
+    trainer = store_for(stack, "trainer").client()
+    assert trainer.get_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/part")["Body"].read() == b"rows"
+    trainer.put_object(Bucket="edgehaul-checkpoints", Key=f"{tag}/1/model.pt", Body=b"w")
+    _denied(trainer.put_object, Bucket="edgehaul-curated", Key=f"datasets/{tag}/evil", Body=b"x")
+    _denied(trainer.get_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/b")
+
+    life = store_for(stack, "lifecycle").client()
+    life.copy_object(
+        Bucket="edgehaul-cold", Key=f"{tag}/part", CopySource={"Bucket": "edgehaul-curated", "Key": f"datasets/{tag}/part"}
+    )
+    life.delete_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/part")
+    assert life.get_object(Bucket="edgehaul-cold", Key=f"{tag}/part")["Body"].read() == b"rows"
+    _denied(trainer.get_object, Bucket="edgehaul-curated", Key=f"datasets/{tag}/part")  # gone from hot
+    _denied(trainer.get_object, Bucket="edgehaul-ops", Key="_health/ping")
+
+
+# ---- last in the file: no secret leaked into logs or artifacts so far --------------------------
+
+def _secrets(stack: localstack.StackState) -> list[str]:
+    out = [c.secret_access_key for c in stack.identities.values()]
+    if stack.api_auth_string:
+        out.append(stack.api_auth_string.partition(":")[2])
+    return out
+
+
+@pytest.mark.integration
+def test_no_configured_secret_in_stack_logs_or_prefect_artifacts(stack: localstack.StackState) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import LogSort
+
+    secrets_ = _secrets(stack)
+    assert len(secrets_) >= 6 and all(len(s) >= 20 for s in secrets_)
+    root = Path(stack.root)
+    logs = [p for p in root.rglob("*") if p.is_file() and (p.suffix == ".log" or "logs" in p.parts)]
+    assert any(p.name == "prefect.log" for p in logs) and any("seaweedfs" in p.parts for p in logs)
+    texts = {str(p): p.read_text(errors="replace") for p in logs}
+    with get_client(sync_client=True) as client:
+        for a in client.read_artifacts(limit=200):
+            texts[f"artifact {a.key or a.id}"] = json.dumps(a.model_dump(mode="json"))
+        texts["prefect logs"] = "\n".join(
+            log.message for log in client.read_logs(limit=200, sort=LogSort.TIMESTAMP_DESC)
+        )
+        texts["flow runs"] = "\n".join(
+            json.dumps(r.parameters, default=str) for r in client.read_flow_runs(limit=200)
+        )
+    assert sum(len(t) for t in texts.values()) > 0
+    leaks = [(where, s[:4] + "...") for where, t in texts.items() for s in secrets_ if s in t]
+    assert not leaks, f"secret keys found in: {leaks}"
