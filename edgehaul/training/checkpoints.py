@@ -67,7 +67,7 @@ class CheckpointStore:
 
     def __init__(
         self, store: ObjectStore, run_id: str, *, keep: int = 3, attempts: int = 4, backoff_s: float = 0.5,
-        multipart_bytes: int = 8 * 1024 * 1024,
+        multipart_bytes: int = 8 * 1024 * 1024, emit_events: bool = True,
     ) -> None:
         if not run_id or "/" in run_id:
             raise ValueError(f"run_id must be a non-empty name without '/', got {run_id!r}")
@@ -77,6 +77,7 @@ class CheckpointStore:
         self.attempts = attempts
         self.backoff_s = backoff_s
         self.multipart_bytes = multipart_bytes
+        self.emit_events = emit_events
         self.bucket = store.bucket("checkpoints")
         self.prefix = store.key("checkpoints", f"{run_id}/")
         self._s3 = store.client()
@@ -105,10 +106,11 @@ class CheckpointStore:
                 self.failures += 1
                 log.warning("checkpoint %s step %d attempt %d/%d failed: %s", self.run_id, step, attempt,
                             self.attempts, e)
-                events.emit(
-                    events.CHECKPOINT_FAILED, f"edgehaul.training.run.{self.run_id}",
-                    {"run_id": self.run_id, "step": step, "error": f"{type(e).__name__}: {e}", "attempt": attempt},
-                )
+                if self.emit_events:
+                    events.emit(
+                        events.CHECKPOINT_FAILED, f"edgehaul.training.run.{self.run_id}",
+                        {"run_id": self.run_id, "step": step, "error": f"{type(e).__name__}: {e}", "attempt": attempt},
+                    )
                 if attempt < self.attempts:
                     time.sleep(self.backoff_s * 2 ** (attempt - 1))
         raise CheckpointError(
@@ -278,11 +280,12 @@ class IntervalController:
 
     def report(self) -> dict[str, float | int]:
         s = self.shares or []
-        # The first interval is the calibration guess; judge adaptation on the ones after it.
-        tail = s[1:] if len(s) > 1 else s
+        # The first interval is the calibration guess; judge adaptation on the ones after it
+        # (a fixed interval has no calibration: all count). NaN when no such interval completed.
+        tail = s if self.fixed else s[1:]
         return {
             "checkpoints": len(s), "interval_steps": self.interval,
-            "share_mean": sum(tail) / len(tail) if tail else 0.0, "share_max": max(tail) if tail else 0.0,
+            "share_mean": sum(tail) / len(tail) if tail else math.nan, "share_max": max(tail) if tail else math.nan,
             "share_first": s[0] if s else 0.0,
         }
 

@@ -62,6 +62,7 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(default=None, ge=1, le=256)
     flow_run_id: str | None = None
+    emit_events: bool = Field(default=True, description="Emit Prefect events (off where no API is reachable).")
 
 
 @dataclass
@@ -225,7 +226,7 @@ def train(cfg: TrainConfig, store: ObjectStore) -> TrainResult:
     np.random.seed(rank_seed)
     random.seed(rank_seed)
 
-    ckpts = CheckpointStore(store, cfg.run_id, keep=cfg.keep_checkpoints)
+    ckpts = CheckpointStore(store, cfg.run_id, keep=cfg.keep_checkpoints, emit_events=cfg.emit_events)
     ref = DatasetRef(cfg.dataset_uri, cfg.dataset_version, store.storage_options())
     fragments = open_fragments(ref)
     ctl = IntervalController(
@@ -368,11 +369,12 @@ def train(cfg: TrainConfig, store: ObjectStore) -> TrainResult:
         }
         lineage["storage_bytes"] = ckpts.retained_bytes()
         lineage = registry.register_model(store, cfg.model_name, cfg.run_id, model_file, lineage)
-        events.emit(
-            events.MODEL_READY, f"edgehaul.model.{cfg.model_name}.{cfg.run_id}",
-            {"model_id": cfg.run_id, "model_name": cfg.model_name, "model_uri": lineage["model_uri"],
-             "dataset_version": cfg.dataset_version, "team": cfg.team, "final": lineage["final"]},
-        )
+        if cfg.emit_events:
+            events.emit(
+                events.MODEL_READY, f"edgehaul.model.{cfg.model_name}.{cfg.run_id}",
+                {"model_id": cfg.run_id, "model_name": cfg.model_name, "model_uri": lineage["model_uri"],
+                 "dataset_version": cfg.dataset_version, "team": cfg.team, "final": lineage["final"]},
+            )
     result = TrainResult(
         run_id=cfg.run_id, model_id=cfg.run_id, history=history, steps=step, resumed_from_step=resumed_from,
         world_size=d.world, checkpoint=ctl.report(), checkpoint_failures=ckpts.failures,
