@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefect-file", type=Path, default=PREFECT_FILE)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "workers":
         return supervise(args.pool or pools_of(load_spec(args.prefect_file)))
     out = deploy(workers=not args.no_workers, automations=not args.no_automations,
