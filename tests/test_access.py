@@ -215,6 +215,61 @@ def test_real_ingest_trainer_and_lifecycle_identities(stack: localstack.StackSta
     _denied(trainer.get_object, Bucket="edgehaul-ops", Key="_health/ping")
 
 
+@pytest.mark.integration
+def test_rotate_key_command_switches_keys_and_keeps_the_spool(tmp_path: Path) -> None:
+    """`infra/local/rotate_key.sh node-a` on a separately started S3 server (not the session's)."""
+    import subprocess
+
+    import boto3
+
+    from edgehaul.credentials import spool_digest
+    from tests.builders import bundle
+
+    root = tmp_path / "stack"
+    root.mkdir()
+    state = localstack.new_state(root, fixed_ports=False)
+    state.save()
+    spool = tmp_path / "spool"
+    (spool / "queue").mkdir(parents=True)
+    for i in range(3):
+        data, manifest = bundle(20, "node-a", seed=i, start_seq=i * 20)
+        (spool / "queue" / f"{manifest.bundle_id}.parquet").write_bytes(data)
+        (spool / "queue" / f"{manifest.bundle_id}.manifest.json").write_bytes(manifest.to_json())
+    before = spool_digest(spool)
+    try:
+        localstack.start_s3(state)
+        old = state.identities["node-a"]
+
+        def client(c: localstack.Credentials) -> Any:
+            return boto3.client("s3", endpoint_url=state.s3_endpoint, region_name="us-east-1",
+                                aws_access_key_id=c.access_key_id, aws_secret_access_key=c.secret_access_key)
+
+        client(old).put_object(Bucket="edgehaul-landing", Key="node-a/before", Body=b"1")
+        script = Path(__file__).resolve().parents[1] / "infra" / "local" / "rotate_key.sh"
+        res = subprocess.run([str(script), "node-a", "--root", str(root), "--spool", str(spool)],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        new = localstack.StackState.load(root).identities["node-a"]  # type: ignore[union-attr]
+        assert new.access_key_id != old.access_key_id and new.access_key_id in res.stdout
+        assert new.secret_access_key not in res.stdout + res.stderr
+        assert "spool untouched (6 files queued)" in res.stdout
+        with pytest.raises(ClientError) as e:
+            client(old).put_object(Bucket="edgehaul-landing", Key="node-a/after-old", Body=b"1")
+        assert e.value.response["Error"]["Code"] == "InvalidAccessKeyId"
+        # the queued bundles are intact and go up with the new key; the new key is as confined as the old
+        assert spool_digest(spool) == before and len(before) == 6
+        for name in sorted(before):
+            client(new).put_object(Bucket="edgehaul-landing", Key=f"node-a/{name}", Body=(spool / name).read_bytes())
+        _denied(client(new).put_object, Bucket="edgehaul-landing", Key="node-b/x", Body=b"x")
+        other = state.identities["node-b"]
+        client(other).put_object(Bucket="edgehaul-landing", Key="node-b/still-works", Body=b"1")
+        assert (root / "seaweedfs" / "s3.json").stat().st_mode & 0o077 == 0
+        bad = subprocess.run([str(script), "node-z", "--root", str(root)], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "unknown identity 'node-z'" in bad.stderr
+    finally:
+        localstack.down(root)
+
+
 # ---- last in the file: no secret leaked into logs or artifacts so far --------------------------
 
 def _secrets(stack: localstack.StackState) -> list[str]:
