@@ -48,5 +48,13 @@ unit: install
 bench: install
 	$(BIN)/python -m benchmarks
 
+# Fault drills (own SeaweedFS, not the stack): EDGEHAUL_DRILL_TRIALS per drill (default 50); writes docs/DRILLS.md
+drills: install
+	$(BIN)/python -m edgehaul.drills --markdown docs/DRILLS.md
+
+# The operator's acceptance checklist against the running stack (make up && make deploy first)
+verify: install
+	$(BIN)/python -m edgehaul.verify --root $(STACK_DIR)
+
 clean: down
 	rm -rf $(STACK_DIR) $(STACK_DIR).env
