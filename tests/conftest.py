@@ -21,7 +21,11 @@ from edgehaul import localstack
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.StackState]:
     root = tmp_path_factory.mktemp("stack")
-    state = localstack.up(root, fixed_ports=False)
+    try:
+        state = localstack.up(root, fixed_ports=False)
+    except BaseException:
+        localstack.down(root)  # a start-up timeout must not leave its servers running
+        raise
     saved = {k: os.environ.get(k) for k in state.env()}
     os.environ.update(state.env())
     from prefect.settings import PREFECT_API_URL, temporary_settings

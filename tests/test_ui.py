@@ -151,3 +151,14 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
         proc.wait(timeout=30)
         log.close()
 
+
+
+def test_reporting_helpers_are_noops_outside_a_run() -> None:
+    from edgehaul.reporting import Progress, artifact_key, summary_table
+
+    assert artifact_key("Core Ingest: node_A/2026") == "core-ingest-node-a-2026"
+    assert artifact_key("***") == "edgehaul"
+    with Progress("x", total=0) as p:  # total 0 is clamped, not a division by zero
+        p.advance(5)
+    assert p.percent == 100.0
+    assert summary_table("x", [{"a": 1}]) is None
