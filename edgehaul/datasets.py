@@ -51,6 +51,7 @@ BUNDLE_ID_COLUMN = "bundle_id"
 COMMIT_KEYS = ("edgehaul.commit_id", "edgehaul.run", "edgehaul.contract", "edgehaul.contract_sha256",
                "edgehaul.bundles", "edgehaul.nodes", "edgehaul.validation", "edgehaul.stats")
 DEFAULT_LEASE_S = 900.0
+CHECKPOINT_INTERVAL = 10
 
 Reader = Literal["pyarrow", "polars", "duckdb"]
 
@@ -102,6 +103,9 @@ def ensure_table(store: ObjectStore, contract: Contract) -> DeltaTable:
         try:
             dt = DeltaTable.create(
                 uri, want, mode="error", storage_options=opts, name=contract.kind,
+                # A fresh reader replays at most this many commits after the last checkpoint: this
+                # bounds the requests of every commit (which first loads the table) whatever its size.
+                configuration={"delta.checkpointInterval": str(CHECKPOINT_INTERVAL)},
                 description=f"edgehaul curated dataset of {contract.kind}",
                 commit_properties=CommitProperties(custom_metadata={"edgehaul.contract": contract.id}),
             )
@@ -266,26 +270,26 @@ def commit_bundles(
     txns = [Transaction(app_id=txn_app_id(vb.manifest.bundle_id), version=1) for vb in todo]
     parent = dt.version()
     try:
+        # The open table object: no second snapshot load; on a lost race delta-rs re-reads only the new commits.
         write_deltalake(
-            table_uri(store, contract.kind), data, mode="append", storage_options=store.storage_options(),
+            dt, data, mode="append",
             commit_properties=CommitProperties(custom_metadata=metadata, app_transactions=txns, max_commit_retries=50),
         )
     except (DeltaError, OSError) as e:
         raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles failed, nothing written: {e}") from e
-    version = find_commit(store, contract.kind, commit_id, after=parent)
+    version = find_commit(store, contract.kind, commit_id, after=parent, upto=dt.version())
     log.info("dataset %s v%d: %d bundles, %d rows from %s", contract.kind, version, len(todo), data.num_rows, nodes)
     return CommitResult(contract.kind, version, version - 1, commit_id, [vb.manifest.bundle_id for vb in todo], nodes,
                         data.num_rows, claims.committed, claims.deferred, stats, time.perf_counter() - t0)
 
 
-def find_commit(store: ObjectStore, kind: str, commit_id: str, *, after: int = -1) -> int:
-    """The version whose commitInfo carries `commit_id` (concurrent writers may have committed since)."""
-    dt = open_table(store, kind)
-    limit = max(dt.version() - after, 1)
-    for h in dt.history(limit=limit + 8):
-        if h.get("edgehaul.commit_id") == commit_id:
-            return int(h["version"])
-    raise DatasetError(f"dataset {kind}: commit {commit_id} not found after version {after}")
+def find_commit(store: ObjectStore, kind: str, commit_id: str, *, after: int, upto: int) -> int:
+    """The version whose commitInfo carries `commit_id`: newest first from `upto` (where the writer
+    ended), back to just after `after` (where it started): one GET per concurrent commit, no listing."""
+    for v in range(upto, after, -1):
+        if _commit_json(store, kind, v).get("edgehaul.commit_id") == commit_id:
+            return v
+    raise DatasetError(f"dataset {kind}: commit {commit_id} not found in versions {after + 1}..{upto}")
 
 
 def committed_bundle_ids(store: ObjectStore, kind: str, bundle_ids: list[str]) -> set[str]:

@@ -146,11 +146,14 @@ def run_expectations(table: pa.Table, contract: Contract) -> tuple[ExpectationRo
     """Run the contract's expectation suite over a table (bundle schema) and return one row each."""
     s = suite_for(contract)
     present = [c for c in s.columns if c in table.column_names]
-    # Only the columns the suite reads; above all not `pixels`.
-    df = table.select(present).to_pandas()
+    # Only the columns the suite reads; above all not `pixels`. float32 -> float64: GE's pandas
+    # between-check is vectorised only for the Python-float dtype and loops per row otherwise (~10x).
+    sel = table.select(present)
+    wide = pa.schema([pa.field(f.name, pa.float64()) if pa.types.is_float32(f.type) else f for f in sel.schema])
+    df = sel.cast(wide).to_pandas()
     with s.lock:
         batch = s.batch_definition.get_batch(batch_parameters={"dataframe": df})
-        res = batch.validate(s.suite, result_format="SUMMARY")
+        res = batch.validate(s.suite, result_format="BASIC")
     rows = []
     for r in res.results:
         cfg = r.expectation_config

@@ -1,0 +1,404 @@
+"""Core side: validation throughput, validation's share of ingest, commit cost vs dataset size, time travel.
+
+Every figure is printed beside a baseline measured in the same run:
+1. validation rows/s for the Landsat contract (GE suite over pandas from Arrow, `pixels` dropped)
+   against the same 11 checks written directly in pyarrow.compute;
+2. core ingest of landed bundles (fetch, validate, one commit): the share of wall time spent in
+   validation (target < 25%);
+3. commit latency and S3 requests per commit with 10, 100 and 1,000 data files in the table, counted
+   by a small HTTP proxy between the clients (boto3 and deltalake's Rust client) and the S3 server;
+   baseline: one plain PUT of a bundle-sized object;
+4. time-travel read of an old version against a read of the latest, in pyarrow, polars and DuckDB.
+
+Runs against a private SeaweedFS it starts itself. EDGEHAUL_BENCH_QUICK=1 (or --quick) for CI.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+from deltalake.transaction import AddAction, RemoveAction
+from pydantic import SecretStr
+
+from blocks import ObjectStore
+from edgehaul import landed, localstack
+from edgehaul.bundles import write_bundle
+from edgehaul.contracts import Contract, load_contract
+from edgehaul.datasets import (
+    CHECKPOINT_INTERVAL,
+    ValidatedBundle,
+    commit_bundles,
+    dataset_schema,
+    ensure_table,
+    read_version,
+    table_uri,
+)
+from edgehaul.validation import run_expectations, suite_for, validate_bundle
+from tests.builders import processed_rows
+
+HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "content-length"}
+
+
+class _ProxyServer:
+    """Forwards HTTP to the S3 server unchanged (Host header kept, so signatures still verify) and
+    counts requests by kind and bytes both ways. `GET /__proxy/counts` (with `?reset=1`) reads them."""
+
+    def __init__(self, upstream: str) -> None:
+        up = urlsplit(upstream)
+        self.counts: Counter[str] = Counter()
+        self.bytes = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _upstream(self, body: bytes, headers: dict[str, str]) -> tuple[int, list[tuple[str, str]], bytes]:
+                for attempt in range(3):  # the server may drop an idle connection: retry at once
+                    conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+                    try:
+                        conn.request(self.command, self.path, body=body, headers=headers)
+                        resp = conn.getresponse()
+                        return resp.status, resp.getheaders(), resp.read()
+                    except (http.client.RemoteDisconnected, ConnectionResetError):
+                        if attempt == 2:
+                            raise
+                    finally:
+                        conn.close()
+                raise AssertionError("unreachable")
+
+            def _read_chunked(self) -> bytes:
+                out = bytearray()
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                            pass
+                        return bytes(out)
+                    out += self.rfile.read(size)
+                    self.rfile.readline()
+
+            def _forward(self) -> None:
+                if self.path.startswith("/__proxy/counts"):
+                    with proxy.lock:
+                        doc = json.dumps({"counts": dict(proxy.counts), "bytes": proxy.bytes}).encode()
+                        if "reset=1" in self.path:
+                            proxy.counts.clear()
+                            proxy.bytes = 0
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(doc)))
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                    self.end_headers()
+                    self.wfile.write(doc)
+                    return
+                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                    body = self._read_chunked()
+                else:
+                    body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                n = len(body)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                if n or self.command in ("PUT", "POST"):
+                    headers["Content-Length"] = str(n)
+                try:
+                    status, resp_headers, data = self._upstream(body, headers)
+                except OSError as e:
+                    self.close_connection = True
+                    self.send_error(502, f"proxy: {e}")
+                    return
+                kind = "LIST" if self.command == "GET" and "list-type" in self.path else self.command
+                with proxy.lock:
+                    proxy.counts[kind] += 1
+                    proxy.bytes += len(body) + len(data)
+                self.send_response(status)
+                for k, v in resp_headers:
+                    if k.lower() not in HOP or (self.command == "HEAD" and k.lower() == "content-length"):
+                        self.send_header(k, v)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                # One request per connection: simple and safe to count; clients reconnect on their own.
+                self.send_header("Connection", "close")
+                self.close_connection = True
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+
+def _serve(upstream: str, conn: Any) -> None:
+    server = _ProxyServer(upstream)
+    conn.send(server.url)
+    threading.Event().wait()
+
+
+class CountingProxy:
+    """The counting proxy in its own process: deltalake holds the GIL in some blocking calls
+    (`history()`), which would starve a proxy thread of the same process."""
+
+    def __init__(self, upstream: str) -> None:
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(upstream, child), daemon=True)
+        self.proc.start()
+        self.url: str = parent.recv()
+        self.counts: Counter[str] = Counter()
+        self.bytes = 0
+
+    def snapshot(self, reset: bool = False) -> None:
+        with urllib.request.urlopen(f"{self.url}/__proxy/counts{'?reset=1' if reset else ''}", timeout=10) as r:
+            doc = json.loads(r.read())
+        self.counts = Counter(doc["counts"])
+        self.bytes = int(doc["bytes"])
+
+    def reset(self) -> None:
+        self.snapshot(reset=True)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.join(5)
+
+
+def _tiled(base: pa.Table, n: int, tag: str) -> pa.Table:
+    """n rows in the bundle schema: `base` repeated, with unique sample ids and sequence numbers."""
+    reps = -(-n // base.num_rows)
+    t = pa.concat_tables([base] * reps).slice(0, n)
+    t = t.set_column(t.schema.get_field_index("sample_id"), "sample_id", pa.array([f"{tag}-{i}" for i in range(n)]))
+    return t.set_column(t.schema.get_field_index("seq"), "seq", pa.array(np.arange(n, dtype=np.int64)))
+
+
+def arrow_checks(t: pa.Table) -> bool:
+    """The contract's 11 checks written directly in pyarrow.compute (the baseline)."""
+    ok = pc.count_distinct(t.column("sample_id")).as_py() == t.num_rows
+    ok &= all(t.column(c).null_count == 0 for c in ("sample_id", "node_id", "capture_time"))
+    ok &= pc.all(pc.is_in(t.column("label").drop_null(), pa.array(range(1, 8), pa.int16()))).as_py() is not False
+    ok &= pc.all(pc.is_in(t.column("tier"), pa.array(["high", "normal", "low"]))).as_py() is not False
+    for c in ("value", "mean_b4_nir"):
+        mm = pc.min_max(t.column(c)).as_py()
+        ok &= mm["min"] >= 0.0 and mm["max"] <= 1.0
+    ok &= 0.05 <= pc.mean(t.column("mean_b4_nir")).as_py() <= 0.9
+    ok &= 0.02 <= pc.mean(t.column("mean_b3_red")).as_py() <= 0.9
+    ok &= 0.0001 <= pc.stddev(t.column("mean_b4_nir"), ddof=1).as_py() <= 0.5
+    return bool(ok)
+
+
+def bench_validation(c: Contract, base: pa.Table, n: int) -> None:
+    t0 = time.perf_counter()
+    suite_for(c)
+    build = time.perf_counter() - t0
+    t = _tiled(base, n, "v").drop_columns(["pixels"])
+    t0 = time.perf_counter()
+    rows = run_expectations(t, c)
+    ge = time.perf_counter() - t0
+    assert all(r.success for r in rows), [r for r in rows if not r.success]
+    t0 = time.perf_counter()
+    assert arrow_checks(t)
+    arrow = time.perf_counter() - t0
+    print(f"\n[1] validation of {n:,} rows ({len(rows)} expectations; GE suite built once in {build:.1f} s)")
+    print(f"  {'':28} {'seconds':>8} {'rows/s':>12}")
+    print(f"  {'GE 1.x via pandas':28} {ge:8.2f} {n / ge:12,.0f}")
+    print(f"  {'baseline: pyarrow.compute':28} {arrow:8.2f} {n / arrow:12,.0f}")
+    print(f"  GE / baseline time: {ge / arrow:.0f}x")
+
+
+def _land(store: ObjectStore, c: Contract, base: pa.Table, bundles: int, rows: int) -> list[str]:
+    s3 = store.client()
+    keys = []
+    for i in range(bundles):
+        node = ("node-a", "node-b")[i % 2]
+        t = _tiled(base, rows, f"{node}-b{i}")
+        t = t.set_column(t.schema.get_field_index("node_id"), "node_id", pa.array([node] * rows))
+        data, m = write_bundle(t, c, tier="normal")
+        key = store.key("landing", m.object_key)
+        s3.put_object(Bucket=store.bucket("landing"), Key=key, Body=data)
+        s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.manifest_key), Body=m.to_json())
+        keys.append(key)
+    return keys
+
+
+def bench_ingest_share(store: ObjectStore, c: Contract, base: pa.Table, bundles: int, rows: int, runs: int) -> None:
+    keys = _land(store, c, base, bundles * runs, rows)
+    totals: dict[str, float] = dict.fromkeys(("fetch", "validate", "commit", "total"), 0.0)
+    for r in range(runs):
+        part = keys[r * bundles:(r + 1) * bundles]
+        t0 = time.perf_counter()
+        vbs = []
+        for k in part:
+            t1 = time.perf_counter()
+            lb = landed.fetch(store, k)
+            totals["fetch"] += time.perf_counter() - t1
+            assert lb.data is not None and lb.manifest is not None
+            t1 = time.perf_counter()
+            table, res = validate_bundle(lb.data, lb.manifest)
+            totals["validate"] += time.perf_counter() - t1
+            assert res.success and table is not None, res.error
+            vbs.append(ValidatedBundle(lb.manifest, table, res))
+        t1 = time.perf_counter()
+        cr = commit_bundles(store, c, vbs)
+        totals["commit"] += time.perf_counter() - t1
+        totals["total"] += time.perf_counter() - t0
+        assert cr.version == r + 1
+    total = totals["total"]
+    print(f"\n[2] core ingest: {runs} runs x {bundles} bundles x {rows:,} rows (with pixels), one commit per run")
+    for phase in ("fetch", "validate", "commit"):
+        print(f"  {phase:10} {totals[phase]:7.2f} s  {100 * totals[phase] / total:5.1f}% of wall time")
+    print(f"  {'total':10} {total:7.2f} s  ({bundles * runs * rows / total:,.0f} rows/s end to end)")
+    print(f"  validation share: {100 * totals['validate'] / total:.1f}% (target < 25%)")
+
+
+def _add_files(store: ObjectStore, c: Contract, n: int, sample: bytes, stats: str) -> None:
+    """Add n one-row data files to the table in one commit (uploaded directly: fast set-up)."""
+    s3 = store.client()
+    dt = DeltaTable(table_uri(store, c.kind), storage_options=store.storage_options())
+    actions: list[AddAction | RemoveAction] = []
+    now = int(time.time() * 1000)
+    for _ in range(n):
+        name = f"part-bench-{uuid.uuid4().hex}.parquet"
+        s3.put_object(Bucket=store.bucket("curated"), Key=store.key("curated", f"{c.kind}/{name}"), Body=sample)
+        actions.append(AddAction(name, len(sample), {}, now, True, stats))
+    dt.create_write_transaction(actions, mode="append", schema=dataset_schema(c))
+
+
+def bench_commits(
+    proxy: CountingProxy, proxy_store: ObjectStore, store: ObjectStore, c: Contract, base: pa.Table, per_level: int,
+) -> None:
+    ensure_table(store, c)
+    one = _tiled(base, 1, "files").append_column("bundle_id", pa.array(["setup"]))
+    sink = io.BytesIO()
+    pq.write_table(one.cast(dataset_schema(c)), sink)
+    sample = sink.getvalue()
+    stats = json.dumps({"numRecords": 1})
+    bundle_rows = 50
+    # baseline: one plain PUT of a bundle-sized object (direct, like the timed commits)
+    small = _tiled(base, bundle_rows, "base")
+    data, _ = write_bundle(small, c, tier="normal")
+    s3 = store.client()
+    lat = []
+    for i in range(per_level):
+        t0 = time.perf_counter()
+        s3.put_object(Bucket=store.bucket("ops"), Key=store.key("ops", f"bench/put-{i}"), Body=data)
+        lat.append(time.perf_counter() - t0)
+    put_s = statistics.median(lat)
+    print(f"\n[3] commit of one {bundle_rows}-row bundle vs data files already in the table (median of {per_level}"
+          f" direct commits; requests: mean of {per_level} more through the counting proxy)")
+    print(f"  baseline: one PUT of the bundle ({len(data) / 1024:.0f} KiB): {1000 * put_s:.1f} ms, 1 request")
+    print(f"  {'files':>6} {'commit ms':>10} {'x PUT':>6} {'requests':>9} {'GET':>5} {'PUT':>5} {'LIST':>5} "
+          f"{'HEAD':>5} {'KiB moved':>9} {'version':>8}")
+    have, k = 0, 0
+    rows = []
+
+    def one_bundle() -> ValidatedBundle:
+        nonlocal k
+        k += 1
+        d, m = write_bundle(_tiled(base, bundle_rows, f"commit-{k}"), c, tier="normal")
+        tbl, res = validate_bundle(d, m)
+        assert tbl is not None
+        return ValidatedBundle(m, tbl, res)
+
+    for level in (10, 100, 1000):
+        _add_files(store, c, level - have, sample, stats)
+        have = level
+        lat, reqs, kib, kinds = [], [], [], Counter[str]()
+        for _ in range(per_level):
+            vb = one_bundle()
+            t0 = time.perf_counter()
+            assert commit_bundles(store, c, [vb]).version is not None
+            lat.append(time.perf_counter() - t0)
+        for _ in range(per_level):
+            vb = one_bundle()
+            proxy.reset()
+            assert commit_bundles(proxy_store, c, [vb]).version is not None
+            proxy.snapshot()
+            reqs.append(sum(proxy.counts.values()))
+            kib.append(proxy.bytes / 1024)
+            kinds.update(proxy.counts)
+        dt = DeltaTable(table_uri(store, c.kind), storage_options=store.storage_options())
+        files = len(dt.file_uris())
+        med = statistics.median(lat)
+        rows.append((files, med, statistics.mean(reqs)))
+        print(f"  {files:6d} {1000 * med:10.1f} {med / put_s:6.1f} {statistics.mean(reqs):9.1f} "
+              f"{kinds['GET'] / per_level:5.1f} {kinds['PUT'] / per_level:5.1f} {kinds['LIST'] / per_level:5.1f} "
+              f"{kinds['HEAD'] / per_level:5.1f} {statistics.mean(kib):9.1f} {dt.version():8d}")
+    print(f"  1000 files vs 10: latency {rows[-1][1] / rows[0][1]:.2f}x, requests {rows[-1][2] / rows[0][2]:.2f}x. "
+          f"Requests depend on commits since the last checkpoint (every {CHECKPOINT_INTERVAL}), not on files; "
+          "bytes read (checkpoint + log) do grow with files.")
+
+
+def bench_time_travel(store: ObjectStore, c: Contract) -> None:
+    dt = DeltaTable(table_uri(store, c.kind), storage_options=store.storage_options())
+    latest = dt.version()
+    print(f"\n[4] time travel: read version 1 (first ingest) vs latest (v{latest}), same process")
+    print(f"  {'reader':8} {'v1 s':>7} {'v1 rows':>8} {'latest s':>9} {'rows':>8} {'v1/latest time':>15}")
+    for reader in ("pyarrow", "polars", "duckdb"):
+        t0 = time.perf_counter()
+        old = read_version(store, c.kind, 1, reader=reader)  # type: ignore[arg-type]
+        t_old = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        new = read_version(store, c.kind, latest, reader=reader)  # type: ignore[arg-type]
+        t_new = time.perf_counter() - t0
+        print(f"  {reader:8} {t_old:7.2f} {old.num_rows:8d} {t_new:9.2f} {new.num_rows:8d} {t_old / t_new:15.2f}")
+
+
+def main() -> None:
+    quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
+    val_rows = 200_000 if quick else 1_000_000
+    bundles, bundle_rows, runs = (3, 2000, 2) if quick else (6, 5000, 3)
+    per_level = 2 if quick else 3
+    c = load_contract("landsat_patch")
+    base = processed_rows(1000, seed=1)
+    print(f"core benchmark ({'quick' if quick else 'full'})")
+    bench_validation(c, base, val_rows)
+    with tempfile.TemporaryDirectory(prefix="bench-core-") as d:
+        root = Path(d)
+        state = localstack.new_state(root, fixed_ports=False)
+        state.save()
+        localstack.start_s3(state)
+        proxy = CountingProxy(state.s3_endpoint)
+        try:
+            cred = state.identities["admin"]
+
+            def store_at(endpoint: str, prefix: str) -> ObjectStore:
+                return ObjectStore(endpoint_url=endpoint, access_key_id=SecretStr(cred.access_key_id),
+                                   secret_access_key=SecretStr(cred.secret_access_key), prefix=prefix)
+
+            ingest = store_at(state.s3_endpoint, "ingest")
+            bench_ingest_share(ingest, c, base, bundles, bundle_rows, runs)
+            bench_time_travel(ingest, c)
+            direct, via_proxy = store_at(state.s3_endpoint, "commits"), store_at(proxy.url, "commits")
+            bench_commits(proxy, via_proxy, direct, c, base, per_level)
+        finally:
+            proxy.close()
+            localstack.down(root)
+
+
+if __name__ == "__main__":
+    main()
