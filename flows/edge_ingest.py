@@ -106,6 +106,8 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     progress = create_progress_artifact(0.0, key=f"edge-ingest-{node.node_id}-progress",
                                         description=f"edge_ingest on {node.node_id}: batches done")
 
+    # A model scorer's version (its model id) is fixed for the run: resolve it once, not per batch.
+    fixed_version = scorer_key(policy, node, "", store, contract) if policy.scorer != "novelty" else None
     staged_all: list[StagedBatch] = []
     tiered_all: list[TieredBatch] = []
     for i, raw in enumerate(_raw_batches(p, node.node_id)):
@@ -115,7 +117,7 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
             logger.info("batch %d: staged file %s gone or altered; recomputing", i, staged.path)
             staged = preprocess_batch.with_options(**{**opts, "refresh_cache": True})(raw, raw_sha, contract.id, node)
         del raw
-        version = scorer_key(policy, node, staged.key, store, contract)
+        version = fixed_version or scorer_key(policy, node, staged.key, store, contract)
         tiered = tier_task(staged, contract.id, policy, node, version, store)
         staged_all.append(staged)
         tiered_all.append(tiered)

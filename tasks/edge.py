@@ -70,8 +70,9 @@ class StagedBatch:
     reject_counts: dict[str, int] = field(default_factory=dict)
 
     def is_intact(self) -> bool:
+        """Cheap check before reuse (present, right size); `load_staged` verifies the SHA-256."""
         p = Path(self.path)
-        return p.exists() and p.stat().st_size == self.nbytes and _sha256_file(p) == self.sha256
+        return p.exists() and p.stat().st_size == self.nbytes
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,6 @@ class TieredBatch:
     scorer_version: str
     bundles: list[dict[str, Any]]  # bundle_id, tier, rows, nbytes, sha256, reason, spooled
     report: dict[str, Any]
-
-
-def _sha256_file(p: Path) -> str:
-    h = hashlib.sha256()
-    with p.open("rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def preprocess_key(raw_sha: str, contract: Contract, node_id: str) -> str:
