@@ -79,7 +79,7 @@ class _ProxyServer:
 
             def _upstream(self, body: bytes, headers: dict[str, str]) -> tuple[int, list[tuple[str, str]], bytes]:
                 for attempt in range(3):  # the server may drop an idle connection: retry at once
-                    conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+                    conn = http.client.HTTPConnection(up.hostname or "127.0.0.1", up.port, timeout=60)
                     try:
                         conn.request(self.command, self.path, body=body, headers=headers)
                         resp = conn.getresponse()
