@@ -1,0 +1,124 @@
+"""The production configuration: a Prefect server on a real PostgreSQL, running core_ingest end to end.
+
+A private PostgreSQL (Debian's server binaries: initdb + pg_ctl into a temporary folder, on a free
+port; as the `postgres` user when the tests run as root, since initdb refuses root) backs a second
+Prefect server. core_ingest then validates and commits real bundles from the session's SeaweedFS,
+and the flow run is read back from PostgreSQL itself.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from edgehaul import localstack
+from tests.conftest import store_for
+
+pytestmark = pytest.mark.integration
+
+
+def _pg_bin(name: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}")) or ([shutil.which(name)] if shutil.which(name) else [])
+    if not found:
+        raise RuntimeError(f"PostgreSQL server binary {name!r} not found: apt-get install postgresql (.ci/run does)")
+    return str(found[-1])
+
+
+def _as_db_user() -> tuple[Callable[[list[str]], list[str]], int | None]:
+    if os.geteuid() != 0:
+        return (lambda cmd: cmd), None
+    uid = pwd.getpwnam("postgres").pw_uid
+    return (lambda cmd: ["runuser", "-u", "postgres", "--", *cmd]), uid
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    wrap, uid = _as_db_user()
+    root = Path(tempfile.mkdtemp(prefix="eh-pg-"))
+    if uid is not None:
+        os.chown(root, uid, -1)
+    data, port = root / "data", localstack.free_port()
+    run = dict(check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run(wrap([_pg_bin("initdb"), "-D", str(data), "-U", "prefect", "-A", "trust", "-E", "UTF8"]), **run)  # type: ignore[call-overload]
+    opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
+    subprocess.run(
+        wrap([_pg_bin("pg_ctl"), "-D", str(data), "-o", opts, "-l", str(root / "pg.log"), "-w", "-t", "60", "start"]), **run
+    )  # type: ignore[call-overload]
+    try:
+        subprocess.run(wrap([_pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "prefect", "prefect"]), **run)  # type: ignore[call-overload]
+        yield f"postgresql+asyncpg://prefect@127.0.0.1:{port}/prefect"
+    finally:
+        stop = [_pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]
+        subprocess.run(wrap(stop), capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pg_prefect(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.StackState]:
+    """A separate local stack whose Prefect server runs on PostgreSQL (not the session's SQLite one)."""
+    root = tmp_path_factory.mktemp("pg-stack")
+    old = os.environ.get("EDGEHAUL_PREFECT_DB_URL")
+    os.environ["EDGEHAUL_PREFECT_DB_URL"] = postgres_url
+    try:
+        yield localstack.up(root, fixed_ports=False)
+    finally:
+        if old is None:
+            os.environ.pop("EDGEHAUL_PREFECT_DB_URL", None)
+        else:
+            os.environ["EDGEHAUL_PREFECT_DB_URL"] = old
+        localstack.down(root)
+
+
+def test_core_ingest_runs_on_a_postgres_backed_prefect_server(pg_prefect: localstack.StackState, postgres_url: str) -> None:
+    import psycopg2
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from edgehaul.bundles import BundleManifest
+    from edgehaul.datasets import open_table
+    from flows.core_ingest import CoreIngestParams, core_ingest
+    from tests.builders import bundle
+
+    store = store_for(pg_prefect, "admin", prefix=f"pg-{uuid.uuid4().hex[:8]}")
+    s3 = store.client()
+
+    def put(data: bytes, m: BundleManifest) -> None:
+        s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.object_key), Body=data)
+        s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.manifest_key), Body=m.to_json())
+
+    good = [bundle(40, "node-a", seed=i, start_seq=i * 40) for i in range(2)]
+    for data, m in good:
+        put(data, m)
+    bad_data, bad_m = bundle(10, "node-b", seed=9)
+    put(bad_data[:-100], bad_m)  # truncated in transit: must be quarantined, not committed
+
+    with temporary_settings(updates={PREFECT_API_URL: pg_prefect.prefect_api_url}):
+        block = f"pg-{uuid.uuid4().hex[:8]}"
+        store.save(block, overwrite=True)
+        state = core_ingest(CoreIngestParams(store_block=block), return_state=True)
+        assert state.is_completed(), state
+        run_id = state.state_details.flow_run_id
+
+    table = open_table(store, "landsat_patch").to_pyarrow_table()
+    committed = set(table.column("sample_id").to_pylist())
+    assert committed == {s for _, m in good for s in m.sample_ids}
+    assert not committed & set(bad_m.sample_ids)
+    quarantined = s3.list_objects_v2(Bucket=store.bucket("quarantine"), Prefix=store.key("quarantine", "node-b/"))
+    assert quarantined.get("KeyCount", 0) > 0
+
+    # the run is recorded in PostgreSQL itself, not in some SQLite file
+    dsn = postgres_url.replace("postgresql+asyncpg://", "postgresql://")
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT state_type FROM flow_run WHERE id = %s", (str(run_id),))
+        assert cur.fetchone() == ("COMPLETED",)
+        cur.execute("SELECT count(*) FROM task_run WHERE flow_run_id = %s", (str(run_id),))
+        assert cur.fetchone()[0] >= 3  # type: ignore[index]
+    assert not list((Path(pg_prefect.root) / "prefect").rglob("*.db"))
