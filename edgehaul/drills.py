@@ -559,7 +559,10 @@ def drill_uplink_kill(env: DrillEnv, rng: random.Random) -> TrialResult:
     prof = fast_profile(bandwidth_bps=25 * MiB * 8 / 0.7, multipart_threshold_bytes=5 * MiB, part_bytes=5 * MiB)
     fields = prof.model_dump(include=set(LinkProfile.model_fields))
     p, _ = _spawn(env, _w_drain, _store_dict(store), str(d / "spool"), fields)
-    time.sleep(rng.uniform(0.02, 0.35))
+    deadline = time.monotonic() + 20  # the kill lands at a random point after the multipart upload began
+    while p.is_alive() and time.monotonic() < deadline and not any((d / "spool" / "uplink").glob("*.mpu.json")):
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 0.2))
     killed = _kill(p)
     sp = open_spool(d / "spool")
     s3 = store.client()
