@@ -197,11 +197,11 @@ def test_real_ingest_trainer_and_lifecycle_identities(stack: localstack.StackSta
     assert ingest.get_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b")["Body"].read() == b"bundle"
     ingest.put_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/part", Body=b"rows")
     _denied(ingest.put_object, Bucket="edgehaul-checkpoints", Key=f"{tag}/ckpt", Body=b"x")
-    _denied(ingest.get_object, Bucket="edgehaul-checkpoints", Key=f"{tag}/ckpt")
 
     trainer = store_for(stack, "trainer").client()
     assert trainer.get_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/part")["Body"].read() == b"rows"
     trainer.put_object(Bucket="edgehaul-checkpoints", Key=f"{tag}/1/model.pt", Body=b"w")
+    _denied(ingest.get_object, Bucket="edgehaul-checkpoints", Key=f"{tag}/1/model.pt")  # exists, not readable
     _denied(trainer.put_object, Bucket="edgehaul-curated", Key=f"datasets/{tag}/evil", Body=b"x")
     _denied(trainer.get_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/b")
 
@@ -211,7 +211,9 @@ def test_real_ingest_trainer_and_lifecycle_identities(stack: localstack.StackSta
     )
     life.delete_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/part")
     assert life.get_object(Bucket="edgehaul-cold", Key=f"{tag}/part")["Body"].read() == b"rows"
-    _denied(trainer.get_object, Bucket="edgehaul-curated", Key=f"datasets/{tag}/part")  # gone from hot
+    with pytest.raises(ClientError) as gone:  # moved: no longer in the hot tier
+        trainer.get_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/part")
+    assert gone.value.response["Error"]["Code"] == "NoSuchKey"
     _denied(trainer.get_object, Bucket="edgehaul-ops", Key="_health/ping")
 
 
