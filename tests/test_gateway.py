@@ -106,52 +106,53 @@ def test_each_bad_request_class_is_rejected_and_emits_nothing(stack: localstack.
         return json.dumps(_bundle(node, f"{uid}-{len(over)}-{time.monotonic_ns()}", **over)).encode()
 
     b = body()
-    unsigned = httpx.post(hook, content=b, headers={"content-type": "application/json"})
+    unsigned = httpx.post(hook, content=b, headers={"content-type": "application/json"}, timeout=60)
     assert unsigned.status_code == 401 and "unsigned" in unsigned.json()["error"]
 
     h = signed_headers(secret, b)
-    bad = httpx.post(hook, content=b, headers=h | {"x-edgehaul-signature": sign("wrong", h["x-edgehaul-timestamp"], b)})
+    wrong = sign("wrong", h["x-edgehaul-timestamp"], b)
+    bad = httpx.post(hook, content=b, headers=h | {"x-edgehaul-signature": wrong}, timeout=60)
     assert bad.status_code == 401 and "bad signature" in bad.json()["error"]
-    tampered = httpx.post(hook, content=b.replace(b"120", b"121"), headers=h)
+    tampered = httpx.post(hook, content=b.replace(b"120", b"121"), headers=h, timeout=60)
     assert tampered.status_code == 401
 
-    stale = httpx.post(hook, content=b, headers=signed_headers(secret, b, now=time.time() - 3600))
+    stale = httpx.post(hook, content=b, headers=signed_headers(secret, b, now=time.time() - 3600), timeout=60)
     assert stale.status_code == 401 and "stale" in stale.json()["error"]
 
     big = json.dumps(_bundle(node, f"{uid}-big", padding="x" * 70_000)).encode()
-    over = httpx.post(hook, content=big, headers=signed_headers(secret, big))
+    over = httpx.post(hook, content=big, headers=signed_headers(secret, big), timeout=60)
     assert over.status_code == 413
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the cap must hold while streaming
         for _ in range(100):
             yield b"x" * 4096
 
-    streamed = httpx.post(hook, content=chunks(), headers=signed_headers(secret, b"ignored"))
+    streamed = httpx.post(hook, content=chunks(), headers=signed_headers(secret, b"ignored"), timeout=60)
     assert streamed.status_code == 413
 
     notjson = b"{not json"
-    r = httpx.post(hook, content=notjson, headers=signed_headers(secret, notjson))
+    r = httpx.post(hook, content=notjson, headers=signed_headers(secret, notjson), timeout=60)
     assert r.status_code == 422 and "not JSON" in r.json()["error"]
 
     invalid = body(row_count=-1, sha256="xyz", object_key=f"other-node/x/b-{uid}.parquet")
-    r = httpx.post(hook, content=invalid, headers=signed_headers(secret, invalid))
+    r = httpx.post(hook, content=invalid, headers=signed_headers(secret, invalid), timeout=60)
     assert r.status_code == 422
     fields = {e["field"] for e in r.json()["detail"]}
     assert {"row_count", "sha256"} <= fields
 
     extra = body(unexpected=1)
-    r = httpx.post(hook, content=extra, headers=signed_headers(secret, extra))
+    r = httpx.post(hook, content=extra, headers=signed_headers(secret, extra), timeout=60)
     assert r.status_code == 422 and r.json()["detail"][0]["field"] == "unexpected"
 
-    r = httpx.post(f"{url}/hooks/no-such-kind", content=b, headers=signed_headers(secret, b))
+    r = httpx.post(f"{url}/hooks/no-such-kind", content=b, headers=signed_headers(secret, b), timeout=60)
     assert r.status_code == 404 and set(r.json()["detail"]["kinds"]) == set(HOOKS)
 
     # One good request, then its replay; the good one's event proves the pipeline has caught up.
     good = json.dumps(_bundle(node, f"{uid}-good")).encode()
     hg = signed_headers(secret, good)
-    ok = httpx.post(hook, content=good, headers=hg)
+    ok = httpx.post(hook, content=good, headers=hg, timeout=60)
     assert ok.status_code == 202, ok.text
-    replay = httpx.post(hook, content=good, headers=hg)
+    replay = httpx.post(hook, content=good, headers=hg, timeout=60)
     assert replay.status_code == 409 and "replayed" in replay.json()["error"]
 
     seen = _wait_events(stack.prefect_api_url, f"edgehaul.bundle.b-{uid}")
@@ -217,7 +218,7 @@ def test_signed_webhook_triggers_a_flow_run(stack: localstack.StackState, gatewa
                 automations = client.read_resource_related_automations(f"prefect.deployment.{dep.id}")
 
         body = json.dumps(_bundle(f"n{uid}", uid)).encode()
-        r = httpx.post(f"{url}/hooks/bundle-uploaded", content=body, headers=signed_headers(secret, body))
+        r = httpx.post(f"{url}/hooks/bundle-uploaded", content=body, headers=signed_headers(secret, body), timeout=60)
         assert r.status_code == 202, r.text
         while not marker.exists():
             assert time.monotonic() < deadline + 60, (tmp_path / "serve.log").read_text()
@@ -255,14 +256,30 @@ def test_gateway_emits_with_prefect_api_auth_on(tmp_path: Path) -> None:
         doc = {"station_id": "gs-1", "node_id": f"n{uid}", "window_start": "2026-12-03T10:00:00Z",
                "window_end": "2026-12-03T10:12:00Z", "bandwidth_bps": 2e6}
         body = json.dumps(doc).encode()
-        r = httpx.post(f"{url}/hooks/contact-window-opened", content=body, headers=signed_headers(secret, body))
+        r = httpx.post(f"{url}/hooks/contact-window-opened", content=body, headers=signed_headers(secret, body), timeout=60)
         assert r.status_code == 202, r.text
         auth = tuple(state.api_auth_string.split(":", 1))
         ev = _wait_events(api, f"edgehaul.node.n{uid}", auth=auth)[0]  # type: ignore[arg-type]
         assert ev["event"] == "edgehaul.contact.opened" and ev["payload"]["bandwidth_bps"] == 2e6
         bad = {**doc, "window_end": "2026-12-03T09:00:00Z"}
         body = json.dumps(bad).encode()
-        r = httpx.post(f"{url}/hooks/contact-window-opened", content=body, headers=signed_headers(secret, body))
+        r = httpx.post(f"{url}/hooks/contact-window-opened", content=body, headers=signed_headers(secret, body), timeout=60)
         assert r.status_code == 422 and "window_end" in r.text
     finally:
         localstack.down(tmp_path)
+
+
+def test_alert_sink_needs_its_token_and_appends_json_lines(tmp_path: Path) -> None:
+    from starlette.testclient import TestClient
+
+    from edgehaul.gateway import GatewayConfig, alert_token, create_app
+
+    log = tmp_path / "alerts.jsonl"
+    with TestClient(create_app(GatewayConfig("s3cret", alert_log=str(log)))) as client:
+        body = {"subject": "[edgehaul L2] spool-watermark", "body": '{"level": 2}'}
+        assert client.post("/alerts", json=body).status_code == 401
+        assert client.post("/alerts", json=body, headers={"authorization": "Bearer nope"}).status_code == 401
+        ok = client.post("/alerts", json=body, headers={"authorization": f"Bearer {alert_token('s3cret')}"})
+        assert ok.status_code == 202
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["subject"] == body["subject"]
