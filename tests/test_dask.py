@@ -120,3 +120,34 @@ def test_dask_and_thread_runs_give_identical_bundles(
         assert len(ids) + len(r["rejected"]) == raw.num_rows  # type: ignore[arg-type]
         assert set(ids) == set(raw.column("sample_id").to_pylist())
     assert len({r["manifest"].bundle_id for r in results["dask"]}) == len(backlog)  # type: ignore[attr-defined]
+
+
+@pytest.mark.integration
+def test_core_ingest_under_dask_commits_what_the_thread_run_commits(
+    stack: localstack.StackState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real core_ingest flow (per-bundle validation tasks) on both runners, each into its own prefix."""
+    import uuid
+
+    from edgehaul.datasets import open_table
+    from flows.core_ingest import CoreIngestParams, core_ingest
+    from tests.builders import bundle
+    from tests.conftest import store_for
+
+    bundles = [bundle(30, "node-a", seed=i, start_seq=i * 30) for i in range(3)]
+    bad_data, bad_m = bundle(10, "node-b", seed=7)
+    committed: dict[str, list[str]] = {}
+    for kind in ("thread", "dask"):
+        store = store_for(stack, prefix=f"dk-{kind}-{uuid.uuid4().hex[:8]}")
+        s3 = store.client()
+        for data, m in [*bundles, (bad_data[:-64], bad_m)]:
+            s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.object_key), Body=data)
+            s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.manifest_key), Body=m.to_json())
+        block = f"dk-{uuid.uuid4().hex[:8]}"
+        store.save(block, overwrite=True)
+        monkeypatch.setenv("EDGEHAUL_TASK_RUNNER", kind)
+        monkeypatch.setenv("EDGEHAUL_DASK_WORKERS", "2")
+        state = configured(core_ingest)(CoreIngestParams(store_block=block), return_state=True)
+        assert state.is_completed(), (kind, state)
+        committed[kind] = sorted(open_table(store, "landsat_patch").to_pyarrow_table().column("sample_id").to_pylist())
+    assert committed["dask"] == committed["thread"] == sorted(s for _, m in bundles for s in m.sample_ids)
