@@ -30,7 +30,7 @@ from pathlib import Path
 DEFAULT_ROOT = Path(os.environ.get("EDGEHAUL_STACK_DIR", Path.cwd() / ".edgehaul-stack"))
 
 # Buckets of the product: one per zone, so identities and lifecycle rules can target them.
-ROLES = ("admin", "ingest", "trainer", "lifecycle")
+ROLES = ("admin", "ingest", "trainer", "lifecycle", "results")
 BUCKETS = ("edgehaul-landing", "edgehaul-curated", "edgehaul-cold", "edgehaul-checkpoints", "edgehaul-ops")
 
 
@@ -126,6 +126,8 @@ def identities_config(
             for b in ("edgehaul-curated", "edgehaul-cold", "edgehaul-landing", "edgehaul-checkpoints", "edgehaul-ops")
             for a in ("Read", "Write", "List", "Tagging")
         ],
+        # Prefect's cached task results (references, not data), shared by every worker and node.
+        "results": [f"{a}:edgehaul-ops/prefect-results/*" for a in ("Read", "Write", "List")],
     }
     for node in nodes:
         grants[node] = _node_actions(node)
