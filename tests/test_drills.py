@@ -1,5 +1,6 @@
-"""Fault drills (edgehaul.drills): every drill, EDGEHAUL_DRILL_TRIALS trials each (default 4 in the suite; `make drills` runs 50), zero samples
-lost and zero duplicated by sample id. Runs against its own SeaweedFS (the store-down drill stops it)."""
+"""Fault drills (edgehaul.drills): every drill, EDGEHAUL_DRILL_TRIALS trials each (4 in the suite,
+50 in `make drills`), zero samples lost and zero duplicated by sample id. Runs against its own
+SeaweedFS (the store-down drill stops it)."""
 
 from __future__ import annotations
 
