@@ -40,7 +40,7 @@ lint: install
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 unit: install
 	$(BIN)/pytest -q -m "not integration"

@@ -301,7 +301,7 @@ def start_prefect(state: StackState) -> None:
     prefect = Path(sys.executable).parent / "prefect"
     cmd = [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(state.prefect_port)]
     pid = _spawn(root, "prefect", cmd, env)
-    _wait_http(f"{state.prefect_api_url}/health", 120, pid, "Prefect server", root / "logs" / "prefect.log")
+    _wait_http(f"{state.prefect_api_url}/health", 300, pid, "Prefect server", root / "logs" / "prefect.log")
 
 
 def start_gateway(state: StackState, port: int | None = None) -> str:
