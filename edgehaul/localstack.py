@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import secrets
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -209,6 +211,16 @@ def _clean_stale_sockets(ports: dict[str, int]) -> None:
                 os.unlink(path)
 
 
+def _socket_dir(d: Path) -> Path:
+    """Unix socket paths are limited to ~107 bytes: deep stack folders (pytest tmp dirs) get a short
+    folder under /tmp named after the stack folder, so restarts of the same stack find it again."""
+    if len(str(d / "filer.sock")) < 100:
+        return d
+    short = Path(tempfile.gettempdir()) / f"edgehaul-sock-{hashlib.sha256(str(d).encode()).hexdigest()[:12]}"
+    short.mkdir(mode=0o700, exist_ok=True)
+    return short
+
+
 def _weed_binary() -> str:
     exe = Path(sys.executable).parent / "weed"
     found = str(exe) if exe.exists() else shutil.which("weed")
@@ -230,12 +242,13 @@ def start_s3(state: StackState) -> None:
     os.chmod(cfg, 0o600)
     p = state.weed_ports
     _clean_stale_sockets(p)
+    sock = _socket_dir(d)
     cmd = [
         _weed_binary(), f"-logdir={d / 'logs'}", "mini", f"-dir={d / 'data'}",
         "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.config={cfg}",
         "-s3.allowDeleteBucketNotEmpty=false", "-s3.autoCreateBucket=false",
         "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        f"-filer.localSocket={d / 'filer.sock'}", f"-s3.localSocket={d / 's3.sock'}",
+        f"-filer.localSocket={sock / 'filer.sock'}", f"-s3.localSocket={sock / 's3.sock'}",
         f"-s3.port={state.s3_port}", f"-s3.port.grpc={p['s3_grpc']}",
         f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
         f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
