@@ -97,7 +97,9 @@ def check_control_plane(state: localstack.StackState, window_h: float = 24.0) ->
         for pool in pools:
             beats = [w.last_heartbeat_time for w in c.read_workers_for_work_pool(pool) if w.last_heartbeat_time]
             fresh = [b for b in beats if now - b < timedelta(seconds=120)]
-            (seen if fresh else problems).append(f"{pool}: {len(fresh)} live worker(s)")
+            (seen if fresh else problems).append(
+                f"{pool}: {len(fresh)} live worker(s)" + ("" if fresh else " (start them with `make deploy`)")
+            )
     since = now - timedelta(hours=window_h)
     for names in (["edgehaul.link.stats"], ["edgehaul.dataset.committed", "edgehaul.bundle.receipt"]):
         evs = _events(state.prefect_api_url, names, since, state.api_auth_string)
