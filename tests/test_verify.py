@@ -28,4 +28,5 @@ def test_deployment_checks_fail_clearly_without_deployments(stack: localstack.St
     """Needs deployments/workers to PASS (`make deploy`): on a bare stack they must say what is missing."""
     checks = {c.name: c for c in verify.run_checks(stack, ("control_plane", "placement"), say=lambda s: None)}
     assert not checks["control_plane"].ok and "make deploy" in checks["control_plane"].detail
-    assert not checks["placement"].ok and "no " in checks["placement"].detail
+    # Other tests' runs may exist on test pools: the check must still fail and say what it saw.
+    assert not checks["placement"].ok and checks["placement"].detail
