@@ -82,14 +82,8 @@ def check_move(
     target = CLASSES[target_class]
     if size < target.min_billable_bytes:
         return Verdict(False, BELOW_MIN_SIZE)
-    left = _duration_left(current_class, class_since, now)
-    if left > timedelta(0):
-        why = (
-            f"skipped: minimum storage duration of {storage_class(current_class).name} not reached "
-            f"({left / DAY:.1f} days left)"
-        )
-        return Verdict(True, f"forced: {force_reason}", forced=True) if force_reason else Verdict(False, why)
-    return Verdict(True, "")
+    # Leaving the current class early costs the same whether the object is moved or deleted.
+    return check_delete(current_class, class_since, now, force_reason)
 
 
 def check_delete(
