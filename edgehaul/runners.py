@@ -9,17 +9,23 @@ per batch or bundle; which engine runs those tasks is deployment configuration, 
     EDGEHAUL_DASK_WORKERS  workers of that local cluster (default: CPU count), one thread each
     EDGEHAUL_THREADS       threads of the thread runner (default: Prefect's default)
 
-A flow opts in with `configured(my_flow)` (a copy of the flow with the configured runner) or passes
-`task_runner()` to `@flow(task_runner=...)` at import time. Tasks sent to Dask must be importable
-on the workers (defined in a module, not in `__main__`), and their inputs and results picklable.
+Deployable flows declare `@flow(task_runner=from_environment())`: the setting is read when a flow run
+starts (Prefect's engine calls `task_runner.duplicate()` once per run), in the process that runs it,
+so a worker's job environment (a work pool's `env`, a deployment's `job_variables`) decides, and a
+flow imported before the variables were set still follows them. `configured(my_flow)` pins a runner
+for one copy of a flow instead. Tasks sent to Dask must be importable on the workers (defined in a
+module, not in `__main__`), and their inputs and results picklable. Only tasks started with
+`.submit()`/`.map()` go through the runner; a task called directly runs in the flow's process.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from prefect.logging import get_logger
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 RunnerKind = Literal["thread", "dask"]
@@ -100,3 +106,36 @@ def task_runner(config: RunnerConfig | None = None) -> TaskRunner[Any]:
 def configured(flow_obj: F, config: RunnerConfig | None = None) -> F:
     """A copy of a Prefect flow whose tasks run on the configured runner."""
     return flow_obj.with_options(task_runner=task_runner(config))  # type: ignore[attr-defined,no-any-return]
+
+
+class EnvironmentTaskRunner(TaskRunner[Any]):
+    """Placeholder for `@flow(task_runner=...)` that becomes the configured runner when a run starts.
+
+    Prefect never submits to a flow's declared runner: each run enters `flow.task_runner.duplicate()`.
+    So `duplicate()` reads EDGEHAUL_TASK_RUNNER / EDGEHAUL_DASK_* of the running process and returns a
+    fresh ThreadPoolTaskRunner or DaskTaskRunner; with no variable set that is Prefect's default runner.
+    """
+
+    @property
+    def name(self) -> str:
+        return "edgehaul-environment"
+
+    def duplicate(self) -> Any:  # the concrete runner for this run, not a copy of the placeholder
+        cfg = RunnerConfig.from_env()
+        get_logger("edgehaul.runners").info("task runner: %s", cfg.describe())
+        return task_runner(cfg)
+
+    def submit(self, task: Any, parameters: dict[str, Any], wait_for: Iterable[Any] | None = None,
+               dependencies: dict[str, Any] | None = None) -> Any:
+        raise RuntimeError("EnvironmentTaskRunner is resolved per flow run: submit through duplicate()'s runner")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EnvironmentTaskRunner)
+
+    def __hash__(self) -> int:
+        return hash(EnvironmentTaskRunner)
+
+
+def from_environment() -> EnvironmentTaskRunner:
+    """The task runner for deployable flows: chosen by the environment of each flow run's process."""
+    return EnvironmentTaskRunner()

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from blocks import ObjectStore
 from edgehaul.caching import ensure_result_storage
+from edgehaul.runners import from_environment
 from tasks.core import compact_task, file_set_task
 
 
@@ -32,7 +33,7 @@ class CompactDatasetParams(BaseModel):
     result_storage: str = Field(default="", description="Result storage block slug; empty: the store's ops bucket.")
 
 
-@flow(name="compact_dataset")
+@flow(name="compact_dataset", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
 def compact_dataset(params: CompactDatasetParams | None = None) -> dict[str, Any]:
     """Bin-pack the dataset's small files into target-size files in one commit."""
     p = params or CompactDatasetParams()

@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 from blocks import ObjectStore
 from edgehaul import events
 from edgehaul.caching import ensure_result_storage
+from edgehaul.runners import from_environment
 from edgehaul.validation import ValidationResult
 from tasks.core import (
     BundleRejected,
@@ -86,7 +87,7 @@ def _artifact_rows(passed: list[ValidationResult], rejected: list[dict[str, Any]
     return rows
 
 
-@flow(name="core_ingest")
+@flow(name="core_ingest", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
 def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     """Validate landed bundles, quarantine failures, commit the rest as one dataset version per contract."""
     p = params or CoreIngestParams()

@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field, model_validator
 from blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import contract_by_id
 from edgehaul.landsat import generate, table_sha256
+from edgehaul.runners import from_environment
 from edgehaul.spool import Spool
 from tasks.edge import StagedBatch, TieredBatch, merge_reports, preprocess_batch, scorer_key, tier_and_spool
 
@@ -89,7 +90,7 @@ def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore 
     return node, policy, store
 
 
-@flow(name="edge_ingest")
+@flow(name="edge_ingest", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
 def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     """Preprocess, score, tier and bundle raw observations into the node's durable spool."""
     p = params or EdgeIngestParams()
