@@ -19,6 +19,7 @@ import http.client
 import io
 import json
 import multiprocessing
+import re
 import os
 import statistics
 import sys
@@ -31,7 +32,7 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -60,6 +61,19 @@ from tests.builders import processed_rows
 HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "content-length"}
 
 
+def _pattern(path: str) -> str:
+    """A request path with its variable parts (versions, uuids, bundle ids) replaced: what kind of object."""
+    path, _, query = path.partition("?")
+    if "list-type" in query:
+        prefix = re.search(r"prefix=([^&]*)", query)
+        start = re.search(r"start-after=([^&]*)", query)
+        path = f"{path}?prefix={unquote(prefix.group(1)) if prefix else ''}" + (" start-after" if start else "")
+    path = re.sub(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}", "<id>", path)
+    path = re.sub(r"[0-9a-f]{32,64}", "<id>", path)
+    path = re.sub(r"\d{20}", "<v>", path)
+    return re.sub(r"^/[^/]+/[^/]+/", "", path)  # bucket and store prefix
+
+
 class _ProxyServer:
     """Forwards HTTP to the S3 server unchanged (Host header kept, so signatures still verify) and
     counts requests by kind and bytes both ways. `GET /__proxy/counts` (with `?reset=1`) reads them."""
@@ -67,6 +81,7 @@ class _ProxyServer:
     def __init__(self, upstream: str) -> None:
         up = urlsplit(upstream)
         self.counts: Counter[str] = Counter()
+        self.patterns: Counter[str] = Counter()
         self.bytes = 0
         self.lock = threading.Lock()
         proxy = self
@@ -105,9 +120,11 @@ class _ProxyServer:
             def _forward(self) -> None:
                 if self.path.startswith("/__proxy/counts"):
                     with proxy.lock:
-                        doc = json.dumps({"counts": dict(proxy.counts), "bytes": proxy.bytes}).encode()
+                        doc = json.dumps({"counts": dict(proxy.counts), "patterns": dict(proxy.patterns),
+                                          "bytes": proxy.bytes}).encode()
                         if "reset=1" in self.path:
                             proxy.counts.clear()
+                            proxy.patterns.clear()
                             proxy.bytes = 0
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(doc)))
@@ -133,6 +150,7 @@ class _ProxyServer:
                 kind = "LIST" if self.command == "GET" and "list-type" in self.path else self.command
                 with proxy.lock:
                     proxy.counts[kind] += 1
+                    proxy.patterns[f"{kind} {_pattern(self.path)}"] += 1
                     proxy.bytes += len(body) + len(data)
                 self.send_response(status)
                 for k, v in resp_headers:
@@ -172,12 +190,14 @@ class CountingProxy:
         self.proc.start()
         self.url: str = parent.recv()
         self.counts: Counter[str] = Counter()
+        self.patterns: Counter[str] = Counter()
         self.bytes = 0
 
     def snapshot(self, reset: bool = False) -> None:
         with urllib.request.urlopen(f"{self.url}/__proxy/counts{'?reset=1' if reset else ''}", timeout=10) as r:
             doc = json.loads(r.read())
         self.counts = Counter(doc["counts"])
+        self.patterns = Counter(doc["patterns"])
         self.bytes = int(doc["bytes"])
 
     def reset(self) -> None:

@@ -20,11 +20,16 @@ which covers a run killed mid-commit).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
+import os
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from botocore.exceptions import ClientError
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import DeltaError, TableNotFoundError
@@ -122,6 +128,131 @@ def ensure_table(store: ObjectStore, contract: Contract) -> DeltaTable:
     return dt
 
 
+# ---------------------------------------------------------------- the process's open tables
+
+
+class TableHandle:
+    """A dataset table kept open in this process, with an index of its Delta `txn` app ids.
+
+    Opening a Delta table reads its checkpoint, which grows with the number of files, and
+    `DeltaTable.transaction_version` scans checkpoint + log again on every call. A commit through a
+    handle instead refreshes incrementally (a LIST and the commits made since, by others) and answers
+    "is this bundle committed?" from the index: its request count no longer depends on the table's size.
+    The index is built once per process from the latest checkpoint's `txn` column plus the commits
+    after it, then kept up to date from each new commit's JSON (one GET each).
+    Use under `lock`: a DeltaTable is not meant for concurrent writers in one process.
+    """
+
+    def __init__(self, store: ObjectStore, kind: str, dt: DeltaTable, s3: S3Client) -> None:
+        self.store, self.kind, self.dt = store, kind, dt
+        self.lock = threading.Lock()
+        self.txns: dict[str, int] = {}
+        self.indexed_upto = -1  # the index holds every txn of versions <= this
+        self.exact = True  # False: the index could not be built; fall back to delta-rs lookups
+        try:
+            self.indexed_upto, self.txns = _checkpoint_txns(store, kind, s3)
+        except (DatasetError, ClientError, pa.ArrowException, ValueError, KeyError) as e:
+            log.warning("dataset %s: no transaction index (%s); using per-bundle log scans", kind, e)
+            self.exact = False
+        self._index(s3)
+
+    def _index(self, s3: S3Client) -> dict[int, dict[str, Any]]:
+        """Fold the txns of versions after the index into it; returns those versions' commitInfo."""
+        infos: dict[int, dict[str, Any]] = {}
+        if not self.exact:
+            return infos
+        for v in range(self.indexed_upto + 1, self.dt.version() + 1):
+            actions = _log_actions(self.store, self.kind, v, s3)
+            for a in actions:
+                if "txn" in a:
+                    self.txns[str(a["txn"]["appId"])] = int(a["txn"]["version"])
+                elif "commitInfo" in a:
+                    infos[v] = dict(a["commitInfo"])
+            self.indexed_upto = v
+        return infos
+
+    def refresh(self, s3: S3Client) -> None:
+        """Catch up with commits made since (by other processes): one LIST when there are none."""
+        self.dt.update_incremental()
+        if self.dt.version() < self.indexed_upto:  # the table was recreated under us: start again
+            raise DatasetError(f"dataset {self.kind}: version went back from {self.indexed_upto} to {self.dt.version()}")
+        self._index(s3)
+
+    def is_committed(self, bundle_id: str) -> bool:
+        if self.exact:
+            return txn_app_id(bundle_id) in self.txns
+        return self.dt.transaction_version(txn_app_id(bundle_id)) is not None
+
+    def absorb(self, s3: S3Client, commit_id: str, *, after: int) -> int:
+        """After our write: index the new versions and return the one carrying `commit_id`."""
+        infos = self._index(s3)
+        for v in sorted(infos, reverse=True):
+            if infos[v].get("edgehaul.commit_id") == commit_id:
+                return v
+        return find_commit(self.store, self.kind, commit_id, after=after, upto=self.dt.version())
+
+
+_HANDLES: dict[tuple[int, str, str], TableHandle] = {}
+_HANDLES_LOCK = threading.Lock()
+
+
+def _handle_key(store: ObjectStore, kind: str) -> tuple[int, str, str]:
+    # pid: a forked child must not reuse its parent's open table (the Rust runtime does not survive fork)
+    opts = json.dumps(store.storage_options(), sort_keys=True)
+    return os.getpid(), table_uri(store, kind), hashlib.sha256(opts.encode()).hexdigest()
+
+
+def table_handle(store: ObjectStore, contract: Contract, *, s3: S3Client | None = None) -> TableHandle:
+    """The process's open handle on a kind's table (created on first use, see `ensure_table`)."""
+    key = _handle_key(store, contract.kind)
+    with _HANDLES_LOCK:
+        h = _HANDLES.get(key)
+    if h is None:
+        h = TableHandle(store, contract.kind, ensure_table(store, contract), s3 or store.client())
+        with _HANDLES_LOCK:
+            h = _HANDLES.setdefault(key, h)
+    return h
+
+
+def forget_handle(store: ObjectStore, kind: str) -> None:
+    """Drop the process's open handle (after a failed commit: its state is no longer trusted)."""
+    with _HANDLES_LOCK:
+        _HANDLES.pop(_handle_key(store, kind), None)
+
+
+def _log_actions(store: ObjectStore, kind: str, version: int, s3: S3Client) -> list[dict[str, Any]]:
+    key = store.key("curated", f"{kind}/_delta_log/{version:020d}.json")
+    try:
+        body = s3.get_object(Bucket=store.bucket("curated"), Key=key)["Body"].read()
+    except ClientError as e:
+        raise DatasetError(f"dataset {kind}: no commit log entry for version {version} ({key})") from e
+    return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def _checkpoint_txns(store: ObjectStore, kind: str, s3: S3Client) -> tuple[int, dict[str, int]]:
+    """(checkpoint version, app id -> txn version) from the latest classic checkpoint; (-1, {}) when
+    there is none yet. A checkpoint holds the reconciled txn set of every version up to its own."""
+    bucket, log_dir = store.bucket("curated"), store.key("curated", f"{kind}/_delta_log/")
+    try:
+        last = json.loads(s3.get_object(Bucket=bucket, Key=log_dir + "_last_checkpoint")["Body"].read())
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+            return -1, {}
+        raise
+    if "v2Checkpoint" in last:
+        raise DatasetError("V2 checkpoints are not indexed")
+    v, parts = int(last["version"]), int(last.get("parts") or 0)
+    names = ([f"{v:020d}.checkpoint.{i:010d}.{parts:010d}.parquet" for i in range(1, parts + 1)] if parts
+             else [f"{v:020d}.checkpoint.parquet"])
+    txns: dict[str, int] = {}
+    for name in names:
+        body = s3.get_object(Bucket=bucket, Key=log_dir + name)["Body"].read()
+        col = pq.read_table(io.BytesIO(body), columns=["txn"]).column("txn")
+        for t in col.drop_null().to_pylist():
+            txns[str(t["appId"])] = int(t["version"])
+    return v, txns
+
+
 # ---------------------------------------------------------------- claims (one committer per bundle)
 
 
@@ -138,13 +269,25 @@ class Claims:
 
 def claim_bundles(
     store: ObjectStore, dt: DeltaTable, kind: str, bundle_ids: list[str], run_id: str, *,
-    lease_s: float = DEFAULT_LEASE_S, s3: S3Client | None = None,
+    lease_s: float = DEFAULT_LEASE_S, s3: S3Client | None = None, handle: TableHandle | None = None,
 ) -> Claims:
+    """Claim each bundle for this run. `handle` (the process's cached table, see `table_handle`) answers
+    "already committed?" from its transaction index; without one, every lookup scans the Delta log."""
     s3 = s3 or store.client()
     bucket = store.bucket("curated")
     out = Claims()
+
+    def committed(b: str) -> bool:
+        return handle.is_committed(b) if handle else dt.transaction_version(txn_app_id(b)) is not None
+
+    def refresh() -> None:
+        if handle:
+            handle.refresh(s3)
+        else:
+            dt.update_incremental()
+
     for b in bundle_ids:
-        if dt.transaction_version(txn_app_id(b)) is not None:
+        if committed(b):
             out.committed.append(b)
             continue
         key = _claim_key(store, kind, b)
@@ -158,8 +301,8 @@ def claim_bundles(
                 raise
         held = s3.get_object(Bucket=bucket, Key=key)
         doc = json.loads(held["Body"].read())
-        dt.update_incremental()
-        if dt.transaction_version(txn_app_id(b)) is not None:
+        refresh()
+        if committed(b):
             out.committed.append(b)
         elif doc.get("run") == run_id:
             out.claimed.append(b)  # our own claim from an earlier attempt of this run
@@ -238,8 +381,40 @@ def commit_bundles(
         if vb.manifest.contract != contract.id:
             raise DatasetError(f"bundle {vb.manifest.bundle_id} is {vb.manifest.contract}, dataset commit is {contract.id}")
     by_id = {vb.manifest.bundle_id: vb for vb in bundles}  # the same bundle twice in one run: once
-    dt = ensure_table(store, contract)
-    claims = claim_bundles(store, dt, contract.kind, sorted(by_id), run_id, lease_s=lease_s, s3=s3)
+    s3 = s3 or store.client()
+    with _locked_handle(store, contract, s3) as h:
+        try:
+            return _commit_locked(store, contract, h, by_id, run_id, commit_id, lease_s, s3, t0)
+        except BaseException:
+            forget_handle(store, contract.kind)  # reopen from storage next time
+            raise
+
+
+@contextlib.contextmanager
+def _locked_handle(store: ObjectStore, contract: Contract, s3: S3Client) -> Iterator[TableHandle]:
+    """The process's handle, locked and refreshed; a handle that cannot refresh (table deleted or
+    recreated) is replaced by a freshly opened one."""
+    for attempt in (1, 2):
+        h = table_handle(store, contract, s3=s3)
+        with h.lock:
+            try:
+                h.refresh(s3)
+            except (DeltaError, DatasetError, ClientError, OSError) as e:
+                forget_handle(store, contract.kind)
+                if attempt == 2:
+                    raise
+                log.info("dataset %s: reopening the table (%s)", contract.kind, e)
+                continue
+            yield h
+            return
+
+
+def _commit_locked(
+    store: ObjectStore, contract: Contract, h: TableHandle, by_id: dict[str, ValidatedBundle], run_id: str,
+    commit_id: str, lease_s: float, s3: S3Client, t0: float,
+) -> CommitResult:
+    dt = h.dt
+    claims = claim_bundles(store, dt, contract.kind, sorted(by_id), run_id, lease_s=lease_s, s3=s3, handle=h)
     todo = [by_id[b] for b in claims.claimed]
     if not todo:
         return CommitResult(contract.kind, None, dt.version(), commit_id, [], [], 0, claims.committed,
@@ -270,14 +445,14 @@ def commit_bundles(
     txns = [Transaction(app_id=txn_app_id(vb.manifest.bundle_id), version=1) for vb in todo]
     parent = dt.version()
     try:
-        # The open table object: no second snapshot load; on a lost race delta-rs re-reads only the new commits.
+        # The open table: no snapshot load; on a lost race delta-rs re-reads only the new commits.
         write_deltalake(
             dt, data, mode="append",
             commit_properties=CommitProperties(custom_metadata=metadata, app_transactions=txns, max_commit_retries=50),
         )
     except (DeltaError, OSError) as e:
         raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles failed, nothing written: {e}") from e
-    version = find_commit(store, contract.kind, commit_id, after=parent, upto=dt.version())
+    version = h.absorb(s3, commit_id, after=parent)
     log.info("dataset %s v%d: %d bundles, %d rows from %s", contract.kind, version, len(todo), data.num_rows, nodes)
     return CommitResult(contract.kind, version, version - 1, commit_id, [vb.manifest.bundle_id for vb in todo], nodes,
                         data.num_rows, claims.committed, claims.deferred, stats, time.perf_counter() - t0)
