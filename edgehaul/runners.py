@@ -87,11 +87,11 @@ def task_runner(config: RunnerConfig | None = None) -> TaskRunner[Any]:
     cfg = config or RunnerConfig.from_env()
     if cfg.kind == "thread":
         return ThreadPoolTaskRunner(max_workers=cfg.threads) if cfg.threads else ThreadPoolTaskRunner()
-    from prefect_dask import DaskTaskRunner
+    from edgehaul.runners_dask import FlowShippingDaskTaskRunner as DaskRunner
 
     if cfg.dask_address:
-        return DaskTaskRunner(address=cfg.dask_address)
-    return DaskTaskRunner(
+        return DaskRunner(address=cfg.dask_address)
+    return DaskRunner(
         cluster_class="distributed.LocalCluster",
         cluster_kwargs={
             "n_workers": cfg.dask_workers or os.cpu_count() or 1,

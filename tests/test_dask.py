@@ -102,7 +102,7 @@ def test_dask_and_thread_runs_give_identical_bundles(
         monkeypatch.setenv("EDGEHAUL_TASK_RUNNER", kind)
         monkeypatch.setenv("EDGEHAUL_DASK_WORKERS", "2")
         f = configured(bundle_backlog)
-        assert type(f.task_runner).__name__ == ("DaskTaskRunner" if kind == "dask" else "ThreadPoolTaskRunner")
+        assert isinstance(f.task_runner, DaskTaskRunner if kind == "dask" else ThreadPoolTaskRunner)
         results[kind] = f(backlog)
     assert os.environ["EDGEHAUL_TASK_RUNNER"] == "dask"
 
