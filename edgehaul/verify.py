@@ -8,8 +8,10 @@ Prints PASS/FAIL per item and exits non-zero if any fails:
                    edgehaul.bundle.receipt events are visible (needs `make deploy` and a demo run);
 2. high_value      a high-value sample, spooled and drained, lands in the object store within its
                    expected time (high tier is sent at once: transfer time at the rate cap + slack);
-3. placement       train_model runs ran on the central pool, edge flows on edge-* pools (needs runs
-                   started through deployments);
+3. placement       train_model runs were executed by workers of the central pool, edge flows by workers
+                   of edge-* pools (the workers' prefect.worker.executed-flow-run events, cross-checked
+                   with each run's pool on the server); needs runs through deployments, e.g.
+                   `python -m edgehaul.demo --via-deployments` (`make verify-demo` does it all);
 4. resume          a training process killed with kill -9 after a committed checkpoint resumes from
                    that checkpoint, and its loss curve equals an uninterrupted run's;
 5. alert_l2        pushing an edge spool over its watermark fires the level-2 automation (its webhook
@@ -70,13 +72,31 @@ def _load_block(cls: Any, name: str) -> Any | None:
 # ------------------------------------------------------------------------------------ 1 control plane
 
 
-def _events(api: str, names: list[str], since: datetime, auth: str | None) -> list[dict[str, Any]]:
+def _auth(auth: str | None) -> tuple[str, str] | None:
+    if not auth:
+        return None
+    user, _, password = auth.partition(":")
+    return user, password
+
+
+def _events(api: str, names: list[str], since: datetime, auth: str | None, max_pages: int = 1) -> list[dict[str, Any]]:
+    """Events named `names` since `since`, newest first: up to `max_pages` pages of 50."""
     import httpx
 
     body = {"filter": {"event": {"name": names}, "occurred": {"since": since.isoformat()}}, "limit": 50}
-    r = httpx.post(f"{api}/events/filter", json=body, timeout=15, auth=tuple(auth.split(":", 1)) if auth else None)  # type: ignore[arg-type]
-    r.raise_for_status()
-    return list(r.json().get("events", []))
+    with httpx.Client(timeout=30, auth=_auth(auth)) as h:
+        r = h.post(f"{api}/events/filter", json=body)
+        r.raise_for_status()
+        page = r.json()
+        out = list(page.get("events", []))
+        for _ in range(max_pages - 1):
+            if not page.get("next_page"):
+                break
+            r = h.get(page["next_page"])
+            r.raise_for_status()
+            page = r.json()
+            out += page.get("events", [])
+    return out
 
 
 def check_control_plane(state: localstack.StackState, window_h: float = 24.0) -> tuple[bool, str]:
@@ -139,24 +159,85 @@ def check_high_value(state: localstack.StackState, work: Path) -> tuple[bool, st
 # ------------------------------------------------------------------------------------ 3 placement
 
 
-def check_placement() -> tuple[bool, str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+@dataclass(frozen=True)
+class Execution:
+    """A flow run a worker executed: from its `prefect.worker.executed-flow-run` event."""
 
+    flow: str
+    flow_run_id: str
+    pool: str
+    worker: str
+    exit_code: str
+
+
+def _related(event: dict[str, Any], role: str) -> dict[str, str]:
+    return next((r for r in event.get("related", []) if r.get("prefect.resource.role") == role), {})
+
+
+def executions(state: localstack.StackState, since: datetime) -> list[Execution]:
+    """Every flow run a worker of any pool executed since `since` (newest first, at most 2,000)."""
+    out = []
+    for e in _events(state.prefect_api_url, ["prefect.worker.executed-flow-run"], since, state.api_auth_string, 40):
+        run = _related(e, "flow-run")
+        out.append(Execution(
+            flow=_related(e, "flow").get("prefect.resource.name", ""),
+            flow_run_id=run.get("prefect.resource.id", "").removeprefix("prefect.flow-run."),
+            pool=_related(e, "work-pool").get("prefect.resource.name", ""),
+            worker=e["resource"].get("prefect.resource.name", ""),
+            exit_code=str(run.get("prefect.infrastructure.status-code", "")),
+        ))
+    return out
+
+
+PLACEMENT: tuple[tuple[tuple[str, ...], str, Callable[[str], bool]], ...] = (
+    (CENTRAL_FLOWS, "central", lambda pool: pool == "central"),
+    (EDGE_FLOWS, "edge-*", lambda pool: pool.startswith("edge")),
+)
+
+
+def placement_verdict(execs: list[Execution], assigned: dict[str, str]) -> tuple[bool, str]:
+    """PASS when, for training and for the edge flows, workers of the right pools executed at least one
+    run that exited 0, no worker of another pool executed any, and the server assigned none elsewhere.
+    `assigned`: flow run id -> work pool name the server recorded for runs of those flows."""
     problems: list[str] = []
     seen: list[str] = []
-    with get_client(sync_client=True) as c:
-        for names, want in ((CENTRAL_FLOWS, lambda p: p == "central"), (EDGE_FLOWS, lambda p: p.startswith("edge"))):
-            runs = c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=list(names))), limit=50)
-            pooled = [r for r in runs if r.work_pool_name]
-            wrong = [f"{r.name}@{r.work_pool_name}" for r in pooled if not want(r.work_pool_name or "")]
-            if not pooled:
-                problems.append(f"no {'/'.join(names)} runs from a deployment yet")
-            elif wrong:
-                problems.append(f"{'/'.join(names)} on the wrong pool: {wrong[:5]}")
-            else:
-                seen.append(f"{len(pooled)} {'/'.join(names)} runs on {sorted({r.work_pool_name or '' for r in pooled})}")
+    for flows, want_name, want in PLACEMENT:
+        mine = [x for x in execs if x.flow in flows]
+        wrong = [f"{x.flow} run {x.flow_run_id[:8]} by worker {x.worker} of pool {x.pool}" for x in mine if not want(x.pool)]
+        wrong += [f"run {i[:8]} assigned to pool {p}" for i, p in assigned.items()
+                  if any(x.flow_run_id == i for x in mine) and not want(p)]
+        good = [x for x in mine if want(x.pool) and x.exit_code == "0"]
+        label = "/".join(flows)
+        if wrong:
+            problems.append(f"{label} ran outside {want_name}: {sorted(set(wrong))[:5]}")
+        if not good:
+            problems.append(f"no {label} run executed (exit 0) by a {want_name} worker yet (run it through its deployment)")
+        if good:
+            pools = sorted({x.pool for x in good})
+            workers = sorted({x.worker for x in good})
+            seen.append(f"{label}: {len(good)} run(s) executed by {workers} on {pools}")
     return not problems, "; ".join(problems + seen)
+
+
+def check_placement(state: localstack.StackState, window_h: float = 24.0, since: datetime | None = None,
+                    flow_run_ids: set[str] | None = None) -> tuple[bool, str]:
+    """Placement from the workers' own execution events, cross-checked with the server's pool of each
+    run; `flow_run_ids` limits the check to those runs (tests)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    execs = executions(state, since or datetime.now(UTC) - timedelta(hours=window_h))
+    execs = [x for x in execs if x.flow in CENTRAL_FLOWS + EDGE_FLOWS]
+    if flow_run_ids is not None:
+        execs = [x for x in execs if x.flow_run_id in flow_run_ids]
+    ids = sorted({x.flow_run_id for x in execs})
+    assigned: dict[str, str] = {}
+    with get_client(sync_client=True) as c:
+        for i in range(0, len(ids), 200):
+            chunk = [uuid.UUID(x) for x in ids[i:i + 200]]
+            for r in c.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=chunk)), limit=200):
+                assigned[str(r.id)] = r.work_pool_name or ""
+    return placement_verdict(execs, assigned)
 
 
 # ------------------------------------------------------------------------------------ 4 resume
@@ -311,7 +392,7 @@ def run_checks(state: localstack.StackState, only: tuple[str, ...] = (), say: Ca
     fns: dict[str, Callable[[], tuple[bool, str]]] = {
         "control_plane": lambda: check_control_plane(state),
         "high_value": lambda: check_high_value(state, work / "hv"),
-        "placement": check_placement,
+        "placement": lambda: check_placement(state),
         "resume": lambda: check_resume(state, _mk(work / "resume")),
         "alert_l2": lambda: check_alert_l2(state, _mk(work / "alert")),
         "quota": lambda: check_quota(state),
