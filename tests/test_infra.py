@@ -70,7 +70,7 @@ def test_prefects_check_rejects_an_undeclared_placeholder() -> None:
 
 def test_central_gpu_template_renders_a_guaranteed_gpu_job() -> None:
     tpl = load_pool(INFRA / "k8s" / "work-pools" / "central-gpu.json")
-    cfg = render(tpl, gpu_count=4, accelerator="NVIDIA-A100-SXM4-80GB", image="ghcr.io/edgehaul/edgehaul:0.1.0")
+    cfg = render(tpl, gpu_count=4, accelerator="NVIDIA-A100-SXM4-80GB", image="ghcr.io/edgehaul/edgehaul-train:0.1.0")
     KubernetesWorkerJobConfiguration(**cfg)  # prefect-kubernetes validates the Job manifest
     spec = pod_spec(cfg)
     res = spec["containers"][0]["resources"]

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import cast
+from uuid import UUID
 
 import pytest
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -70,6 +72,7 @@ def test_deployed_core_ingest_run_with_dask_env_runs_its_tasks_on_the_cluster(st
     from distributed import Client, LocalCluster, get_task_stream
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.deployments.runner import RunnerDeployment
 
     from edgehaul.datasets import open_table
     from flows.core_ingest import core_ingest
@@ -86,7 +89,9 @@ def test_deployed_core_ingest_run_with_dask_env_runs_its_tasks_on_the_cluster(st
     block = f"rt-{uuid.uuid4().hex[:8]}"
     store.save(block, overwrite=True)
 
-    deployment_id = core_ingest.to_deployment(name=f"dask-env-{block}").apply()
+    # both calls are sync in a sync context (Prefect's async_dispatch)
+    deployment = cast(RunnerDeployment, core_ingest.to_deployment(name=f"dask-env-{block}"))
+    deployment_id = cast(UUID, deployment.apply())
     with get_client(sync_client=True) as client:
         run = client.create_flow_run_from_deployment(
             deployment_id, parameters={"params": {"store_block": block, "refresh_cache": True}}
