@@ -10,14 +10,19 @@ bundle or shown as a Prefect table artifact.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import logging
 import math
 import os
 import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -30,6 +35,8 @@ log = logging.getLogger(__name__)
 VALIDATION_VERSION = "1"
 
 # Reasons, most specific first; "ok" means the bundle may enter a dataset version.
+SLOT_COLUMN = "__bundle"  # which bundle a row of a batched GE run came from
+
 REASONS = (
     "ok", "checksum", "unreadable", "unknown_contract", "row_count", "manifest_mismatch",
     "schema_drift", "expectations", "bundle_error",
@@ -142,34 +149,131 @@ def _json_value(v: Any) -> float | str | None:
     return str(v)[:200]
 
 
+def _ge_frame(tables: list[pa.Table], columns: list[str], slot: bool) -> Any:
+    """The columns the suite reads, as pandas; with `slot`, a `__bundle` column numbering the tables."""
+    # Only the columns the suite reads; above all not `pixels`. float32 -> float64: GE's pandas
+    # between-check is vectorised only for the Python-float dtype and loops per row otherwise (~10x).
+    parts = []
+    for i, t in enumerate(tables):
+        sel = t.select([c for c in columns if c in t.column_names])
+        wide = pa.schema([pa.field(f.name, pa.float64()) if pa.types.is_float32(f.type) else f for f in sel.schema])
+        sel = sel.cast(wide)
+        if slot:
+            sel = sel.append_column(SLOT_COLUMN, pa.array(np.full(t.num_rows, i, dtype=np.int32)))
+        parts.append(sel)
+    return pa.concat_tables(parts, promote_options="permissive").to_pandas()
+
+
+def _row(cfg: Any, success: bool, result: dict[str, Any], exception_info: Any) -> ExpectationRow:
+    exc = (exception_info or {}).get("exception_message") if isinstance(exception_info, dict) else None
+    partial = result.get("partial_unexpected_list") or []
+    details = f"exception: {exc}" if exc else (f"e.g. {partial[:5]}" if partial else "")
+    return ExpectationRow(
+        expectation=cfg.type if cfg else "unknown",
+        column=cfg.kwargs.get("column") if cfg else None,
+        success=bool(success),
+        observed_value=_json_value(result.get("observed_value")),
+        unexpected_count=None if result.get("unexpected_count") is None else int(result["unexpected_count"]),
+        details=details,
+    )
+
+
 def run_expectations(table: pa.Table, contract: Contract) -> tuple[ExpectationRow, ...]:
     """Run the contract's expectation suite over a table (bundle schema) and return one row each."""
     s = suite_for(contract)
-    present = [c for c in s.columns if c in table.column_names]
-    # Only the columns the suite reads; above all not `pixels`. float32 -> float64: GE's pandas
-    # between-check is vectorised only for the Python-float dtype and loops per row otherwise (~10x).
-    sel = table.select(present)
-    wide = pa.schema([pa.field(f.name, pa.float64()) if pa.types.is_float32(f.type) else f for f in sel.schema])
-    df = sel.cast(wide).to_pandas()
+    df = _ge_frame([table], s.columns, slot=False)
     with s.lock:
         batch = s.batch_definition.get_batch(batch_parameters={"dataframe": df})
         res = batch.validate(s.suite, result_format="BASIC")
+    return tuple(_row(r.expectation_config, bool(r.success), r.result or {}, r.exception_info) for r in res.results)
+
+
+# Column aggregates whose per-bundle value is recomputed from the bundle's rows when several bundles
+# share one GE run (GE computes them over the whole batch). Same definitions as GE's pandas metrics
+# (stdev: sample, ddof=1); checked against GE's own batch-wide value on every run.
+_AGGREGATES: dict[str, Any] = {
+    "expect_column_mean_to_be_between": lambda a: pc.mean(a).as_py(),
+    "expect_column_stdev_to_be_between": lambda a: pc.stddev(a, ddof=1).as_py(),
+    "expect_column_min_to_be_between": lambda a: pc.min(a).as_py(),
+    "expect_column_max_to_be_between": lambda a: pc.max(a).as_py(),
+    "expect_column_sum_to_be_between": lambda a: pc.sum(a).as_py(),
+    "expect_column_median_to_be_between": lambda a: pc.approximate_median(a).as_py(),
+}
+
+
+class _NotAttributable(Exception):
+    """A batch result that cannot be split exactly per bundle: validate those bundles one by one."""
+
+
+def _in_bounds(v: float | None, kw: dict[str, Any]) -> bool:
+    if v is None or not math.isfinite(v):
+        return False
+    lo, hi = kw.get("min_value"), kw.get("max_value")
+    if lo is not None and (v <= lo if kw.get("strict_min") else v < lo):
+        return False
+    return not (hi is not None and (v >= hi if kw.get("strict_max") else v > hi))
+
+
+def _split(r: Any, tables: list[pa.Table]) -> list[ExpectationRow]:
+    """One batch result -> one row per bundle (slot), each as if GE had run on that bundle alone."""
+    cfg, result = r.expectation_config, dict(r.result or {})
+    exc = r.exception_info if isinstance(r.exception_info, dict) else {}
+    if cfg is None or exc.get("raised_exception"):
+        raise _NotAttributable("expectation raised")
+    kw, col = dict(cfg.kwargs), cfg.kwargs.get("column")
+    if "unexpected_index_list" in result:  # row-level: the unexpected rows name their bundle
+        by_slot: dict[int, list[Any]] = {}
+        for d in result["unexpected_index_list"]:
+            by_slot.setdefault(int(d[SLOT_COLUMN]), []).append(d.get(col))
+        rows = []
+        for i, t in enumerate(tables):
+            bad = by_slot.get(i, [])
+            if cfg.type == "expect_column_values_to_be_unique":  # duplicates within this bundle only
+                seen = collections.Counter(str(v) for v in bad)
+                bad = [v for v in bad if seen[str(v)] > 1]
+            n = t.num_rows if cfg.type == "expect_column_values_to_not_be_null" else t.num_rows - t.column(col).null_count
+            mostly = kw.get("mostly")
+            ok = not bad if mostly is None else (n == 0 or 1 - len(bad) / n >= float(mostly))
+            rows.append(_row(cfg, ok, {"unexpected_count": len(bad), "partial_unexpected_list": bad[:20]}, None))
+        return rows
+    agg = _AGGREGATES.get(cfg.type)
+    if agg is None or col is None:
+        raise _NotAttributable(f"{cfg.type} is not split per bundle")
+    whole = agg(pa.chunked_array([t.column(col).cast(pa.float64()) for t in tables]))
+    ge = result.get("observed_value")
+    if whole is None or ge is None or not math.isclose(float(whole), float(ge), rel_tol=1e-6, abs_tol=1e-9):
+        raise _NotAttributable(f"{cfg.type}({col}): batch value {whole} differs from GE's {ge}")
     rows = []
-    for r in res.results:
-        cfg = r.expectation_config
-        result = r.result or {}
-        exc = (r.exception_info or {}).get("exception_message") if isinstance(r.exception_info, dict) else None
-        partial = result.get("partial_unexpected_list") or []
-        details = f"exception: {exc}" if exc else (f"e.g. {partial[:5]}" if partial else "")
-        rows.append(ExpectationRow(
-            expectation=cfg.type if cfg else "unknown",
-            column=cfg.kwargs.get("column") if cfg else None,
-            success=bool(r.success),
-            observed_value=_json_value(result.get("observed_value")),
-            unexpected_count=None if result.get("unexpected_count") is None else int(result["unexpected_count"]),
-            details=details,
-        ))
-    return tuple(rows)
+    for t in tables:
+        v = agg(t.column(col).cast(pa.float64()))
+        rows.append(_row(cfg, _in_bounds(v, kw), {"observed_value": v}, None))
+    return rows
+
+
+def run_expectations_batch(tables: list[pa.Table], contract: Contract) -> list[tuple[ExpectationRow, ...]]:
+    """The contract's suite over several bundles in ONE Great Expectations run, results per bundle.
+
+    GE's fixed cost per run (building the metric graph) dominates small bundles, so the bundles of
+    one ingest run are validated together, each row tagged with its bundle: row-level expectations
+    name the bundle of every unexpected row (GE's unexpected index), and column aggregates (mean,
+    stdev, ...) are recomputed per bundle after checking the batch-wide value against GE's. Any
+    expectation that cannot be split exactly this way sends the bundles through one GE run each.
+    """
+    if len(tables) <= 1:
+        return [run_expectations(t, contract) for t in tables]
+    s = suite_for(contract)
+    df = _ge_frame(tables, s.columns, slot=True)
+    fmt = {"result_format": "COMPLETE", "unexpected_index_column_names": [SLOT_COLUMN],
+           "return_unexpected_index_query": False}
+    with s.lock:
+        batch = s.batch_definition.get_batch(batch_parameters={"dataframe": df})
+        res = batch.validate(s.suite, result_format=fmt)
+    try:
+        per_expectation = [_split(r, tables) for r in res.results]
+    except _NotAttributable as e:
+        log.info("batch validation of %d bundles not split per bundle (%s): one GE run each", len(tables), e)
+        return [run_expectations(t, contract) for t in tables]
+    return [tuple(rows[i] for rows in per_expectation) for i in range(len(tables))]
 
 
 def _classify(e: Exception) -> str:
@@ -195,9 +299,9 @@ def check_manifest_matches(table: pa.Table, manifest: BundleManifest) -> str:
     return ""
 
 
-def validate_bundle(data: bytes, manifest: BundleManifest) -> tuple[pa.Table | None, ValidationResult]:
-    """Check a landed bundle end to end. Returns the table (None when unreadable) and the result;
-    bad data never raises."""
+def _prechecks(data: bytes, manifest: BundleManifest) -> tuple[Contract | None, pa.Table | None, ValidationResult]:
+    """Contract, checksum, readability, schema and manifest checks: a result that is final unless it
+    is `reason="pending"` (the bundle still needs its expectation suite)."""
     base = ValidationResult(
         bundle_id=manifest.bundle_id, node_id=manifest.node_id, contract=manifest.contract, contract_sha256="",
         bundle_sha256=hashlib.sha256(data).hexdigest(), rows=manifest.row_count, success=False, reason="bundle_error",
@@ -205,24 +309,141 @@ def validate_bundle(data: bytes, manifest: BundleManifest) -> tuple[pa.Table | N
     try:
         contract = contract_by_id(manifest.contract)
     except ContractError as e:
-        return None, replace(base, reason="unknown_contract", error=str(e))
+        return None, None, replace(base, reason="unknown_contract", error=str(e))
     base = replace(base, contract_sha256=contract.sha256)
     try:
         table = read_bundle(data, manifest)
     except (BundleError, ContractError) as e:
-        return None, replace(base, reason=_classify(e), error=str(e))
+        return contract, None, replace(base, reason=_classify(e), error=str(e))
     mismatch = check_manifest_matches(table, manifest)
     if mismatch:
-        return table, replace(base, reason="manifest_mismatch", error=mismatch)
-    try:
-        rows = run_expectations(table, contract)
-    except ContractError as e:
-        return table, replace(base, reason="bundle_error", error=str(e))
+        return contract, table, replace(base, reason="manifest_mismatch", error=mismatch)
+    return contract, table, replace(base, reason="pending")
+
+
+def _finish(base: ValidationResult, rows: tuple[ExpectationRow, ...]) -> ValidationResult:
     failed = [r for r in rows if not r.success]
     error = "; ".join(
         f"{r.expectation}({r.column}) observed {r.observed_value}" + (f", {r.unexpected_count} unexpected"
                                                                         if r.unexpected_count else "")
         for r in failed
     )
-    return table, replace(base, success=not failed, reason="expectations" if failed else "ok", error=error,
-                          expectations=rows)
+    return replace(base, success=not failed, reason="expectations" if failed else "ok", error=error,
+                   expectations=rows)
+
+
+def validate_bundle(data: bytes, manifest: BundleManifest) -> tuple[pa.Table | None, ValidationResult]:
+    """Check a landed bundle end to end. Returns the table (None when unreadable) and the result;
+    bad data never raises."""
+    return validate_bundles([(data, manifest)])[0]
+
+
+def validate_bundles(items: Sequence[tuple[bytes, BundleManifest]]) -> list[tuple[pa.Table | None, ValidationResult]]:
+    """`validate_bundle` for several bundles, with one Great Expectations run per contract for all of
+    them (see `run_expectations_batch`); results in input order, each exactly as if alone."""
+    out: list[tuple[pa.Table | None, ValidationResult]] = []
+    todo: dict[str, tuple[Contract, list[int]]] = {}
+    for data, manifest in items:
+        contract, table, res = _prechecks(data, manifest)
+        if res.reason == "pending" and contract is not None and table is not None:
+            todo.setdefault(contract.sha256, (contract, []))[1].append(len(out))
+        out.append((table, res))
+    for contract, idx in todo.values():
+        tables = [t for t in (out[i][0] for i in idx) if t is not None]
+        try:
+            per_bundle = run_expectations_batch(tables, contract)
+        except ContractError as e:
+            for i in idx:
+                out[i] = (out[i][0], replace(out[i][1], reason="bundle_error", error=str(e)))
+            continue
+        for i, rows in zip(idx, per_bundle, strict=True):
+            out[i] = (out[i][0], _finish(out[i][1], rows))
+    return out
+
+
+# ---------------------------------------------------------------- batching concurrent callers
+
+
+class _Batcher:
+    """Groups `validate_bundle` calls from concurrent threads (e.g. one Prefect task per bundle on a
+    thread pool) into one `validate_bundles` call: callers that announced themselves with `expecting()`
+    (before fetching their bundle) are waited for, up to `max_wait_s`, so one GE run serves them all.
+    A lone caller runs at once."""
+
+    def __init__(self, max_wait_s: float = 2.0) -> None:
+        self.cond = threading.Condition()
+        self.expected = 0  # announced callers that have not submitted yet
+        self.queue: list[tuple[bytes, BundleManifest, dict[str, Any]]] = []
+        self.running = False
+        self.max_wait_s = max_wait_s
+        self.local = threading.local()
+        self.runs = 0  # validate_bundles calls made, and the bundles they covered (for logs and tests)
+        self.bundles = 0
+
+    def _owed(self) -> int:
+        return int(getattr(self.local, "owed", 0))
+
+    def _settle(self) -> None:
+        """This thread's announcement is used up (submitted, or left without submitting)."""
+        if self._owed() > 0:
+            self.local.owed = self._owed() - 1
+            self.expected -= 1
+            self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def expecting(self) -> Iterator[None]:
+        with self.cond:
+            self.expected += 1
+            self.local.owed = self._owed() + 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self._settle()
+
+    def validate(self, data: bytes, manifest: BundleManifest) -> Any:
+        slot: dict[str, Any] = {}
+        with self.cond:
+            self.queue.append((data, manifest, slot))
+            self._settle()
+            deadline = time.monotonic() + self.max_wait_s
+            while "out" not in slot and (self.running or (self.expected > 0 and time.monotonic() < deadline)):
+                self.cond.wait(timeout=max(0.001, min(0.05, deadline - time.monotonic())))
+            if "out" in slot:
+                return slot["out"]
+            batch, self.queue, self.running = self.queue, [], True  # this caller runs GE for everyone queued
+            self.runs += 1
+            self.bundles += len(batch)
+        if len(batch) > 1:
+            log.info("validating %d bundles in one run", len(batch))
+        try:
+            results: list[Any] = list(validate_bundles([(d, m) for d, m, _ in batch]))
+        except BaseException as e:
+            results = [e] * len(batch)
+        with self.cond:
+            for (_, _, sl), r in zip(batch, results, strict=True):
+                sl["out"] = r
+            self.running = False
+            self.cond.notify_all()
+        return slot["out"]
+
+
+_BATCHER = _Batcher()
+
+
+def batching_stats() -> tuple[int, int]:
+    """(validation runs, bundles validated) by `validate_bundle_batched` in this process."""
+    return _BATCHER.runs, _BATCHER.bundles
+
+
+def expecting_validation() -> contextlib.AbstractContextManager[None]:
+    """Announce a coming `validate_bundle_batched` call (enter before fetching the bundle)."""
+    return _BATCHER.expecting()
+
+
+def validate_bundle_batched(data: bytes, manifest: BundleManifest) -> tuple[pa.Table | None, ValidationResult]:
+    """`validate_bundle`, sharing one GE run with concurrent callers inside `expecting_validation()`."""
+    out = _BATCHER.validate(data, manifest)
+    if isinstance(out, BaseException):
+        raise out
+    return out

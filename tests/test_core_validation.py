@@ -1,0 +1,115 @@
+"""Batched validation: several bundles in one Great Expectations run give, bundle by bundle, the same
+verdicts as one GE run per bundle (row-level failures attributed by GE's unexpected index, column
+aggregates per bundle), and concurrent per-bundle callers share one run."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgehaul.bundles import BundleManifest, write_bundle
+from edgehaul.contracts import load_contract
+from edgehaul.validation import (
+    batching_stats,
+    expecting_validation,
+    run_expectations,
+    validate_bundle,
+    validate_bundle_batched,
+    validate_bundles,
+)
+from tests.builders import processed_rows
+
+CONTRACT = load_contract("landsat_patch")
+DEFECTS = ("none", "none", "dead_band", "x255", "dup_ids", "bad_label", "corrupt", "copy_of_first")
+
+
+def _make(defect: str, n: int, seed: int, first: pa.Table | None) -> tuple[bytes, BundleManifest, pa.Table]:
+    t = processed_rows(n, "node-a", seed=seed, start_seq=seed * 1000)
+    if defect == "dead_band":
+        t = t.set_column(t.schema.get_field_index("mean_b4_nir"), "mean_b4_nir", pa.array([0.0] * n, pa.float32()))
+    elif defect == "x255":
+        for name in CONTRACT.feature_columns:
+            i = t.schema.get_field_index(name)
+            t = t.set_column(i, name, pc.multiply(t.column(name), pa.scalar(255.0, pa.float32())))
+    elif defect == "dup_ids":
+        t = pa.concat_tables([t, t.slice(0, 3)])
+    elif defect == "bad_label":
+        t = t.set_column(t.schema.get_field_index("label"), "label", pa.array([9] * n, pa.int16()))
+    elif defect == "copy_of_first" and first is not None:
+        t = first  # the same samples in a second bundle: unique within each bundle, so both pass
+    data, m = write_bundle(t, CONTRACT, tier="normal")
+    if defect == "corrupt":
+        data = data[:50] + bytes(b ^ 0xFF for b in data[50:90]) + data[90:]
+    return data, m, t
+
+
+def _close(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
+    return a == b
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(defects=st.lists(st.sampled_from(DEFECTS), min_size=2, max_size=5), n=st.integers(20, 120), seed=st.integers(0, 50))
+def test_property_batched_verdicts_equal_one_run_per_bundle(
+    defects: list[str], n: int, seed: int, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="edgehaul.validation")
+    made: list[tuple[bytes, BundleManifest, pa.Table]] = []
+    for i, d in enumerate(defects):
+        made.append(_make(d, n, seed + i, made[0][2] if made else None))
+    batch = validate_bundles([(d, m) for d, m, _ in made])
+    assert len(batch) == len(made)
+    for defect, (_, m, _), (table, res) in zip(defects, made, batch, strict=True):
+        assert res.bundle_id == m.bundle_id
+        if defect == "corrupt":  # fails before GE, alone in its batch slot; the others are unaffected
+            assert res.reason == "checksum" and table is None
+            continue
+        assert table is not None
+        ge = run_expectations(table, CONTRACT)  # GE alone on this bundle: the reference
+        assert [(e.expectation, e.column) for e in res.expectations] == [(e.expectation, e.column) for e in ge]
+        for got, want in zip(res.expectations, ge, strict=True):
+            assert got.success == want.success, (got, want)
+            assert got.unexpected_count == want.unexpected_count, (got, want)
+            assert _close(got.observed_value, want.observed_value), (got, want)
+        assert res.success == all(e.success for e in ge)
+        assert res.reason == ("ok" if res.success else "expectations")
+    assert "not split per bundle" not in caplog.text  # the batch path itself, not its per-bundle fallback
+
+
+def test_concurrent_callers_share_one_ge_run() -> None:
+    made = [_make(d, 40, 70 + i, None) for i, d in enumerate(("none", "x255", "none", "dup_ids"))]
+    barrier = threading.Barrier(len(made))
+    out: dict[int, object] = {}
+
+    def worker(i: int) -> None:
+        with expecting_validation():
+            barrier.wait()  # every caller has announced itself before any submits
+            out[i] = validate_bundle_batched(made[i][0], made[i][1])
+
+    runs0, bundles0 = batching_stats()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(made))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    runs, bundles = batching_stats()
+    assert (runs - runs0, bundles - bundles0) == (1, len(made))
+    for i, (data, m, _) in enumerate(made):
+        _, want = validate_bundle(data, m)
+        got = out[i]
+        assert isinstance(got, tuple)
+        assert got[1].reason == want.reason and got[1].success == want.success
+        assert [e.success for e in got[1].expectations] == [e.success for e in want.expectations]
+    # a lone caller does not wait for anyone
+    runs0, _ = batching_stats()
+    _, res = validate_bundle_batched(made[0][0], made[0][1])
+    assert res.success and batching_stats()[0] == runs0 + 1
