@@ -3,7 +3,11 @@
 `preprocess(raw, contract)` never raises on bad samples: each one goes to `rejects` (sample_id,
 reason, detail) and the rest to `accepted`. Checks run as numpy/Arrow operations over the whole
 batch; the only per-sample Python step is the SHA-256 of each sample's pixel bytes (hashlib on
-memoryview slices, no copies; measured at a small share of the stage, see benchmarks/bench_edge.py).
+memoryview slices, no copies; hex strings built vectorised from the raw digests).
+
+`batch_key(raw)` is the content key of a raw batch (the preprocess cache key) built from those
+per-sample digests plus the other columns' bytes, so a batch's pixels are hashed once: pass the
+digests it returns to `preprocess(..., digests=...)` and the content hashes are not recomputed.
 
 `accepted` follows `preprocessed_schema(contract)`: the contract's bundle schema WITHOUT the three
 columns that scoring/tiering adds (value, tier, is_summary). `edgehaul.tiering.assign` adds them.
@@ -14,6 +18,7 @@ normalised values `raw * scale + offset`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,22 +112,73 @@ def _binary_values(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets, data
 
 
-def content_hashes(offsets: np.ndarray, data: np.ndarray) -> list[str]:
-    """SHA-256 hex of each sample's bytes, hashing memoryview slices (no per-sample copies)."""
+def _digests(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
+    """(n, 32) uint8: SHA-256 of data[offsets[i]:offsets[i+1]] per row."""
     mv = data.data  # the array's own memoryview: slices hash without copying
     sha = hashlib.sha256
     o = offsets.tolist()
-    return [sha(mv[o[i] : o[i + 1]]).hexdigest() for i in range(len(o) - 1)]
+    raw = b"".join([sha(mv[a:b]).digest() for a, b in itertools.pairwise(o)])
+    return np.frombuffer(raw, dtype=np.uint8).reshape(len(o) - 1, 32)
 
 
-def preprocess(raw: pa.Table, contract: Contract, *, node_id: str | None = None) -> PreprocessResult:
+def pixel_digests(pixels: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """(n, 32) uint8 SHA-256 of each value's bytes (a null hashes as empty), chunk by chunk, no copies."""
+    chunks = pixels.chunks if isinstance(pixels, pa.ChunkedArray) else [pixels]
+    parts = [_digests(*_binary_values(c)) for c in chunks if len(c)]
+    return np.concatenate(parts) if parts else np.empty((0, 32), np.uint8)
+
+
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+
+
+def hex_digests(digests: np.ndarray) -> pa.Array:
+    """(n, 32) digests -> Arrow string array of 64-char lowercase hex, built from buffers."""
+    n = len(digests)
+    out = np.empty((n, 64), dtype=np.uint8)
+    out[:, 0::2] = _HEX[digests >> 4]
+    out[:, 1::2] = _HEX[digests & 15]
+    offsets = np.arange(0, 64 * (n + 1), 64, dtype=np.int32)
+    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(out)])
+
+
+def batch_key(raw: pa.Table, pixel_column: str = "pixels") -> tuple[str, np.ndarray | None]:
+    """Content key (SHA-256 hex) of a raw batch and its per-row pixel digests (None when the batch
+    has no binary pixel column). The key covers the schema, every other column (Arrow IPC bytes),
+    the pixel column's validity and each row's pixel digest: any change to the batch changes it."""
+    h = hashlib.sha256(b"edgehaul.batch_key.v1|")
+    col = raw.column(pixel_column) if pixel_column in raw.column_names else None
+    binary = col is not None and (pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type))
+    # Without the pixels the rest is small: combine it so the key does not depend on chunking.
+    rest = raw.drop_columns([pixel_column]).combine_chunks() if binary else raw
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rest.schema) as w:
+        w.write_table(rest)
+    h.update(sink.getvalue())
+    if not binary:
+        return h.hexdigest(), None
+    assert col is not None
+    digests = pixel_digests(col)
+    h.update(f"|{pixel_column}:{col.type}:{raw.schema.get_field_index(pixel_column)}|".encode())
+    h.update(np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool).tobytes())
+    h.update(digests.tobytes())
+    return h.hexdigest(), digests
+
+
+def preprocess(
+    raw: pa.Table, contract: Contract, *, node_id: str | None = None, key: str | None = None,
+    digests: np.ndarray | None = None,
+) -> PreprocessResult:
     """Check, decode and featurise a raw batch. Bad rows go to `rejects`, never an exception.
 
     `node_id`: the node running this; null node ids are filled with it and rows naming another
-    node are rejected (`wrong-node`). Rows without a sample id are rejected under a synthetic
-    id `<no-id:row N>` so they are still counted.
+    node are rejected (`wrong-node`). Rows without a sample id are rejected under a synthetic id
+    `<no-id:KEY:row N>` (KEY: the first 16 hex of `key`, the batch's content key) so they are
+    still counted, and stay distinct from another batch's row N in the same ledger.
+    `key`, `digests`: what `batch_key(raw)` returned; the digests save hashing the pixels again.
     """
     n = raw.num_rows
+    if digests is not None and digests.shape != (n, 32):
+        raise ValueError(f"digests of shape {digests.shape} for a batch of {n} rows (want ({n}, 32))")
     rj = _Rejects(n)
     cols: dict[str, pa.Array] = {}
     for name, typ in zip(contract.raw_schema.names, contract.raw_schema.types, strict=True):
@@ -147,7 +203,8 @@ def preprocess(raw: pa.Table, contract: Contract, *, node_id: str | None = None)
     id_null = _null_mask(ids_arr)
     if id_null.any():
         filled = np.asarray(ids_arr.to_pylist(), dtype=object)
-        filled[id_null] = [f"<no-id:row {i}>" for i in np.flatnonzero(id_null)]
+        where = f"{key[:16]}:" if key else ""
+        filled[id_null] = [f"<no-id:{where}row {i}>" for i in np.flatnonzero(id_null)]
         ids_arr = pa.array(filled, pa.string())
         cols["sample_id"] = ids_arr
         rj.add(id_null, MISSING_FIELD, "sample_id is null")
@@ -223,7 +280,11 @@ def preprocess(raw: pa.Table, contract: Contract, *, node_id: str | None = None)
     for name in ("sample_id", "node_id", "capture_time", "seq"):
         out[name] = pc.filter(cols[name], keep)
     out[contract.label_column] = pc.filter(label, keep)
-    out["content_sha256"] = pa.array(content_hashes(offsets - offsets[0] if m else offsets, flat), pa.string())
+    if digests is not None:
+        kept = digests[np.flatnonzero(rj.alive)]
+    else:
+        kept = _digests(offsets - offsets[0] if m else offsets, flat)
+    out["content_sha256"] = hex_digests(kept)
     out["pixels"] = pix_arr
     for i, ch in enumerate(contract.channels):
         out[f"mean_{ch}"] = pa.array(means[:, i])

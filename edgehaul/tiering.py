@@ -218,23 +218,23 @@ class Batcher:
         """Route one scored batch (bundle-schema rows with tier set). Returns bundles ready now."""
         out: list[BuiltBundle] = []
         tiers = scored.column("tier")
-        for tier in ("high", "normal", "low"):
-            self.report.samples[tier] += int(pc.sum(pc.equal(tiers, tier).cast(pa.int64())).as_py() or 0)
+        masks = {tier: pc.equal(tiers, tier) for tier in ("high", "normal", "low")}
+        for tier, mask in masks.items():
+            self.report.samples[tier] += int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
         self.report.value_total += float(pc.sum(scored.column("value")).as_py() or 0.0)
         out.extend(self.poll())
-        high = scored.filter(pc.equal(tiers, "high"))
+        # One filter per tier: each row's pixels are copied once (summaries drop them, no copy).
+        high = scored.filter(masks["high"])
         if high.num_rows:
             limit = self.policy.urgent_max_bytes
             sizes = _row_bytes(high)
             bounds = [0, *self._cuts(sizes, high.num_rows, max(limit - _FOOTER_ALLOWANCE, 1)), high.num_rows]
             for a, b in itertools.pairwise(bounds):
                 out.extend(self._emit(high.slice(a, b - a), "high", "urgent", limit))
-        low = scored.filter(pc.equal(tiers, "low"))
+        low = scored.filter(masks["low"])
         if low.num_rows:
             out.extend(self._emit(low, "low", "raw"))
-        rest = scored.filter(pc.invert(pc.equal(tiers, "high")))
-        rest = pa.concat_tables([rest.filter(pc.equal(rest.column("tier"), "normal")),
-                                 summarise(rest.filter(pc.equal(rest.column("tier"), "low")))])
+        rest = pa.concat_tables([scored.filter(masks["normal"]), summarise(low)])
         if rest.num_rows:
             out.extend(self._buffer(rest))
         return out

@@ -4,16 +4,18 @@ What it does, per raw batch (a bounded slice of the source, so memory follows th
 the input size): preprocess against the data contract (rejects go to the node's ledger with their
 reason), score every sample (the policy's scorer), route by value (high: urgent bundles at once;
 normal: bundles with the low tier's summary rows; low: full rows kept in the local raw store) and
-put the bundles in the spool (cap, watermarks and full policy of the EdgeNode block). Two task runs
-per batch, never one per sample. At the end: spool TTL expiry, watermark check, and artifacts (a
-per-tier table with value captured per uplinked byte against the no-tiering baseline, progress).
+put the bundles in the spool (cap, watermarks and full policy of the EdgeNode block). One task run
+per batch (default 50k samples: 20 task runs per 1M samples), never one per sample. At the end:
+spool TTL expiry, watermark check, and artifacts (a per-tier table with value captured per uplinked
+byte against the no-tiering baseline, progress).
 
 Blocks: `edgehaul-edge-node` (or inline `node_id` + `spool_dir`), `edgehaul-tiering-policy`
 (default policy if none), `edgehaul-object-store` (only for the model scorer), and the
 prefect-aws `S3Bucket` result-storage block of the ops bucket (`edgehaul.caching.ensure_result_storage`).
-Cache policy: preprocess keyed on raw batch SHA-256 + contract SHA-256 + code version; score/tier
-keyed on the preprocessed batch key + scorer version + policy fingerprint; values are references
-(staged file + checksum, bundle ids), never the data; a staged file that has gone is recomputed;
+Cache policy: one entry per batch, keyed on the raw batch's content key (per-sample pixel SHA-256s
++ the other columns' bytes) + contract SHA-256 + code version + scorer version + policy
+fingerprint + node; values are references (bundle ids, sizes, checksums), never the data; a
+cached batch whose receipt is missing from the spool (spool wiped) is recomputed;
 `refresh_cache=True` recomputes everything for this run. Runs in the node's work pool (edge-*).
 """
 
@@ -32,10 +34,11 @@ from pydantic import BaseModel, Field, model_validator
 
 from blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import contract_by_id
-from edgehaul.landsat import generate, table_sha256
+from edgehaul.landsat import generate
+from edgehaul.preprocess import batch_key
 from edgehaul.runners import from_environment
 from edgehaul.spool import Spool
-from tasks.edge import StagedBatch, TieredBatch, merge_reports, preprocess_batch, scorer_key, tier_and_spool
+from tasks.edge import EdgeBatch, context_key, ingest_batch, merge_reports, scorer_key
 
 
 class EdgeIngestParams(BaseModel):
@@ -49,7 +52,7 @@ class EdgeIngestParams(BaseModel):
     source: Literal["generate", "parquet"] = Field(default="generate", description="Generated patches or Parquet files.")
     source_path: str | None = Field(default=None, description="Folder of raw Parquet files (source=parquet).")
     n_samples: int = Field(default=10_000, ge=1, le=100_000_000, description="Samples to generate.")
-    batch_size: int = Field(default=20_000, ge=100, le=200_000, description="Samples per raw batch (two task runs each).")
+    batch_size: int = Field(default=50_000, ge=100, le=200_000, description="Samples per raw batch (one task run each).")
     seed: int = Field(default=0, ge=0, description="Generator seed.")
     start_seq: int = Field(default=0, ge=0, description="First sequence number of generated samples.")
     class_weights: dict[int, float] | None = Field(default=None, description="Generated class mix.")
@@ -100,8 +103,7 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     opts: dict[str, Any] = {"refresh_cache": p.refresh_cache}
     if p.result_storage:
         opts["result_storage"] = p.result_storage
-    pre_task = preprocess_batch.with_options(**opts)
-    tier_task = tier_and_spool.with_options(**opts)
+    batch_task = ingest_batch.with_options(**opts)
     expected = max(1, -(-p.n_samples // p.batch_size)) if p.source == "generate" else 0
     # create_* are typed sync-or-async; in a sync flow they return the value.
     progress = create_progress_artifact(0.0, key=f"edge-ingest-{node.node_id}-progress",
@@ -109,21 +111,22 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
 
     # A model scorer's version (its model id) is fixed for the run: resolve it once, not per batch.
     fixed_version = scorer_key(policy, node, "", store, contract) if policy.scorer != "novelty" else None
-    staged_all: list[StagedBatch] = []
-    tiered_all: list[TieredBatch] = []
+    done: list[EdgeBatch] = []
+    shown = 0.0
     for i, raw in enumerate(_raw_batches(p, node.node_id)):
-        raw_sha = table_sha256(raw)
-        staged = pre_task(raw, raw_sha, contract.id, node)
-        if not staged.is_intact():  # a cached reference whose staged file was pruned or altered
-            logger.info("batch %d: staged file %s gone or altered; recomputing", i, staged.path)
-            staged = preprocess_batch.with_options(**{**opts, "refresh_cache": True})(raw, raw_sha, contract.id, node)
-        del raw
-        version = fixed_version or scorer_key(policy, node, staged.key, store, contract)
-        tiered = tier_task(staged, contract.id, policy, node, version, store)
-        staged_all.append(staged)
-        tiered_all.append(tiered)
-        if expected:
-            update_progress_artifact(cast(UUID, progress), min(100.0, 100.0 * (i + 1) / expected))
+        raw_key, digests = batch_key(raw)
+        version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store, contract)
+        res = batch_task(raw, raw_key, contract.id, policy, node, version, store, digests)
+        if not res.is_intact():  # a cached result whose spool has lost its receipt: wiped or replaced
+            logger.info("batch %d: receipt %s missing from the spool; recomputing", i, res.receipt)
+            res = ingest_batch.with_options(**{**opts, "refresh_cache": True})(
+                raw, raw_key, contract.id, policy, node, version, store, digests)
+        del raw, digests
+        done.append(res)
+        pct = min(100.0, 100.0 * (i + 1) / expected) if expected else 0.0
+        if pct - shown >= 10 or pct >= 100:  # an API call each: not per batch on long runs
+            update_progress_artifact(cast(UUID, progress), pct)
+            shown = pct
 
     spool = Spool.from_block(node)
     try:
@@ -133,13 +136,13 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
         pending = len(spool.pending())
     finally:
         spool.close()
-    report = merge_reports([t.report for t in tiered_all])
-    n_in = sum(s.n_input for s in staged_all)
+    report = merge_reports([t.report for t in done])
+    n_in = sum(s.n_input for s in done)
     rejects: dict[str, int] = {}
-    for s in staged_all:
+    for s in done:
         for k, v in s.reject_counts.items():
             rejects[k] = rejects.get(k, 0) + v
-    refused = sum(1 for t in tiered_all for b in t.bundles if not b["spooled"])
+    refused = sum(1 for t in done for b in t.bundles if not b["spooled"])
     rows = report.rows()
     rows.append({"tier": "value/MB sent", "samples": round(report.value_per_mb, 2), "uplink_bytes": "", "local_bytes": ""})
     rows.append({"tier": "value/MB no-tiering (est.)", "samples": round(report.baseline_value_per_mb, 2),
@@ -148,14 +151,14 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
                           description=f"edge_ingest {node.node_id}: {n_in} samples, {sum(rejects.values())} rejected, "
                                       f"gain in value per uplinked byte {100 * report.gain:+.0f}% vs no tiering")
     summary = {
-        "node_id": node.node_id, "batches": len(staged_all), "samples_in": n_in, "rejected": rejects,
-        "bundles": sum(len(t.bundles) for t in tiered_all), "bundles_refused": refused, "pending": pending,
+        "node_id": node.node_id, "batches": len(done), "samples_in": n_in, "rejected": rejects,
+        "bundles": sum(len(t.bundles) for t in done), "bundles_refused": refused, "pending": pending,
         "expired": len(expired), "spool_used_fraction": round(usage.fraction, 4),
         "ledger": {f"{s}/{r}": n for (s, r), n in ledger_counts.items()},
-        "bundle_ids": [b["bundle_id"] for t in tiered_all for b in t.bundles], **report.summary(),
+        "bundle_ids": [b["bundle_id"] for t in done for b in t.bundles], **report.summary(),
     }
     logger.info("node %s: %d samples in %d batches, %d rejected, %d bundles, tiers %s, value/MB %.1f vs %.1f baseline",
-                node.node_id, n_in, len(staged_all), sum(rejects.values()), summary["bundles"], report.samples,
+                node.node_id, n_in, len(done), sum(rejects.values()), summary["bundles"], report.samples,
                 report.value_per_mb, report.baseline_value_per_mb)
     return summary
 

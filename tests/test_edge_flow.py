@@ -1,11 +1,14 @@
 """edge_ingest end to end on the real Prefect server and SeaweedFS: spool contents, artifacts,
-caching (rerun Cached and writes nothing, policy change rescoring only, a second process hits the
-cache, refresh recomputes) and the spool's 85% event reaching Prefect."""
+caching (rerun Cached and writes nothing, a policy change re-runs, a second process hits the cache,
+refresh recomputes, a cached batch whose spool was wiped is recomputed), the model scorer branch
+(a published model's uncertainty values the samples; publishing a new model re-scores) and the
+spool's 85% event reaching Prefect."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,11 +18,17 @@ from typing import Any
 from uuid import UUID
 
 import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from blocks import ObjectStore, TieringPolicy
 from edgehaul import events, localstack
 from edgehaul.caching import RESULTS_FOLDER, ensure_result_storage
+from edgehaul.contracts import load_contract
+from edgehaul.landsat import generate
+from edgehaul.preprocess import preprocess
 from edgehaul.spool import Spool
 from flows.edge_ingest import EdgeIngestParams, edge_ingest
 from tests.builders import bundle
@@ -41,13 +50,15 @@ def _task_states(flow_run_id: UUID, expect: int, timeout: float = 20) -> dict[st
             out: dict[str, list[str]] = {}
             for r in done:
                 out.setdefault(r.name.rsplit("-", 1)[0], []).append(str(r.state.name if r.state else ""))
-            return out
+            return {k: sorted(v) for k, v in out.items()}
         time.sleep(0.5)
 
 
 def _run(params: EdgeIngestParams) -> tuple[dict[str, Any], UUID]:
     state = edge_ingest(params, return_state=True)
-    return state.result(), state.state_details.flow_run_id
+    fr = state.state_details.flow_run_id
+    assert fr is not None
+    return state.result(), fr
 
 
 def _ops_objects(store: ObjectStore) -> set[str]:
@@ -81,13 +92,13 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
     assert len(set(held)) == len(held)  # summaries + full rows, each sample once in uplink bundles
     assert len(held) == 3000 and len(raw_held) == first["samples"]["low"]
     spool.close()
-    assert _task_states(fr1, 6) == {"edge-preprocess": ["Completed"] * 3, "edge-tier-and-spool": ["Completed"] * 3}
+    assert _task_states(fr1, 3) == {"edge-ingest-batch": ["Completed"] * 3}  # one task run per batch
     objects, files = _ops_objects(store), _snapshot(spool_dir)
-    assert len(objects) == 6  # one result record per task run, in the ops bucket
+    assert len(objects) == 3  # one result record per task run, in the ops bucket
 
     # rerun: every task Cached, nothing new in the ops bucket, the spool untouched
     second, fr2 = _run(params)
-    assert _task_states(fr2, 6) == {"edge-preprocess": ["Cached"] * 3, "edge-tier-and-spool": ["Cached"] * 3}
+    assert _task_states(fr2, 3) == {"edge-ingest-batch": ["Cached"] * 3}
     assert _ops_objects(store) == objects and _snapshot(spool_dir) == files
     assert second["bundle_ids"] == first["bundle_ids"]
 
@@ -101,23 +112,103 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
     proc = subprocess.run([sys.executable, "-c", code, params.model_dump_json()], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300, check=True)
     fr_other = UUID(json.loads(proc.stdout.strip().splitlines()[-1])["id"])
-    assert _task_states(fr_other, 6) == {"edge-preprocess": ["Cached"] * 3, "edge-tier-and-spool": ["Cached"] * 3}
+    assert _task_states(fr_other, 3) == {"edge-ingest-batch": ["Cached"] * 3}
 
-    # a new tiering policy rescores and re-tiers, preprocessing stays cached
+    # the spool is wiped (disk replaced): the cache still answers, but its receipts are gone, so
+    # every batch is recomputed and the bundles are back, same ids, not an error
+    pending_before = sorted(e.bundle_id for e in Spool(spool_dir, cap_bytes=2 * 1024**3,
+                                                        emit=lambda *a, **k: True).pending())
+    shutil.rmtree(spool_dir)
+    wiped, fr_w = _run(params)
+    assert _task_states(fr_w, 6) == {"edge-ingest-batch": ["Cached"] * 3 + ["Completed"] * 3}
+    assert wiped["bundle_ids"] == first["bundle_ids"] and wiped["samples"] == first["samples"]
+    spool = Spool(spool_dir, cap_bytes=2 * 1024**3, emit=lambda *a, **k: True)
+    assert sorted(e.bundle_id for e in spool.pending()) == pending_before
+    spool.close()
+    assert _ops_objects(store) == objects  # same cache keys: the recompute overwrote its own records
+
+    # a new tiering policy re-runs every batch (new cache key) and re-tiers
     TieringPolicy(version="2", low_threshold=0.2, high_threshold=0.9).save(f"edge-policy-{tag}")
     changed, fr3 = _run(params.model_copy(update={"tiering_policy": f"edge-policy-{tag}"}))
-    assert _task_states(fr3, 6) == {"edge-preprocess": ["Cached"] * 3, "edge-tier-and-spool": ["Completed"] * 3}
+    assert _task_states(fr3, 3) == {"edge-ingest-batch": ["Completed"] * 3}
     assert changed["samples"] != first["samples"]
 
     # refresh recomputes everything
     _, fr4 = _run(params.model_copy(update={"refresh_cache": True}))
-    assert _task_states(fr4, 6) == {"edge-preprocess": ["Completed"] * 3, "edge-tier-and-spool": ["Completed"] * 3}
+    assert _task_states(fr4, 3) == {"edge-ingest-batch": ["Completed"] * 3}
 
     api = stack.prefect_api_url
     r = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": [f"edge-ingest-{params.node_id}"]}}},
                    timeout=10)
     arts = r.json()
     assert arts and arts[0]["type"] == "table" and "value/MB" in json.dumps(arts[0]["data"])
+
+
+def _register_untrained(store: ObjectStore, model_id: str, seed: int) -> None:
+    """A real (untrained, seeded) land-cover model registered and published as the edge's latest."""
+    import torch
+
+    from edgehaul.training import registry
+    from edgehaul.training.model import build_model
+
+    torch.manual_seed(seed)
+    arch = {"in_channels": 6, "n_classes": 7, "width": 8, "dropout": 0.0}
+    model_file = {"arch": arch, "state_dict": build_model(arch).state_dict(), "contract": "landsat_patch.v1",
+                  "label_values": [1, 2, 3, 4, 5, 6, 7], "model_id": model_id, "model_name": "landcover"}
+    registry.register_model(store, "landcover", model_id, model_file, {"team": "geo"})
+    registry.publish(store, "landcover", model_id)
+
+
+@pytest.mark.integration
+def test_edge_ingest_with_the_model_scorer_values_samples_by_model_uncertainty(
+    stack: localstack.StackState, store: ObjectStore, tmp_path: Path
+) -> None:
+    from edgehaul.bundles import read_bundle
+    from edgehaul.model_scorer import ModelScorer
+
+    tag = uuid.uuid4().hex[:8]
+    node_id = f"node-m{tag}"
+    _register_untrained(store, f"m1-{tag}", seed=1)
+    store.save(f"edge-store-{tag}")
+    # thresholds at quantiles of this model's values on this input, so all three tiers occur
+    raw = pa.concat_tables(list(generate(1200, node_id, seed=5, batch_size=600)))
+    lo, hi = np.quantile(ModelScorer("latest", store).score(preprocess(raw, load_contract("landsat_patch")).accepted),
+                         [0.3, 0.8])
+    TieringPolicy(version="m", scorer="model", model_uri="latest", low_threshold=float(lo),
+                  high_threshold=float(hi)).save(f"edge-model-policy-{tag}")
+    spool_dir = tmp_path / "spool"
+    params = EdgeIngestParams(edge_node=None, node_id=node_id, spool_dir=str(spool_dir), n_samples=1200,
+                              batch_size=600, result_storage=None, seed=5, tiering_policy=f"edge-model-policy-{tag}",
+                              object_store=f"edge-store-{tag}")
+    first, fr1 = _run(params)
+    assert first["samples_in"] == 1200 and sum(first["samples"].values()) == 1200
+    assert _task_states(fr1, 2) == {"edge-ingest-batch": ["Completed"] * 2}
+
+    # every full row in the spool carries the model's normalised entropy, and its tier follows the policy
+    scorer = ModelScorer("latest", store)
+    spool = Spool(spool_dir, cap_bytes=2 * 1024**3, emit=lambda *a, **k: True)
+    entries = spool.pending() + spool.raw_entries()
+    assert {e.manifest.scorer_version for e in entries} == {f"m1-{tag}"}
+    full = [t.filter(pc.invert(t.column("is_summary"))) for t in (read_bundle(spool.read(e.bundle_id)) for e in entries)]
+    spool.close()
+    rows = pa.concat_tables(full)
+    assert rows.num_rows == 1200
+    want = np.clip(scorer.score(rows), 0, 1).astype(np.float32)
+    np.testing.assert_allclose(rows.column("value").to_numpy(), want, atol=1e-6)
+    v, tiers = rows.column("value").to_numpy(), np.asarray(rows.column("tier").to_pylist())
+    v64 = v.astype(np.float64)  # the router compares the stored float32 values in float64
+    assert (tiers == np.where(v64 >= hi, "high", np.where(v64 < lo, "low", "normal"))).all()
+    assert set(tiers) == {"high", "normal", "low"} and first["samples"]["low"] == int((tiers == "low").sum())
+
+    # rerun: cached; a newly published model re-scores every batch
+    _, fr2 = _run(params)
+    assert _task_states(fr2, 2) == {"edge-ingest-batch": ["Cached"] * 2}
+    _register_untrained(store, f"m2-{tag}", seed=2)
+    _, fr3 = _run(params)
+    assert _task_states(fr3, 2) == {"edge-ingest-batch": ["Completed"] * 2}
+    spool = Spool(spool_dir, cap_bytes=2 * 1024**3, emit=lambda *a, **k: True)
+    assert f"m2-{tag}" in {e.manifest.scorer_version for e in spool.pending()}
+    spool.close()
 
 
 @pytest.mark.integration

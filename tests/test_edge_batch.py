@@ -1,0 +1,135 @@
+"""One batch through the edge path (edgehaul.edge_batch) and the batch content key: the key sees
+every change and no chunking, its digests are the content hashes, rows without an id stay distinct
+across batches in the ledger, and the bundle's Parquet settings per column."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocks import TieringPolicy
+from edgehaul.contracts import load_contract
+from edgehaul.edge_batch import ingest_batch
+from edgehaul.landsat import generate
+from edgehaul.ledger import STAGE_PREPROCESS
+from edgehaul.preprocess import MISSING_FIELD, batch_key, preprocess
+from edgehaul.scoring import NoveltyScorer
+from edgehaul.spool import Spool
+
+C = load_contract("landsat_patch")
+
+
+@pytest.fixture(scope="module")
+def raw() -> pa.Table:
+    return next(generate(200, "node-a", seed=21, batch_size=200))
+
+
+def _set(t: pa.Table, name: str, values: list) -> pa.Table:
+    i = t.schema.get_field_index(name)
+    return t.set_column(i, t.schema.field(i), pa.array(values, t.schema.field(i).type))
+
+
+def _spool(tmp_path: Path) -> Spool:
+    return Spool(tmp_path / "spool", cap_bytes=2**30, emit=lambda *a, **k: True)
+
+
+def test_batch_key_digests_are_the_content_hashes(raw: pa.Table) -> None:
+    key, digests = batch_key(raw)
+    assert digests is not None and digests.shape == (200, 32)
+    assert [bytes(d).hex() for d in digests] == [hashlib.sha256(b).hexdigest() for b in raw.column("pixels").to_pylist()]
+    with_digests = preprocess(raw, C, key=key, digests=digests).accepted
+    assert with_digests.equals(preprocess(raw, C).accepted)
+    with pytest.raises(ValueError, match="digests of shape"):
+        preprocess(raw, C, digests=digests[:10])
+
+
+@settings(max_examples=25, deadline=None)
+@given(row=st.integers(0, 199), what=st.sampled_from(["pixel", "id", "seq", "null-pixels", "empty-pixels", "label"]),
+       cut=st.integers(1, 199))
+def test_batch_key_sees_every_change_and_no_chunking(raw: pa.Table, row: int, what: str, cut: int) -> None:
+    key, _ = batch_key(raw)
+    assert batch_key(pa.concat_tables([raw.slice(0, cut), raw.slice(cut)]))[0] == key  # chunking is not content
+    pix = raw.column("pixels").to_pylist()
+    if what == "pixel":
+        b = bytearray(pix[row])
+        b[row % len(b)] ^= 1
+        pix[row] = bytes(b)
+        changed = _set(raw, "pixels", pix)
+    elif what in ("null-pixels", "empty-pixels"):
+        pix[row] = None if what == "null-pixels" else b""
+        changed = _set(raw, "pixels", pix)
+    elif what == "id":
+        changed = _set(raw, "sample_id", [*raw.column("sample_id").to_pylist()[:row], "other",
+                                          *raw.column("sample_id").to_pylist()[row + 1 :]])
+    elif what == "seq":
+        seq = raw.column("seq").to_pylist()
+        seq[row] += 1
+        changed = _set(raw, "seq", seq)
+    else:
+        labels = raw.column("label").to_pylist()
+        labels[row] = None if labels[row] is not None else 1
+        changed = _set(raw, "label", labels)
+    assert batch_key(changed)[0] != key
+    # null and empty pixels differ from each other too (the validity is part of the key)
+    if what == "null-pixels":
+        pix[row] = b""
+        assert batch_key(_set(raw, "pixels", pix))[0] != batch_key(changed)[0]
+
+
+def test_rows_without_an_id_stay_distinct_across_batches_in_the_ledger(tmp_path: Path) -> None:
+    batches = list(generate(600, "node-a", seed=3, batch_size=300))
+    spool = _spool(tmp_path)
+    scorer = NoveltyScorer(C)
+    rejected: list[str] = []
+    for raw in batches:
+        ids = raw.column("sample_id").to_pylist()
+        ids[3] = ids[7] = None  # the same row numbers in both batches
+        raw = _set(raw, "sample_id", ids)
+        key, digests = batch_key(raw)
+        res = ingest_batch(raw, C, TieringPolicy(), spool, scorer, key=key, digests=digests, node_id="node-a")
+        assert res.reject_counts == {MISSING_FIELD: 2} and res.accepted == 298
+        rejected += [f"<no-id:{key[:16]}:row 3>", f"<no-id:{key[:16]}:row 7>"]
+    assert len(set(rejected)) == 4
+    assert spool.ledger.counts()[(STAGE_PREPROCESS, MISSING_FIELD)] == 4  # none lost to INSERT OR IGNORE
+    assert set(spool.ledger.lookup(rejected)) == set(rejected)
+    spool.close()
+
+
+def test_ingest_batch_spools_every_accepted_sample_once_with_or_without_digests(raw: pa.Table, tmp_path: Path) -> None:
+    key, digests = batch_key(raw)
+    out = []
+    for name, d in (("a", digests), ("b", None)):
+        spool = Spool(tmp_path / name, cap_bytes=2**30, emit=lambda *a, **k: True)
+        res = ingest_batch(raw, C, TieringPolicy(), spool, NoveltyScorer(C), key=key, digests=d, node_id="node-a")
+        held = [i for e in spool.pending() for i in e.manifest.sample_ids]
+        assert sorted(held) == sorted(raw.column("sample_id").to_pylist())  # full rows + summaries, once each
+        assert all(b["spooled"] for b in res.bundles)
+        out.append(sorted(b["bundle_id"] for b in res.bundles))
+        spool.close()
+    assert out[0] == out[1]  # the same content hashes, so the same bundle ids
+
+
+def test_bundle_parquet_settings_per_column(raw: pa.Table, tmp_path: Path) -> None:
+    key, digests = batch_key(raw)
+    spool = _spool(tmp_path)
+    res = ingest_batch(raw, C, TieringPolicy(), spool, NoveltyScorer(C), key=key, digests=digests, node_id="node-a")
+    data = spool.read(res.bundles[0]["bundle_id"])
+    spool.close()
+    meta = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
+    cols = {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
+    assert cols["pixels"].statistics is None and cols["content_sha256"].statistics is None
+    assert cols["capture_time"].statistics is not None and cols["value"].statistics is not None
+    assert not any("DICT" in e for e in cols["pixels"].encodings + cols["sample_id"].encodings)
+    assert any("DICT" in e for e in cols["node_id"].encodings)
+    assert all(c.compression == "ZSTD" for c in cols.values())
+    t = pq.read_table(io.BytesIO(data))
+    assert np.array_equal(np.asarray(t.column("content_sha256").to_pylist()),
+                          [hashlib.sha256(b).hexdigest() for b in t.column("pixels").to_pylist()])
