@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import multiprocessing as mp
@@ -70,6 +71,26 @@ COMMIT_LEASE_S = 0.3  # claims of a killed committer are taken over after this (
 
 def _quiet(*_: Any, **__: Any) -> bool:
     return True
+
+
+_VALIDATED: dict[tuple[str, bytes], ValidationResult] = {}
+_VALIDATED_LOCK = threading.Lock()
+
+
+def validate(data: bytes, manifest: BundleManifest) -> ValidationResult:
+    """`validate_bundle`, memoised on the exact bytes (sha256) and manifest. The result is a pure function
+    of both (the contract files are fixed for a run), so every trial still gets the real verdict; the Great
+    Expectations pass (~0.25-2 s a bundle, most of a trial) runs once per distinct content, and any
+    corrupted byte or garbled manifest is a new key that is validated afresh."""
+    key = (hashlib.sha256(data).hexdigest(), manifest.to_json())
+    with _VALIDATED_LOCK:
+        hit = _VALIDATED.get(key)
+    if hit is not None:
+        return hit
+    _, res = validate_bundle(data, manifest)
+    with _VALIDATED_LOCK:
+        _VALIDATED[key] = res
+    return res
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -163,7 +184,7 @@ def build_pool(folder: Path, specs: Sequence[tuple[int, str, float | None]], *, 
     for i, (n, tier, value) in enumerate(specs):
         data, m = write_bundle(_rows(n, node, 1000 + seq_base + i, seq, tier, value), contract, tier=tier)
         seq += n + 10
-        _, res = validate_bundle(data, m)
+        res = validate(data, m)
         if not res.success:
             log.info("pool bundle %d (%d rows) fails validation (%s); skipped", i, n, res.reason)
             continue
@@ -188,23 +209,43 @@ def _store_from(d: dict[str, str]) -> ObjectStore:
                        secret_access_key=SecretStr(d["secret"]), prefix=d["prefix"])
 
 
+def _admin_of(state: localstack.StackState) -> ObjectStore:
+    admin = state.identities["admin"]
+    return ObjectStore(endpoint_url=state.s3_endpoint, access_key_id=SecretStr(admin.access_key_id),
+                       secret_access_key=SecretStr(admin.secret_access_key))
+
+
 class DrillEnv:
-    """One private SeaweedFS (stoppable), a work folder, the bundle pools and a forkserver."""
+    """Two private SeaweedFS servers (one for every drill, one that the store-down drill stops and
+    restarts, so it can run beside the others), a work folder, the bundle pools and a forkserver."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.s3_root = root / "s3"
-        self.s3_root.mkdir(parents=True, exist_ok=True)
-        self.state = localstack.new_state(self.s3_root, fixed_ports=False, nodes=())
-        self.state.save()
-        localstack.start_s3(self.state)
-        admin = self.state.identities["admin"]
-        self.admin = ObjectStore(endpoint_url=self.state.s3_endpoint, access_key_id=SecretStr(admin.access_key_id),
-                                 secret_access_key=SecretStr(admin.secret_access_key))
+        self.states = []
+        for name in ("s3", "s3-down"):
+            (root / name).mkdir(parents=True, exist_ok=True)
+            st = localstack.new_state(root / name, fixed_ports=False, nodes=())
+            st.save()
+            self.states.append(st)
+        errors: list[BaseException] = []
+
+        def start_second() -> None:
+            try:
+                localstack.start_s3(self.states[1])
+            except BaseException as e:  # re-raised below, in the caller's thread
+                errors.append(e)
+
+        starting = threading.Thread(target=start_second, daemon=True)
+        starting.start()
+        localstack.start_s3(self.states[0])
+        self.admin, self.down_admin = _admin_of(self.states[0]), _admin_of(self.states[1])
         self.work = root / "trials"
         self.work.mkdir(exist_ok=True)
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["edgehaul.drills", "torch"])
+        self.ctx.set_forkserver_preload(["edgehaul.drills", "edgehaul.drill_forkserver", "torch"])
+        # One client for the core side of every trial (thread-safe; the prefix is in the keys, not the
+        # client). Uplinks keep their own: a link hooks its client's requests.
+        self.s3 = self.admin.client(max_pool_connections=32)
         pools = root / "pool"
         # small: 40-64 rows (~60-100 KB); mid: ~1 MB so a spool write takes long enough to be hit
         self.small = build_pool(pools / "small", [(40 + (i % 5) * 6, "normal", None) for i in range(24)])
@@ -213,23 +254,50 @@ class DrillEnv:
                                  seq_base=200_000)
         self.mid = build_pool(pools / "mid", [(700, "normal", None) for _ in range(6)], seq_base=400_000)
         self.big = build_pool(pools / "big", [(4400, "normal", None) for _ in range(2)], seq_base=600_000)
+        starting.join(120)
+        if errors or starting.is_alive():
+            self.close()
+            raise RuntimeError(f"the store-down drill's SeaweedFS did not start: {errors[:1]}")
 
-    def store(self, name: str) -> ObjectStore:
-        return self.admin.model_copy(update={"prefix": f"drill-{name}-{uuid.uuid4().hex[:8]}"})
+    def store(self, name: str, *, stoppable: bool = False) -> ObjectStore:
+        admin = self.down_admin if stoppable else self.admin
+        return admin.model_copy(update={"prefix": f"drill-{name}-{uuid.uuid4().hex[:8]}"})
 
     def trial_dir(self, name: str) -> Path:
         d = self.work / f"{name}-{uuid.uuid4().hex[:8]}"
         d.mkdir(parents=True)
         return d
 
-    def s3_stop(self) -> None:
-        localstack.down(self.s3_root)
+    def s3_stop(self, grace_s: float) -> None:
+        """Stop the stoppable server: SIGTERM, then SIGKILL after `grace_s` (0: a crash). The server
+        is our child, so it is reaped here (an unreaped zombie still answers kill(pid, 0))."""
+        root = Path(self.states[1].root)
+        pid = localstack._read_pid(root, "seaweedfs")
+        if pid is None:
+            return
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            except ChildProcessError:
+                if not localstack._alive(pid):
+                    break
+            if time.monotonic() > deadline:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+            time.sleep(0.05)
+        localstack.down(root)  # pid file and stale sockets
 
     def s3_start(self) -> None:
-        localstack.start_s3(self.state)
+        localstack.start_s3(self.states[1])
 
     def close(self) -> None:
-        localstack.down(self.s3_root)
+        for st in self.states:
+            localstack.down(Path(st.root))
 
 
 # ------------------------------------------------------------------------------------------ pipeline steps
@@ -256,9 +324,8 @@ def _discard(spool: Spool, bundle_id: str) -> None:
 
 
 def drain(store: ObjectStore, spool: Spool, state_dir: Path, *, link: Link | None = None, rq: RetryQueue | None = None,
-          attempts: int = 3, max_seconds: float = 60.0, client: Any = None) -> Any:
-    link = link or Link(fast_profile(), emit_events=False)
-    up = Uplink(store, link, state_dir, client=client)
+          attempts: int = 3, max_seconds: float = 60.0, uplink: Uplink | None = None) -> Any:
+    up = uplink or Uplink(store, link or Link(fast_profile(), emit_events=False), state_dir)
     return Drainer(up, spool, attempts=attempts, backoff_s=(0.05, 0.2), retry_queue=rq, emit_events=False,
                    poll_s=0.005).run(max_seconds=max_seconds)
 
@@ -286,7 +353,7 @@ def validate_landed(store: ObjectStore, s3: Any, keys: Sequence[str] | None = No
                                    rows=0, success=False, reason="unreadable", error=lb.error)
             records.append(quarantine.quarantine_bundle(store, key, res, None, ids, s3=s3, emit_event=False))
             continue
-        _, res = validate_bundle(lb.data, lb.manifest)
+        res = validate(lb.data, lb.manifest)
         if not res.success:
             records.append(quarantine.quarantine_bundle(store, key, res, lb.manifest, s3=s3, emit_event=False))
         else:
@@ -297,12 +364,22 @@ def validate_landed(store: ObjectStore, s3: Any, keys: Sequence[str] | None = No
 def commit_validated(store: ObjectStore, s3: Any, validated: dict[str, tuple[BundleManifest, ValidationResult]], *,
                      run_id: str = "", lease_s: float = datasets.DEFAULT_LEASE_S) -> datasets.CommitResult | None:
     """The commit step of core_ingest: re-read the validated bundles by reference and commit them."""
+    return commit_items(store, s3, fetch_validated(store, s3, validated), run_id=run_id, lease_s=lease_s)
+
+
+def fetch_validated(store: ObjectStore, s3: Any, validated: dict[str, tuple[BundleManifest, ValidationResult]]
+                    ) -> list[datasets.ValidatedBundle]:
     items = []
     for key, (_, res) in validated.items():
         lb = landed.fetch(store, key, s3=s3)
         if lb.data is None or lb.manifest is None or lb.manifest.sha256 != res.bundle_sha256:
             continue  # changed or gone since validation: the next run revalidates it
         items.append(datasets.ValidatedBundle(lb.manifest, read_bundle(lb.data, lb.manifest), res))
+    return items
+
+
+def commit_items(store: ObjectStore, s3: Any, items: list[datasets.ValidatedBundle], *, run_id: str = "",
+                 lease_s: float = datasets.DEFAULT_LEASE_S) -> datasets.CommitResult | None:
     if not items:
         return None
     return datasets.commit_bundles(store, load_contract(KIND), items, run_id=run_id, lease_s=lease_s, s3=s3)
@@ -422,10 +499,11 @@ def _w_commit(store_d: dict[str, str], validated: dict[str, tuple[BundleManifest
               lease_s: float, ready: Any, go: Any, out: Any) -> None:
     store = _store_from(store_d)
     s3 = store.client()
+    items = fetch_validated(store, s3, validated)  # before `go`: the fault and the race hit the commit itself
     ready.set()
     go.wait(10)
     try:
-        r = commit_validated(store, s3, validated, run_id=run_id, lease_s=lease_s)
+        r = commit_items(store, s3, items, run_id=run_id, lease_s=lease_s)
         out.put({"version": r.version if r else None, "bundles": r.bundles if r else [],
                  "deferred": r.deferred if r else [], "error": ""})
     except Exception as e:  # reported to the parent, which recovers with its own pass
@@ -542,8 +620,8 @@ def drill_edge_kill(env: DrillEnv, rng: random.Random) -> TrialResult:
     problems = [] if all(sp.read(e.bundle_id) for e in sp.pending()) else ["unreadable spool entry after the kill"]
     _spool_all(sp, picks)  # the rerun of the edge ingest (idempotent on bundle id)
     drain(store, sp, d / "uplink")
-    ingest(store)
-    a = account(store, _ids(picks), [sp])
+    ingest(store, env.s3)
+    a = account(store, _ids(picks), [sp], env.s3)
     sp.close()
     return a.result(killed, problems)
 
@@ -565,7 +643,7 @@ def drill_uplink_kill(env: DrillEnv, rng: random.Random) -> TrialResult:
     time.sleep(rng.uniform(0.0, 0.2))
     killed = _kill(p)
     sp = open_spool(d / "spool")
-    s3 = store.client()
+    s3 = env.s3
     mid_multipart = any(Path(d / "spool" / "uplink").glob("*.mpu.json"))
     drain(store, sp, d / "spool" / "uplink", link=Link(prof, emit_events=False))
     ingest(store, s3)
@@ -579,7 +657,7 @@ def drill_uplink_kill(env: DrillEnv, rng: random.Random) -> TrialResult:
 def drill_commit_kill(env: DrillEnv, rng: random.Random) -> TrialResult:
     """kill -9 of the core ingest during its dataset commit; the next run takes over the stale claims."""
     d, store = env.trial_dir("commit"), env.store("commit")
-    s3 = store.client()
+    s3 = env.s3
     picks = rng.sample(env.small, rng.randint(2, 6))
     sp = open_spool(d / "spool")
     _spool_all(sp, picks)
@@ -597,6 +675,10 @@ def drill_commit_kill(env: DrillEnv, rng: random.Random) -> TrialResult:
     go.set()
     time.sleep(rng.uniform(0.0, 0.35))
     killed = _kill(p)
+    # mid-operation only if the kill left part of the commit undone (not after its last bundle landed)
+    with contextlib.suppress(datasets.DatasetError):
+        ids = [m.bundle_id for m, _ in good.values()]
+        killed = killed and len(datasets.committed_bundle_ids(store, KIND, ids)) < len(ids)
     time.sleep(COMMIT_LEASE_S + 0.05)
     ingest(store, s3, lease_s=COMMIT_LEASE_S)
     a = account(store, _ids(picks), [sp], s3)
@@ -615,7 +697,7 @@ def drill_trainer_kill(env: DrillEnv, rng: random.Random, data: ObjectStore) -> 
     time.sleep(rng.uniform(0.05, 0.6))
     killed = _kill(p)
     ck = CheckpointStore(ck_store, run_id)
-    s3 = ck_store.client()
+    s3 = env.s3
     open_uploads = s3.list_multipart_uploads(Bucket=ck_store.bucket("checkpoints"),
                                              Prefix=ck_store.key("checkpoints", run_id + "/")).get("Uploads", [])
     latest = ck.latest()
@@ -636,43 +718,52 @@ def drill_trainer_kill(env: DrillEnv, rng: random.Random, data: ObjectStore) -> 
 
 
 def drill_store_down(env: DrillEnv, rng: random.Random, n: int) -> list[TrialResult]:
-    """The object store goes down (SIGTERM) while n pipelines drain and ingest, and comes back later."""
+    """The object store goes down (SIGTERM with a short grace, or SIGKILL: a crash) while n pipelines
+    drain and ingest, and comes back a little later. A trial counts as struck mid-operation when it
+    still had work in flight (something spooled and not yet committed) when the store went down."""
     trials = []
     stop_at = time.monotonic() + rng.uniform(0.1, 0.8)
     up_event = threading.Event()
+    stopped_at = [float("inf")]
     results: list[TrialResult | None] = [None] * n
 
     def one(i: int) -> None:
         r = random.Random(rng.random() + i)
-        d, store = env.trial_dir("down"), env.store("down")
+        d, store = env.trial_dir("down"), env.store("down", stoppable=True)
         picks = r.sample(env.small, r.randint(2, 5))
         sp = open_spool(d / "spool")
         rq = retry_queue(d, sp)
         time.sleep(r.uniform(0.0, 0.6))
         s3 = store.client(connect_timeout=2, read_timeout=10, retries={"max_attempts": 1})
+        up = Uplink(store, Link(fast_profile(), emit_events=False), d / "uplink")  # one client for all attempts
         _spool_all(sp, picks)
-        for attempt in range(200):
+        clean_at = None  # when this trial first had everything committed
+        for attempt in range(400):
             with contextlib.suppress(Exception):
-                drain(store, sp, d / "uplink", rq=rq, attempts=2, max_seconds=5)
+                drain(store, sp, d / "uplink", rq=rq, attempts=2, max_seconds=5, uplink=up)
             try:
                 ingest(store, s3)
-                if not sp.pending() and up_event.is_set():
-                    break
+                if not sp.pending():
+                    clean_at = clean_at or time.monotonic()
+                    if up_event.is_set():
+                        break
             except Exception:
                 pass
-            time.sleep(0.2 if attempt < 100 else 1.0)
+            time.sleep(0.2 if attempt < 200 else 1.0)
         with contextlib.suppress(Exception):  # after the store is back: a final clean pass
-            drain(store, sp, d / "uplink", rq=rq)
+            drain(store, sp, d / "uplink", rq=rq, uplink=up)
             ingest(store)
         a = account(store, _ids(picks), [sp])
-        results[i] = a.result(True, [] if len(rq) == 0 else [f"{len(rq)} bundles left in the retry queue"])
+        struck = clean_at is None or clean_at > stopped_at[0]
+        results[i] = a.result(struck, [] if len(rq) == 0 else [f"{len(rq)} bundles left in the retry queue"])
         sp.close()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     time.sleep(max(0.0, stop_at - time.monotonic()))
-    env.s3_stop()
+    stopped_at[0] = time.monotonic()
+    env.s3_stop(grace_s=rng.choice([0.0, rng.uniform(0.5, 3.0)]))
     time.sleep(rng.uniform(0.5, 3.0))
     env.s3_start()
     up_event.set()
@@ -699,8 +790,8 @@ def drill_link_outage(env: DrillEnv, rng: random.Random) -> TrialResult:
     queued = {e.bundle_id for e in rq.entries()}
     now[0] += 601.0
     expired = set(rq.expire())
-    ingest(store)
-    a = account(store, _ids(picks), [sp])
+    ingest(store, env.s3)
+    a = account(store, _ids(picks), [sp], env.s3)
     problems = []
     if expired != queued:
         problems.append(f"expired {len(expired)} of {len(queued)} queued bundles")
@@ -737,8 +828,8 @@ def drill_disk_full(env: DrillEnv, rng: random.Random) -> TrialResult:
         if rng.random() < 0.25:
             drain(store, sp, d / "uplink")
     drain(store, sp, d / "uplink")
-    ingest(store)
-    a = account(store, _ids(offered), [sp])
+    ingest(store, env.s3)
+    a = account(store, _ids(offered), [sp], env.s3)
     sp.close()
     return a.result(refused > 0, problems)
 
@@ -766,7 +857,7 @@ def drill_corrupt_landed(env: DrillEnv, rng: random.Random) -> TrialResult:
     """Bytes of landed objects are corrupted (bit flip, truncation, zeroed range, another bundle's
     bytes, garbled manifest) before the core reads them: quarantined, with every sample id."""
     d, store = env.trial_dir("corrupt"), env.store("corrupt")
-    s3 = store.client()
+    s3 = env.s3
     picks = rng.sample(env.small, rng.randint(2, 6))
     sp = open_spool(d / "spool")
     _spool_all(sp, picks)
@@ -793,7 +884,7 @@ def drill_duplicate_delivery(env: DrillEnv, rng: random.Random) -> TrialResult:
     """The same bundles delivered twice: two spools race the same bundles, one is re-sent after its
     commit, and an ingest sees a bundle twice in one run. One object, one dataset row per sample."""
     d, store = env.trial_dir("dup"), env.store("dup")
-    s3 = store.client()
+    s3 = env.s3
     shared = rng.sample(env.small, rng.randint(1, 4))
     rest = [b for b in env.small if b not in shared]
     own_a, own_b = rng.sample(rest, rng.randint(0, 2)), rng.sample(rest, rng.randint(0, 2))
@@ -835,7 +926,7 @@ def drill_duplicate_delivery(env: DrillEnv, rng: random.Random) -> TrialResult:
 def drill_concurrent_ingest(env: DrillEnv, rng: random.Random) -> TrialResult:
     """Two ingest runs (separate processes) commit overlapping sets of the same landed bundles at once."""
     d, store = env.trial_dir("race"), env.store("race")
-    s3 = store.client()
+    s3 = env.s3
     picks = rng.sample(env.small, rng.randint(2, 6))
     sp = open_spool(d / "spool")
     _spool_all(sp, picks)
@@ -847,14 +938,16 @@ def drill_concurrent_ingest(env: DrillEnv, rng: random.Random) -> TrialResult:
     sets = [dict(rng.sample(list(good.items()), rng.randint(1, len(keys)))) for _ in range(2)]
     go = env.ctx.Event()
     out = env.ctx.Queue()
-    procs = []
+    procs, readies = [], []
     for i, part in enumerate(sets):
         ready = env.ctx.Event()
         p = env.ctx.Process(target=_w_commit, args=(_store_dict(store), part, f"run-{i}", datasets.DEFAULT_LEASE_S,
                                                      ready, go, out), daemon=True)
         p.start()
-        ready.wait(30)
         procs.append(p)
+        readies.append(ready)
+    for ready in readies:
+        ready.wait(30)
     go.set()
     reports = [out.get(timeout=120) for _ in procs]
     for p in procs:
@@ -883,6 +976,12 @@ DRILLS: dict[str, str] = {
     "duplicate_delivery": "the same bundle delivered twice",
     "concurrent_ingest": "two ingest runs committing at once",
 }
+
+
+# Rough seconds per trial on an idle 2-core machine (ordering only: the longest drills start first).
+_COST = {"store_down": 3.0, "concurrent_ingest": 3.0, "ingest_commit_kill": 2.5, "uplink_kill": 2.0,
+         "trainer_checkpoint_kill": 1.8, "duplicate_delivery": 1.5, "corrupt_landed": 1.2, "edge_ingest_kill": 1.2,
+         "disk_full": 1.0, "link_outage": 0.3}
 
 
 def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: int = 20261203,
@@ -922,13 +1021,12 @@ def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: 
 
     done: dict[str, DrillResult] = {}
     try:
-        # Trials wait on the store and on fsync far more than they compute: run drills side by side.
-        # The store-down drill stops the shared server, so it runs alone, last.
+        # Trials wait on the store, on fsync and on their workers far more than they compute: run drills
+        # side by side, the longest first (the store-down drill stops only its own server).
+        order = sorted(names, key=lambda n: -_COST.get(n, 1.0))
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-            for res in pool.map(one, [n for n in names if n != "store_down"]):
+            for res in pool.map(one, order):
                 done[res.name] = res
-        if "store_down" in names:
-            done["store_down"] = one("store_down")
     finally:
         env.close()
         shutil.rmtree(tmp, ignore_errors=True)
