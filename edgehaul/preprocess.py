@@ -251,7 +251,7 @@ def preprocess(
 
     # Decode the rows still alive into one (m, K, C) view, zero-copy after the filter.
     keep = pa.array(rj.alive)
-    pix_arr = pc.filter(cols["pixels"], keep)
+    pix_arr = _keep(cols["pixels"], rj.alive, keep)
     m = len(pix_arr)
     offsets, data = _binary_values(pix_arr)
     flat = data[offsets[0] : offsets[-1]] if m else data[:0]
@@ -269,7 +269,7 @@ def preprocess(
             rj.add(mask, NAN, lambda idx: [f"NaN fraction {frac_of[int(i)]:.3f} > {contract.max_nan_fraction}" for i in idx])
             sel = ~too_many
             keep = pa.array(rj.alive)
-            pix_arr = pc.filter(cols["pixels"], keep)
+            pix_arr = _keep(cols["pixels"], rj.alive, keep)
             offsets, data = _binary_values(pix_arr)
             x = x[sel]
             m = len(x)
@@ -278,8 +278,8 @@ def preprocess(
 
     out: dict[str, pa.Array] = {}
     for name in ("sample_id", "node_id", "capture_time", "seq"):
-        out[name] = pc.filter(cols[name], keep)
-    out[contract.label_column] = pc.filter(label, keep)
+        out[name] = _keep(cols[name], rj.alive, keep)
+    out[contract.label_column] = _keep(label, rj.alive, keep)
     if digests is not None:
         kept = digests[np.flatnonzero(rj.alive)]
     else:
@@ -304,12 +304,19 @@ def preprocess(
     return PreprocessResult(accepted=accepted, rejects=rejects, n_input=n)
 
 
-def _features(x: np.ndarray, contract: Contract, chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+def _keep(col: pa.Array, alive: np.ndarray, keep: pa.Array) -> pa.Array:
+    """The rows still alive; a clean batch (the common case) keeps its arrays, no copy of the pixels."""
+    return col if alive.all() else pc.filter(col, keep)
+
+
+def _features(x: np.ndarray, contract: Contract, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and std of the normalised values, (m, C) float32 each.
 
     Integer tensors: per-sample sums and sums of squares as batched BLAS products over
     cache-sized chunks, in float32 when every partial sum is an integer below 2**24 (exact; true
     for 16x16 uint8) and float64 otherwise, then one affine map. Float tensors: NaN-aware float64.
+    256 rows a chunk (1.5 MB of float32 for 16x16x6) measured ~30% less CPU than 1024: it stays in
+    cache and below the size where OpenBLAS starts (spinning) threads.
     """
     m, k, c = x.shape
     if m == 0:
