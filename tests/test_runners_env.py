@@ -81,7 +81,7 @@ def test_deployed_core_ingest_run_with_dask_env_runs_its_tasks_on_the_cluster(st
 
     store = store_for(stack, prefix=f"rt-{uuid.uuid4().hex[:8]}")
     s3 = store.client()
-    good = [bundle(25, "node-a", seed=40 + i, start_seq=i * 25) for i in range(3)]
+    good = [bundle(25, "node-a", seed=40)]
     bad_data, bad_m = bundle(10, "node-b", seed=47)
     for data, m in [*good, (bad_data[:-64], bad_m)]:
         s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.object_key), Body=data)
@@ -97,7 +97,8 @@ def test_deployed_core_ingest_run_with_dask_env_runs_its_tasks_on_the_cluster(st
             deployment_id, parameters={"params": {"store_block": block, "refresh_cache": True}}
         )
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+    # one worker process: every worker pays the imports and Great Expectations' start-up, and CI has 2 cores
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as dask_client, get_task_stream(client=dask_client) as stream:
         env = {**os.environ, "EDGEHAUL_TASK_RUNNER": "dask", "EDGEHAUL_DASK_ADDRESS": cluster.scheduler_address}
         # what a process worker runs for a flow run (its job env on top of its own)
@@ -114,7 +115,8 @@ def test_deployed_core_ingest_run_with_dask_env_runs_its_tasks_on_the_cluster(st
     assert state is not None and state.is_completed(), state
     # submitted task runs (one validation per bundle, one quarantine) went to Dask; the rest ran inline
     submitted = [t for t in task_runs if t.task_key.startswith(("validate_bundle_task", "quarantine_task"))]
-    assert len(submitted) == 5, sorted(t.name for t in task_runs)
+    assert len(submitted) == 3, sorted(t.name for t in task_runs)
+    assert len(task_runs) > len(submitted)  # discover / read manifests / commit ran in the flow's process
     assert len(stream.data) == len(submitted), [r["key"] for r in stream.data]
     assert {r["worker"] for r in stream.data} <= workers
     assert all(r["status"] == "OK" for r in stream.data)
