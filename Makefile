@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STACK_DIR ?= $(CURDIR)/.edgehaul-stack
 export EDGEHAUL_STACK_DIR := $(STACK_DIR)
 
-.PHONY: install demo down up health test lint typecheck unit bench deploy drills verify clean
+.PHONY: install demo down up health test lint typecheck unit bench deploy drills verify verify-demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -55,6 +55,17 @@ drills: install
 # The operator's acceptance checklist against the running stack (make up && make deploy first)
 verify: install
 	$(BIN)/python -m edgehaul.verify --root $(STACK_DIR)
+
+# One command for operators: up -> deploy -> demo through the deployments -> verify -> down (down also
+# on failure). VERIFY_DEMO_SAMPLES per node; EDGEHAUL_API_AUTH=1 on a fresh stack turns on Prefect API auth.
+VERIFY_DEMO_SAMPLES ?= 1000
+verify-demo: install
+	@rc=0; $(MAKE) --no-print-directory deploy || rc=$$?; \
+	if [ $$rc -eq 0 ]; then \
+	  source $(STACK_DIR).env && $(BIN)/python -m edgehaul.demo --via-deployments --samples $(VERIFY_DEMO_SAMPLES) || rc=$$?; \
+	  $(BIN)/python -m edgehaul.verify --root $(STACK_DIR) || rc=$$?; \
+	fi; \
+	$(MAKE) --no-print-directory down; exit $$rc
 
 clean: down
 	rm -rf $(STACK_DIR) $(STACK_DIR).env

@@ -171,17 +171,26 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
     say(f"uplink_drain: {[f'{k} {r.state_name}' for k, r in up.items()]}")
     # The event chain: one core_ingest run per landed bundle; each commit triggers training (one at a
     # time; a commit during a run is covered by a later run), a trained model triggers publishing.
-    landed = _count_events(state.prefect_api_url, "edgehaul.bundle.landed", since, state.api_auth_string)
-    say(f"{landed} bundle(s) landed; waiting for core_ingest -> train_model -> publish_model")
+    say("waiting for the event chain core_ingest -> train_model -> publish_model")
     chain: list[Any] = []
+    landed = 0
+    quiet_since: tuple[float, int] | None = None  # (when the chain was last seen done, its run count then)
     while time.monotonic() < deadline:
+        # Events reach the server asynchronously and triggers fire a moment later: count again each
+        # time, and call the chain done only when it has stayed done for 10 s.
+        landed = _count_events(state.prefect_api_url, "edgehaul.bundle.landed", since, state.api_auth_string)
         named = _chain_runs(since)
         chain = [r for _, r in named]
         ok = {n: [r for d, r in named if d == n and r.state and r.state.is_completed()] for n in CHAIN}
         ingests = [r for d, r in named if d == CHAIN[0]]
         settled = all(r.state and r.state.is_final() for r in chain)
         if settled and len(ingests) >= landed and ok[CHAIN[1]] and len(ok[CHAIN[2]]) >= len(ok[CHAIN[1]]):
-            break
+            if quiet_since is None or quiet_since[1] != len(chain):
+                quiet_since = (time.monotonic(), len(chain))
+            elif time.monotonic() - quiet_since[0] >= 10:
+                break
+        else:
+            quiet_since = None
         time.sleep(3)
     else:
         pending = [f"{r.name}:{r.state_name}" for r in chain if not (r.state and r.state.is_final())]
@@ -195,9 +204,16 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
     with get_client(sync_client=True) as c:
         rows = [{"flow": _flow_of(c, r, names), "run": r.name, "pool": r.work_pool_name, "queue": r.work_queue_name,
                  "state": r.state_name, "seconds": round(r.total_run_time.total_seconds(), 1),
-                 "by": r.created_by.type if r.created_by else "", "parameters": r.parameters.get("params", {})}
+                 "by": r.created_by.type if r.created_by else "", "parameters": r.parameters.get("params", {}),
+                 "message": (r.state.message or "") if r.state else ""}
                 for r in runs]
     return {"runs": rows, "bundles_landed": landed, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def run_ok(row: dict[str, Any]) -> bool:
+    """Completed, or cancelled on purpose by a deployment's CANCEL_NEW concurrency limit (training: a
+    commit during a run is covered by a later commit's run)."""
+    return row["state"] == "Completed" or (row["state"] == "Cancelled" and "concurrency limit" in row["message"])
 
 
 def deployment_summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
@@ -207,8 +223,10 @@ def deployment_summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
         what = p.get("edge_node") or p.get("dataset_version") or p.get("model_id") or p.get("bundle_keys") or ""
         lines.append(f"{r['state']:<10} {r['flow']:<16} {r['pool'] or '-':<13} {r['queue'] or '':<8} "
                      f"{r['seconds']:>6.1f} s  {r['by'] or 'API':<10} {what}")
-    bad = [r for r in out["runs"] if r["state"] != "Completed"]
-    lines.append(f"{len(out['runs'])} flow runs, {len(bad)} not completed; {out['bundles_landed']} bundles landed; "
+    bad = [r for r in out["runs"] if not run_ok(r)]
+    skipped = sum(1 for r in out["runs"] if r["state"] == "Cancelled" and run_ok(r))
+    lines.append(f"{len(out['runs'])} flow runs, {len(bad)} failed, {skipped} skipped by a concurrency limit; "
+                 f"{out['bundles_landed']} bundles landed; "
                  f"wall time {out['wall_s']} s")
     lines.append(f"Prefect UI: {ui_url}  (flow runs, artifacts, events)")
     return lines
@@ -258,10 +276,19 @@ def main(argv: list[str] | None = None) -> int:
         print("no local stack; run 'make up' (make demo does it)", file=sys.stderr)
         return 1
     os.environ.update(state.env())
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    # Settings were read when prefect was imported: set the stack's API (and its auth, if on) here.
+    with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url,
+                                     PREFECT_API_AUTH_STRING: state.api_auth_string}):
+        return _main(args, state)
+
+
+def _main(args: argparse.Namespace, state: localstack.StackState) -> int:
     if args.via_deployments:
         out = run_via_deployments(args.samples, args.epochs, args.nodes, state, args.timeout, say=log.info)
         print("\n".join(deployment_summary_lines(out, state.prefect_ui_url)))
-        return 0 if all(r["state"] == "Completed" for r in out["runs"]) else 1
+        return 0 if all(run_ok(r) for r in out["runs"]) else 1
     configure.register_block_types()
     configure.save_blocks(state)
     out = run(args.samples, args.epochs, args.nodes)

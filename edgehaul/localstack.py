@@ -364,6 +364,10 @@ def up(root: Path = DEFAULT_ROOT, *, fixed_ports: bool = True, api_auth: bool = 
     """Start the stack, or reuse the one already running from `root`."""
     root.mkdir(parents=True, exist_ok=True)
     state = StackState.load(root) or new_state(root, fixed_ports=fixed_ports, api_auth=api_auth)
+    if api_auth and not state.api_auth_string:
+        if _read_pid(root, "prefect"):
+            raise RuntimeError(f"the Prefect server of {root} runs without API auth: stop the stack first (make down)")
+        state.api_auth_string = f"edgehaul:{secrets.token_urlsafe(16)}"
     state.save()
     start_s3(state)
     start_prefect(state)
@@ -413,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edgehaul.localstack")
     ap.add_argument("command", choices=["up", "down", "health", "env"])
     ap.add_argument("--root", type=Path, default=DEFAULT_ROOT)
-    ap.add_argument("--api-auth", action="store_true", help="turn on Prefect API basic auth")
+    ap.add_argument("--api-auth", action="store_true", default=os.environ.get("EDGEHAUL_API_AUTH", "") not in ("", "0"),
+                    help="turn on Prefect API basic auth (default: $EDGEHAUL_API_AUTH=1)")
     args = ap.parse_args(argv)
     if args.command == "up":
         state = up(args.root, api_auth=args.api_auth)

@@ -427,9 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAIL  no running stack at {args.root}: run `make up` (and `make deploy`) first")
         return 2
     os.environ.update(state.env())
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
+    # Settings were read when prefect was imported: set the stack's API (and its auth, if on) here.
+    with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url,
+                                     PREFECT_API_AUTH_STRING: state.api_auth_string}):
         checks = run_checks(state, tuple(args.only))
     failed = [c.name for c in checks if not c.ok]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
