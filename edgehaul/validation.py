@@ -13,11 +13,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import io
 import logging
 import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -25,8 +27,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from edgehaul.bundles import BundleError, BundleManifest, read_bundle
+from edgehaul.bundles import BundleError, BundleManifest, check_schema, read_bundle
 from edgehaul.contracts import Contract, ContractError, contract_by_id
 
 log = logging.getLogger(__name__)
@@ -165,12 +168,18 @@ def _ge_frame(tables: list[pa.Table], columns: list[str], slot: bool) -> Any:
 
 
 def _row(cfg: Any, success: bool, result: dict[str, Any], exception_info: Any) -> ExpectationRow:
+    # GE's config accessors copy on every access: read type and kwargs once
+    kind, kwargs = (cfg.type, cfg.kwargs) if cfg is not None else ("unknown", {})
+    return _row_of(kind, kwargs.get("column"), success, result, exception_info)
+
+
+def _row_of(kind: str, column: str | None, success: bool, result: dict[str, Any], exception_info: Any) -> ExpectationRow:
     exc = (exception_info or {}).get("exception_message") if isinstance(exception_info, dict) else None
     partial = result.get("partial_unexpected_list") or []
     details = f"exception: {exc}" if exc else (f"e.g. {partial[:5]}" if partial else "")
     return ExpectationRow(
-        expectation=cfg.type if cfg else "unknown",
-        column=cfg.kwargs.get("column") if cfg else None,
+        expectation=kind,
+        column=column,
         success=bool(success),
         observed_value=_json_value(result.get("observed_value")),
         unexpected_count=None if result.get("unexpected_count") is None else int(result["unexpected_count"]),
@@ -192,13 +201,18 @@ def run_expectations(table: pa.Table, contract: Contract) -> tuple[ExpectationRo
 # share one GE run (GE computes them over the whole batch). Same definitions as GE's pandas metrics
 # (stdev: sample, ddof=1); checked against GE's own batch-wide value on every run.
 _AGGREGATES: dict[str, Any] = {
-    "expect_column_mean_to_be_between": lambda a: pc.mean(a).as_py(),
-    "expect_column_stdev_to_be_between": lambda a: pc.stddev(a, ddof=1).as_py(),
-    "expect_column_min_to_be_between": lambda a: pc.min(a).as_py(),
-    "expect_column_max_to_be_between": lambda a: pc.max(a).as_py(),
-    "expect_column_sum_to_be_between": lambda a: pc.sum(a).as_py(),
-    "expect_column_median_to_be_between": lambda a: pc.approximate_median(a).as_py(),
+    "expect_column_mean_to_be_between": np.nanmean,
+    "expect_column_stdev_to_be_between": lambda a: np.nanstd(a, ddof=1),
+    "expect_column_min_to_be_between": np.nanmin,
+    "expect_column_max_to_be_between": np.nanmax,
+    "expect_column_sum_to_be_between": np.nansum,
+    "expect_column_median_to_be_between": np.nanmedian,
 }
+
+
+def _floats(col: pa.ChunkedArray | pa.Array) -> Any:
+    """A column as float64 numpy with nulls as NaN (pandas' skipna, as GE's metrics see it)."""
+    return col.cast(pa.float64()).to_numpy(zero_copy_only=False)
 
 
 class _NotAttributable(Exception):
@@ -216,11 +230,12 @@ def _in_bounds(v: float | None, kw: dict[str, Any]) -> bool:
 
 def _split(r: Any, tables: list[pa.Table]) -> list[ExpectationRow]:
     """One batch result -> one row per bundle (slot), each as if GE had run on that bundle alone."""
-    cfg, result = r.expectation_config, dict(r.result or {})
-    exc = r.exception_info if isinstance(r.exception_info, dict) else {}
+    cfg, result, exc_info = r.expectation_config, dict(r.result or {}), r.exception_info
+    exc = exc_info if isinstance(exc_info, dict) else {}
     if cfg is None or exc.get("raised_exception"):
         raise _NotAttributable("expectation raised")
-    kw, col = dict(cfg.kwargs), cfg.kwargs.get("column")
+    kind, kw = cfg.type, dict(cfg.kwargs)
+    col = kw.get("column")
     if "unexpected_index_list" in result:  # row-level: the unexpected rows name their bundle
         by_slot: dict[int, list[Any]] = {}
         for d in result["unexpected_index_list"]:
@@ -228,26 +243,26 @@ def _split(r: Any, tables: list[pa.Table]) -> list[ExpectationRow]:
         rows = []
         for i, t in enumerate(tables):
             bad = by_slot.get(i, [])
-            if cfg.type == "expect_column_values_to_be_unique":  # duplicates within this bundle only
+            if kind == "expect_column_values_to_be_unique":  # duplicates within this bundle only
                 seen = collections.Counter(str(v) for v in bad)
                 bad = [v for v in bad if seen[str(v)] > 1]
-            n = t.num_rows if cfg.type == "expect_column_values_to_not_be_null" else t.num_rows - t.column(col).null_count
+            n = t.num_rows if kind == "expect_column_values_to_not_be_null" else t.num_rows - t.column(col).null_count
             mostly = kw.get("mostly")
             ok = not bad if mostly is None else (n == 0 or 1 - len(bad) / n >= float(mostly))
-            rows.append(_row(cfg, ok, {"unexpected_count": len(bad), "partial_unexpected_list": bad[:20]}, None))
+            rows.append(_row_of(kind, col, ok, {"unexpected_count": len(bad), "partial_unexpected_list": bad[:20]}, None))
         return rows
-    agg = _AGGREGATES.get(cfg.type)
+    agg = _AGGREGATES.get(kind)
     if agg is None or col is None:
-        raise _NotAttributable(f"{cfg.type} is not split per bundle")
-    whole = agg(pa.chunked_array([t.column(col).cast(pa.float64()) for t in tables]))
+        raise _NotAttributable(f"{kind} is not split per bundle")
+    values = [_floats(t.column(col)) for t in tables]
+    with warnings.catch_warnings():  # an all-null column: NaN, which fails the bounds as GE does
+        warnings.simplefilter("ignore", RuntimeWarning)
+        whole = float(agg(np.concatenate(values)))
+        per_bundle = [float(agg(v)) if len(v) else float("nan") for v in values]
     ge = result.get("observed_value")
-    if whole is None or ge is None or not math.isclose(float(whole), float(ge), rel_tol=1e-6, abs_tol=1e-9):
-        raise _NotAttributable(f"{cfg.type}({col}): batch value {whole} differs from GE's {ge}")
-    rows = []
-    for t in tables:
-        v = agg(t.column(col).cast(pa.float64()))
-        rows.append(_row(cfg, _in_bounds(v, kw), {"observed_value": v}, None))
-    return rows
+    if ge is None or not math.isclose(whole, float(ge), rel_tol=1e-6, abs_tol=1e-9):
+        raise _NotAttributable(f"{kind}({col}): batch value {whole} differs from GE's {ge}")
+    return [_row_of(kind, col, _in_bounds(v, kw), {"observed_value": v}, None) for v in per_bundle]
 
 
 def run_expectations_batch(tables: list[pa.Table], contract: Contract) -> list[tuple[ExpectationRow, ...]]:
@@ -299,22 +314,53 @@ def check_manifest_matches(table: pa.Table, manifest: BundleManifest) -> str:
     return ""
 
 
-def _prechecks(data: bytes, manifest: BundleManifest) -> tuple[Contract | None, pa.Table | None, ValidationResult]:
+def _read_lean(data: bytes, manifest: BundleManifest, contract: Contract) -> pa.Table:
+    """`read_bundle`'s checks (checksum, readable footer, contract, row count, schema) but decoding
+    only the columns validation reads: not `pixels`, which is most of a bundle's bytes. A commit
+    decodes the whole bundle again (and re-checks its checksum) from the validated bytes."""
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != manifest.sha256:
+        raise BundleError(f"bundle {manifest.bundle_id}: checksum mismatch (manifest {manifest.sha256[:12]}, "
+                          f"bytes {digest[:12]}, {len(data)} of {manifest.nbytes} bytes)")
+    try:
+        pf = pq.ParquetFile(io.BytesIO(data))
+        schema = pf.schema_arrow
+    except (pa.ArrowInvalid, OSError) as e:
+        raise BundleError(f"bundle {manifest.bundle_id}: not a readable Parquet file ({e})") from e
+    file_contract = (schema.metadata or {}).get(b"edgehaul.contract", b"").decode()
+    if file_contract and file_contract != manifest.contract:
+        raise BundleError(f"bundle {manifest.bundle_id}: file says {file_contract}, manifest {manifest.contract}")
+    if pf.metadata.num_rows != manifest.row_count:
+        raise BundleError(f"bundle {manifest.bundle_id}: {pf.metadata.num_rows} rows, manifest says {manifest.row_count}")
+    check_schema(schema, contract)
+    wanted = sorted({*suite_for(contract).columns, "sample_id", "node_id"} & set(schema.names))
+    try:
+        return pf.read(columns=wanted)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise BundleError(f"bundle {manifest.bundle_id}: not a readable Parquet file ({e})") from e
+
+
+def _prechecks(
+    data: bytes, manifest: BundleManifest, full: bool = True,
+) -> tuple[Contract | None, pa.Table | None, ValidationResult]:
     """Contract, checksum, readability, schema and manifest checks: a result that is final unless it
     is `reason="pending"` (the bundle still needs its expectation suite)."""
     base = ValidationResult(
         bundle_id=manifest.bundle_id, node_id=manifest.node_id, contract=manifest.contract, contract_sha256="",
-        bundle_sha256=hashlib.sha256(data).hexdigest(), rows=manifest.row_count, success=False, reason="bundle_error",
+        bundle_sha256=manifest.sha256, rows=manifest.row_count, success=False, reason="bundle_error",
     )
     try:
         contract = contract_by_id(manifest.contract)
     except ContractError as e:
-        return None, None, replace(base, reason="unknown_contract", error=str(e))
+        return None, None, replace(base, reason="unknown_contract", error=str(e),
+                                   bundle_sha256=hashlib.sha256(data).hexdigest())
     base = replace(base, contract_sha256=contract.sha256)
     try:
-        table = read_bundle(data, manifest)
+        table = read_bundle(data, manifest) if full else _read_lean(data, manifest, contract)
     except (BundleError, ContractError) as e:
-        return contract, None, replace(base, reason=_classify(e), error=str(e))
+        return contract, None, replace(base, reason=_classify(e), error=str(e),
+                                       bundle_sha256=hashlib.sha256(data).hexdigest())
+    # past the checksum check: the bytes' sha256 is the manifest's
     mismatch = check_manifest_matches(table, manifest)
     if mismatch:
         return contract, table, replace(base, reason="manifest_mismatch", error=mismatch)
@@ -338,13 +384,17 @@ def validate_bundle(data: bytes, manifest: BundleManifest) -> tuple[pa.Table | N
     return validate_bundles([(data, manifest)])[0]
 
 
-def validate_bundles(items: Sequence[tuple[bytes, BundleManifest]]) -> list[tuple[pa.Table | None, ValidationResult]]:
+def validate_bundles(
+    items: Sequence[tuple[bytes, BundleManifest]], *, full_tables: bool = True,
+) -> list[tuple[pa.Table | None, ValidationResult]]:
     """`validate_bundle` for several bundles, with one Great Expectations run per contract for all of
-    them (see `run_expectations_batch`); results in input order, each exactly as if alone."""
+    them (see `run_expectations_batch`); results in input order, each exactly as if alone.
+    `full_tables=False`: decode only the columns validation reads (the returned tables hold just those),
+    for callers that keep the verdict and not the data."""
     out: list[tuple[pa.Table | None, ValidationResult]] = []
     todo: dict[str, tuple[Contract, list[int]]] = {}
     for data, manifest in items:
-        contract, table, res = _prechecks(data, manifest)
+        contract, table, res = _prechecks(data, manifest, full_tables)
         if res.reason == "pending" and contract is not None and table is not None:
             todo.setdefault(contract.sha256, (contract, []))[1].append(len(out))
         out.append((table, res))
@@ -417,7 +467,7 @@ class _Batcher:
         if len(batch) > 1:
             log.info("validating %d bundles in one run", len(batch))
         try:
-            results: list[Any] = list(validate_bundles([(d, m) for d, m, _ in batch]))
+            results: list[Any] = list(validate_bundles([(d, m) for d, m, _ in batch], full_tables=False))
         except BaseException as e:
             results = [e] * len(batch)
         with self.cond:
@@ -442,7 +492,8 @@ def expecting_validation() -> contextlib.AbstractContextManager[None]:
 
 
 def validate_bundle_batched(data: bytes, manifest: BundleManifest) -> tuple[pa.Table | None, ValidationResult]:
-    """`validate_bundle`, sharing one GE run with concurrent callers inside `expecting_validation()`."""
+    """`validate_bundle`, sharing one GE run with concurrent callers inside `expecting_validation()`.
+    The returned table holds only the columns validation reads (see `validate_bundles(full_tables=False)`)."""
     out = _BATCHER.validate(data, manifest)
     if isinstance(out, BaseException):
         raise out

@@ -32,7 +32,7 @@ from edgehaul import compaction, datasets, landed, quarantine
 from edgehaul.bundles import BundleManifest, read_bundle
 from edgehaul.caching import cache_key
 from edgehaul.contracts import ContractError, contract_by_id
-from edgehaul.validation import VALIDATION_VERSION, ValidationResult, validate_bundle
+from edgehaul.validation import VALIDATION_VERSION, ValidationResult, expecting_validation, validate_bundle_batched
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +117,16 @@ def _validate_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
 def validate_bundle_task(store: ObjectStore, key: str, manifest: dict[str, Any]) -> ValidationResult:
     """Validate one landed bundle. Success returns the result (cached); failure raises BundleRejected."""
     m = BundleManifest(**manifest)
-    lb = landed.fetch(store, key)
-    if lb.data is None:
-        raise BundleRejected(ValidationResult(
-            bundle_id=m.bundle_id, node_id=m.node_id, contract=m.contract, contract_sha256="",
-            bundle_sha256="", rows=m.row_count, success=False, reason="unreadable", error=lb.error,
-        ).to_dict())
-    _, result = validate_bundle(lb.data, m)
+    # Announced before the fetch: the run's other validations (concurrent task runs in this process)
+    # wait for this one, and one Great Expectations run checks them all.
+    with expecting_validation():
+        lb = landed.fetch(store, key)
+        if lb.data is None:
+            raise BundleRejected(ValidationResult(
+                bundle_id=m.bundle_id, node_id=m.node_id, contract=m.contract, contract_sha256="",
+                bundle_sha256="", rows=m.row_count, success=False, reason="unreadable", error=lb.error,
+            ).to_dict())
+        _, result = validate_bundle_batched(lb.data, m)
     if not result.success:
         raise BundleRejected(result.to_dict())
     return result
