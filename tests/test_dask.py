@@ -126,7 +126,9 @@ def test_dask_and_thread_runs_give_identical_bundles(
 def test_core_ingest_under_dask_commits_what_the_thread_run_commits(
     stack: localstack.StackState, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The real core_ingest flow (per-bundle validation tasks) on both runners, each into its own prefix."""
+    """The real core_ingest flow (per-bundle validation tasks) on both runners, each into its own prefix.
+
+    The flow is called as it is declared: it picks its runner from EDGEHAUL_TASK_RUNNER when the run starts."""
     import uuid
 
     from edgehaul.datasets import open_table
@@ -147,7 +149,7 @@ def test_core_ingest_under_dask_commits_what_the_thread_run_commits(
         store.save(block, overwrite=True)
         monkeypatch.setenv("EDGEHAUL_TASK_RUNNER", kind)
         monkeypatch.setenv("EDGEHAUL_DASK_WORKERS", "2")
-        state = configured(core_ingest)(CoreIngestParams(store_block=block), return_state=True)
+        state = core_ingest(CoreIngestParams(store_block=block), return_state=True)
         assert state.is_completed(), (kind, state)
         committed[kind] = sorted(open_table(store, "landsat_patch").to_pyarrow_table().column("sample_id").to_pylist())
     assert committed["dask"] == committed["thread"] == sorted(s for _, m in bundles for s in m.sample_ids)
