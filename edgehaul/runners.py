@@ -14,7 +14,9 @@ starts (Prefect's engine calls `task_runner.duplicate()` once per run), in the p
 so a worker's job environment (a work pool's `env`, a deployment's `job_variables`) decides, and a
 flow imported before the variables were set still follows them. `configured(my_flow)` pins a runner
 for one copy of a flow instead. Tasks sent to Dask must be importable on the workers (defined in a
-module, not in `__main__`), and their inputs and results picklable. Only tasks started with
+module, not in `__main__`), and their inputs and results picklable; the flow's own module, which a
+deployment run loads from its file under a bare name, is shipped by value (edgehaul.runners_dask).
+Only tasks started with
 `.submit()`/`.map()` go through the runner; a task called directly runs in the flow's process.
 """
 
