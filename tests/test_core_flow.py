@@ -25,6 +25,7 @@ from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.datasets import content_sha256, lineage, open_table, read_version
 from edgehaul.quarantine import read_record
+from edgehaul.validation import batching_stats
 from flows.compact_dataset import CompactDatasetParams, compact_dataset
 from flows.core_ingest import CoreIngestParams, core_ingest
 from tests.builders import bundle, processed_rows
@@ -97,8 +98,13 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     d, partial_m = bundle(10, "node-a", seed=7, start_seq=500)
     store.client().put_object(Bucket=store.bucket("landing"), Key=store.key("landing", partial_m.object_key), Body=d)
 
+    runs0, bundles0 = batching_stats()
     summary, run1 = _run(CoreIngestParams(store_block=block), core_ingest)
     assert summary["bundles"] == 6 and summary["valid"] == 3 and not summary["errors"]
+    # every validate task run went through the process's batcher (concurrent ones share a GE run)
+    runs, bundles = batching_stats()
+    assert bundles - bundles0 == 6 and 1 <= runs - runs0 <= 6
+    print(f"validation: {bundles - bundles0} bundles in {runs - runs0} batched runs")
     reasons = {q["bundle_id"]: q["reason"] for q in summary["quarantined"]}
     assert reasons == {scaled_m.bundle_id: "expectations", corrupt_m.bundle_id: "checksum",
                        unknown_m.bundle_id: "unknown_contract"}
