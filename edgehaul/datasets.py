@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -204,11 +204,15 @@ def _handle_key(store: ObjectStore, kind: str) -> tuple[int, str, str]:
 
 def table_handle(store: ObjectStore, contract: Contract, *, s3: S3Client | None = None) -> TableHandle:
     """The process's open handle on a kind's table (created on first use, see `ensure_table`)."""
-    key = _handle_key(store, contract.kind)
+    return _handle(store, contract.kind, lambda: ensure_table(store, contract), s3 or store.client())
+
+
+def _handle(store: ObjectStore, kind: str, opener: Callable[[], DeltaTable], s3: S3Client) -> TableHandle:
+    key = _handle_key(store, kind)
     with _HANDLES_LOCK:
         h = _HANDLES.get(key)
     if h is None:
-        h = TableHandle(store, contract.kind, ensure_table(store, contract), s3 or store.client())
+        h = TableHandle(store, kind, opener(), s3)
         with _HANDLES_LOCK:
             h = _HANDLES.setdefault(key, h)
     return h
@@ -382,7 +386,7 @@ def commit_bundles(
             raise DatasetError(f"bundle {vb.manifest.bundle_id} is {vb.manifest.contract}, dataset commit is {contract.id}")
     by_id = {vb.manifest.bundle_id: vb for vb in bundles}  # the same bundle twice in one run: once
     s3 = s3 or store.client()
-    with _locked_handle(store, contract, s3) as h:
+    with _locked_handle(store, contract.kind, s3, lambda: ensure_table(store, contract)) as h:
         try:
             return _commit_locked(store, contract, h, by_id, run_id, commit_id, lease_s, s3, t0)
         except BaseException:
@@ -391,19 +395,21 @@ def commit_bundles(
 
 
 @contextlib.contextmanager
-def _locked_handle(store: ObjectStore, contract: Contract, s3: S3Client) -> Iterator[TableHandle]:
+def _locked_handle(
+    store: ObjectStore, kind: str, s3: S3Client, opener: Callable[[], DeltaTable],
+) -> Iterator[TableHandle]:
     """The process's handle, locked and refreshed; a handle that cannot refresh (table deleted or
     recreated) is replaced by a freshly opened one."""
     for attempt in (1, 2):
-        h = table_handle(store, contract, s3=s3)
+        h = _handle(store, kind, opener, s3)
         with h.lock:
             try:
                 h.refresh(s3)
             except (DeltaError, DatasetError, ClientError, OSError) as e:
-                forget_handle(store, contract.kind)
+                forget_handle(store, kind)
                 if attempt == 2:
                     raise
-                log.info("dataset %s: reopening the table (%s)", contract.kind, e)
+                log.info("dataset %s: reopening the table (%s)", kind, e)
                 continue
             yield h
             return
@@ -468,8 +474,11 @@ def find_commit(store: ObjectStore, kind: str, commit_id: str, *, after: int, up
 
 
 def committed_bundle_ids(store: ObjectStore, kind: str, bundle_ids: list[str]) -> set[str]:
-    dt = open_table(store, kind)
-    return {b for b in bundle_ids if dt.transaction_version(txn_app_id(b)) is not None}
+    """Which of these bundles the latest version holds (DatasetError when there is no dataset yet);
+    answered from the process's transaction index, not one log scan per bundle."""
+    s3 = store.client()
+    with _locked_handle(store, kind, s3, lambda: open_table(store, kind)) as h:
+        return {b for b in bundle_ids if h.is_committed(b)}
 
 
 # ---------------------------------------------------------------- reading, time travel, lineage
