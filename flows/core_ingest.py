@@ -4,7 +4,8 @@ What it does, in order:
 1. takes the landing keys of bundles (`bundle_keys`, e.g. the `key` of `edgehaul.bundle.landed` events) or
    discovers every complete bundle (manifest present) under the landing `prefix`;
 2. validates each bundle (one task run per bundle: checksum, manifest row count and sample ids,
-   schema, the contract's Great Expectations suite);
+   schema, the contract's Great Expectations suite); the task runs running at once in a worker
+   process share one GE run (`edgehaul.validation.validate_bundle_batched`), verdicts per bundle;
 3. moves each failing bundle to `quarantine/<node>/<bundle>/` with `validation.json` (reason, every
    check, every sample id) and emits `edgehaul.bundle.quarantined`;
 4. appends the valid bundles of each contract to its Delta table in ONE commit (lineage in the
