@@ -274,36 +274,42 @@ class DrillEnv:
         d.mkdir(parents=True)
         return d
 
-    def s3_stop(self, grace_s: float) -> None:
+    def s3_stop(self, grace_s: float, which: int = 1) -> None:
         """Stop the stoppable server: SIGTERM, then SIGKILL after `grace_s` (0: a crash). The server
-        is our child, so it is reaped here (an unreaped zombie still answers kill(pid, 0))."""
-        root = Path(self.states[1].root)
+        is our child, so it is reaped here (an unreaped zombie still answers kill(pid, 0), and
+        `localstack.down` would wait its full 20 s for it)."""
+        root = Path(self.states[which].root)
         pid = localstack._read_pid(root, "seaweedfs")
-        if pid is None:
-            return
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
-        deadline = time.monotonic() + grace_s
-        while True:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    break
-            except ChildProcessError:
-                if not localstack._alive(pid):
-                    break
-            if time.monotonic() > deadline:
-                with contextlib.suppress(OSError):
-                    os.killpg(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 30
-            time.sleep(0.05)
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+            killed = grace_s <= 0
+            deadline = time.monotonic() + (30.0 if killed else grace_s)
+            while True:
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        break
+                except ChildProcessError:  # not our child (started elsewhere): no zombie to reap
+                    if not localstack._alive(pid):
+                        break
+                if time.monotonic() > deadline:
+                    if killed:
+                        raise RuntimeError(f"SeaweedFS {pid} survived SIGKILL for 30 s")
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
+                    deadline, killed = time.monotonic() + 30, True
+                time.sleep(0.05)
         localstack.down(root)  # pid file and stale sockets
 
     def s3_start(self) -> None:
         localstack.start_s3(self.states[1])
 
     def close(self) -> None:
-        for st in self.states:
-            localstack.down(Path(st.root))
+        for i in range(len(self.states)):
+            try:
+                self.s3_stop(grace_s=5.0, which=i)
+            except RuntimeError as e:
+                log.warning("drill SeaweedFS %d not stopped: %s", i, e)
 
 
 # ------------------------------------------------------------------------------------------ pipeline steps
@@ -771,10 +777,12 @@ def drill_store_down(env: DrillEnv, rng: random.Random, n: int) -> list[TrialRes
         t.start()
     time.sleep(max(0.0, stop_at - time.monotonic()))
     stopped_at[0] = time.monotonic()
-    env.s3_stop(grace_s=rng.choice([0.0, rng.uniform(0.5, 3.0)]))
-    time.sleep(rng.uniform(0.5, 3.0))
-    env.s3_start()
-    up_event.set()
+    try:
+        env.s3_stop(grace_s=rng.choice([0.0, rng.uniform(0.5, 3.0)]))
+        time.sleep(rng.uniform(0.5, 3.0))
+    finally:  # the trials wait for the store: bring it back whatever happened
+        env.s3_start()
+        up_event.set()
     for t in threads:
         t.join()
     for r in results:

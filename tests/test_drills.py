@@ -19,6 +19,18 @@ def test_accounting_flags_lost_and_duplicated_samples() -> None:
     assert any("lost 1" in p for p in r.problems) and any("duplicated 1" in p for p in r.problems)
 
 
+def test_validation_memo_revalidates_changed_bytes(tmp_path: Path) -> None:
+    # The drills memoise validation on content: a flipped byte must be a new key with its own verdict.
+    good = drills.build_pool(tmp_path, [(40, "normal", None)])
+    assert len(good) == 1
+    data, m = good[0].data(), good[0].manifest
+    i = len(data) // 2
+    bad = data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1:]
+    first, again, flipped = drills.validate_many([(data, m), (data, m), (bad, m)])
+    assert first.success and again == first
+    assert not flipped.success and flipped.reason == "checksum", flipped
+
+
 SUITE_TRIALS = 4
 
 
