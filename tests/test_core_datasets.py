@@ -1,0 +1,85 @@
+"""The process's open dataset table (`datasets.table_handle`): its transaction index, built from the
+latest checkpoint plus the commits after it, answers "already committed?" exactly as delta-rs does;
+it sees commits made by other writers; and a bundle whose claim object is gone (moved by the
+lifecycle) is still a no-op, because the dataset's own txn ids are the source of truth."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from deltalake import CommitProperties, Transaction, write_deltalake
+
+from blocks import ObjectStore
+from edgehaul.contracts import load_contract
+from edgehaul.datasets import (
+    BUNDLE_ID_COLUMN,
+    CHECKPOINT_INTERVAL,
+    ValidatedBundle,
+    commit_bundles,
+    committed_bundle_ids,
+    dataset_schema,
+    forget_handle,
+    open_table,
+    table_handle,
+    table_uri,
+    txn_app_id,
+)
+from edgehaul.validation import validate_bundle
+from tests.builders import bundle
+
+CONTRACT = load_contract("landsat_patch")
+KIND = CONTRACT.kind
+pytestmark = pytest.mark.integration
+
+
+def _validated(seed: int, node: str = "node-a") -> ValidatedBundle:
+    data, m = bundle(8, node, seed=seed, start_seq=seed * 100)
+    table, result = validate_bundle(data, m)
+    assert result.success and table is not None
+    return ValidatedBundle(m, table, result)
+
+
+def test_txn_index_from_checkpoint_matches_delta_and_sees_other_writers(store: ObjectStore) -> None:
+    vbs = [_validated(s) for s in range(CHECKPOINT_INTERVAL + 2)]
+    for vb in vbs:  # one commit each: the log gets a checkpoint, then commits after it
+        assert commit_bundles(store, CONTRACT, [vb]).version is not None
+    s3 = store.client()
+    assert s3.list_objects_v2(Bucket=store.bucket("curated"),
+                              Prefix=store.key("curated", f"{KIND}/_delta_log/_last_checkpoint"))["KeyCount"] == 1
+
+    forget_handle(store, KIND)  # as a fresh process: index = checkpoint's txn column + later commits
+    h = table_handle(store, CONTRACT)
+    assert h.exact and h.indexed_upto == open_table(store, KIND).version() == len(vbs)
+    dt = open_table(store, KIND)
+    ids = [vb.manifest.bundle_id for vb in vbs]
+    assert set(h.txns) == {txn_app_id(b) for b in ids}
+    for b in [*ids, "never-landed"]:
+        assert h.is_committed(b) == (dt.transaction_version(txn_app_id(b)) is not None)
+
+    # another writer (its own DeltaTable, as another process would) commits a bundle: seen after refresh
+    other = _validated(99, "node-b")
+    rows = other.table.cast(CONTRACT.bundle_schema)
+    rows = rows.append_column(dataset_schema(CONTRACT).field(BUNDLE_ID_COLUMN),
+                              pa.array([other.manifest.bundle_id] * rows.num_rows))
+    write_deltalake(table_uri(store, KIND), rows, mode="append", storage_options=store.storage_options(),
+                    commit_properties=CommitProperties(
+                        app_transactions=[Transaction(app_id=txn_app_id(other.manifest.bundle_id), version=1)]))
+    assert not h.is_committed(other.manifest.bundle_id)  # not refreshed yet
+    assert committed_bundle_ids(store, KIND, [other.manifest.bundle_id, "never-landed"]) == {other.manifest.bundle_id}
+    r = commit_bundles(store, CONTRACT, [other, vbs[0]])
+    assert r.version is None and sorted(r.already_committed) == sorted([other.manifest.bundle_id, ids[0]])
+
+
+def test_committed_bundle_without_its_claim_is_still_a_no_op(store: ObjectStore) -> None:
+    vb = _validated(7)
+    first = commit_bundles(store, CONTRACT, [vb], run_id="run-1")
+    assert first.version == 1
+    s3 = store.client()  # the lifecycle moved the claim object away (claims are plain curated objects)
+    claim = store.key("curated", f"_claims/{KIND}/{vb.manifest.bundle_id}.json")
+    s3.delete_object(Bucket=store.bucket("curated"), Key=claim)
+    for fresh in (False, True):  # with this process's index, and as a fresh process
+        if fresh:
+            forget_handle(store, KIND)
+        again = commit_bundles(store, CONTRACT, [vb], run_id="run-2")
+        assert again.version is None and again.already_committed == [vb.manifest.bundle_id]
+    assert open_table(store, KIND).version() == 1
