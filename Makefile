@@ -48,7 +48,8 @@ unit: install
 bench: install
 	$(BIN)/python -m benchmarks
 
-# Fault drills (own SeaweedFS, not the stack): EDGEHAUL_DRILL_TRIALS per drill (default 50); writes docs/DRILLS.md
+# Fault drills (two private SeaweedFS, not the stack): EDGEHAUL_DRILL_TRIALS per drill (default 50), 6-10 min
+# on 2 shared cores; fails on any lost/duplicated sample; writes docs/DRILLS.md. CI runs it after make test.
 drills: install
 	$(BIN)/python -m edgehaul.drills --markdown docs/DRILLS.md
 
