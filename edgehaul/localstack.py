@@ -155,6 +155,10 @@ def _pid_dir(root: Path) -> Path:
 
 
 def _alive(pid: int) -> bool:
+    # A server this process started and that exited stays a zombie (kill(pid, 0) succeeds): reap it.
+    with contextlib.suppress(ChildProcessError, OSError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
     try:
         os.kill(pid, 0)
     except OSError:
@@ -185,12 +189,21 @@ def _spawn(root: Path, name: str, cmd: list[str], env: dict[str, str]) -> int:
     return proc.pid
 
 
+class PortInUse(RuntimeError):
+    """A server could not bind its port (taken between choosing a free port and binding it)."""
+
+
 def _wait_http(url: str, timeout: float, pid: int, what: str, log: Path) -> None:
     deadline = time.monotonic() + timeout
+    start = log.stat().st_size if log.exists() else 0
     while time.monotonic() < deadline:
         if not _alive(pid):
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            if "already in use" in log.read_bytes()[start:].decode(errors="replace").lower():
+                raise PortInUse(f"{what}: port of {url} already in use; see {log}")
             raise RuntimeError(f"{what} exited during start-up; log {log}:\n{tail}")
+        if log.exists() and "already in use" in log.read_bytes()[start:].decode(errors="replace").lower():
+            raise PortInUse(f"{what}: port of {url} already in use; see {log}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status < 500:
@@ -370,7 +383,23 @@ def up(root: Path = DEFAULT_ROOT, *, fixed_ports: bool = True, api_auth: bool = 
         state.api_auth_string = f"edgehaul:{secrets.token_urlsafe(16)}"
     state.save()
     start_s3(state)
-    start_prefect(state)
+    for attempt in range(3):
+        try:
+            start_prefect(state)
+            break
+        except PortInUse:
+            pid = _read_pid(root, "prefect")
+            if pid:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while _alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                (_pid_dir(root) / "prefect.pid").unlink(missing_ok=True)
+            if fixed_ports or attempt == 2:
+                raise
+            state.prefect_port = free_port()  # another process took the free port first: take another
+            state.save()
     return state
 
 
