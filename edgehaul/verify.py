@@ -16,7 +16,8 @@ Prints PASS/FAIL per item and exits non-zero if any fails:
                    that checkpoint, and its loss curve equals an uninterrupted run's;
 5. alert_l2        pushing an edge spool over its watermark fires the level-2 automation (its webhook
                    is pointed at a local receiver for the check, then restored);
-6. quota           an over-quota training request is refused with a message naming team and limits.
+6. quota           an over-quota training request is refused with a message naming team and limits
+                   (submitted through the train_model deployment when deployed, else the quota step).
 """
 
 from __future__ import annotations
@@ -364,20 +365,70 @@ def check_alert_l2(state: localstack.StackState, work: Path, timeout: float = 90
 # ------------------------------------------------------------------------------------ 6 quota
 
 
-def check_quota(state: localstack.StackState) -> tuple[bool, str]:
+TRAIN_DEPLOYMENT = "train_model/on-dataset-committed"
+
+
+def _live_workers(pool: str) -> int:
+    from prefect.client.orchestration import get_client
+
+    now = datetime.now(UTC)
+    with get_client(sync_client=True) as c:
+        try:
+            workers = c.read_workers_for_work_pool(pool)
+        except Exception:  # no such pool
+            return 0
+    return sum(1 for w in workers if w.last_heartbeat_time and now - w.last_heartbeat_time < timedelta(seconds=120))
+
+
+def _submit_over_quota(team: str, hours: float, timeout: float) -> tuple[str, str, str]:
+    """Submit a training run over the quota through the deployment; (run name, final state, message).
+    A run cancelled by the deployment's CANCEL_NEW limit (a training is active) is submitted again."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    fr: Any = None
+    for _ in range(10):
+        fr = run_deployment(TRAIN_DEPLOYMENT, parameters={"params": {"team": team, "max_hours": hours}},
+                            timeout=0, as_subflow=False, tags=["edgehaul-verify"])
+        deadline = time.monotonic() + timeout
+        with get_client(sync_client=True) as c:
+            while not (fr.state and fr.state.is_final()) and time.monotonic() < deadline:
+                time.sleep(2)
+                fr = c.read_flow_run(fr.id)
+        if not (fr.state and fr.state.is_cancelled() and "concurrency" in (fr.state.message or "")):
+            break
+        time.sleep(15)
+    return fr.name, fr.state_name or "", (fr.state.message or "") if fr.state else ""
+
+
+def check_quota(state: localstack.StackState, timeout: float = 300.0) -> tuple[bool, str]:
+    """Over-quota training is refused with a message naming team and limit: submitted through the
+    training deployment when it is deployed with a live central worker, else the quota step itself."""
+    from prefect.client.orchestration import get_client
+
     from edgehaul.training.quota import QuotaExceeded
     from tasks.train import check_team_quota
 
     quota = _load_block(TeamQuota, "default") or TeamQuota(team="default", accelerator_hours_per_month=10,
                                                             storage_bytes=1024**4)
-    store = admin_store(state, "")
-    hours = quota.accelerator_hours_per_month + 1
+    hours = min(quota.accelerator_hours_per_month + 1, 720.0)  # the flow's max_hours bound
+
+    def clear(msg: str) -> bool:
+        return quota.team in msg and "accelerator_hours_per_month" in msg and "refused" in msg
+
+    with get_client(sync_client=True) as c:
+        try:
+            deployed = c.read_deployment_by_name(TRAIN_DEPLOYMENT) is not None
+        except Exception:  # ObjectNotFound
+            deployed = False
+    if deployed and _live_workers("central"):
+        name, final, msg = _submit_over_quota(quota.team, hours, timeout)
+        ok = final == "Failed" and "QuotaExceeded" in msg and clear(msg)
+        return ok, f"{TRAIN_DEPLOYMENT} run {name} ({hours:g} h for team {quota.team!r}): {final}: {msg[:400]}"
     try:
-        check_team_quota(store, quota, 1, hours, 0)
+        check_team_quota.fn(admin_store(state, ""), quota, 1, hours, 0)
     except QuotaExceeded as e:
-        msg = str(e)
-        ok = quota.team in msg and "accelerator_hours_per_month" in msg and "refused" in msg
-        return ok, f"refused: {msg}"
+        return clear(str(e)), f"refused (quota step; no {TRAIN_DEPLOYMENT} with a live worker): {e}"
     return False, f"a {hours:g} h request over a {quota.accelerator_hours_per_month:g} h quota was accepted"
 
 
