@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -62,7 +62,8 @@ class BundleManifest:
     manifest_version: int = MANIFEST_VERSION
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        # Shallow: dataclasses.asdict deep-copies every sample id (2 s of a 3.4 s edge batch of 50k samples).
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> BundleManifest:
