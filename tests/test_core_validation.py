@@ -50,7 +50,7 @@ def _make(defect: str, n: int, seed: int, first: pa.Table | None) -> tuple[bytes
     elif defect == "bad_label":
         t = t.set_column(t.schema.get_field_index("label"), "label", pa.array([9] * n, pa.int16()))
     elif defect == "copy_of_first" and first is not None:
-        t = first  # the same samples in a second bundle: unique within each bundle, so both pass
+        t = first.select(CONTRACT.bundle_schema.names)  # the same samples again: unique within each bundle
     data, m = write_bundle(t, CONTRACT, tier="normal")
     if defect == "corrupt":
         data = data[:50] + bytes(b ^ 0xFF for b in data[50:90]) + data[90:]
