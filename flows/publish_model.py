@@ -3,7 +3,8 @@
 Reads the model's lineage.json, applies a quality gate (final validation accuracy), then swaps
 `models/<name>/latest.json` with a conditional write (create-if-absent or If-Match on the old
 ETag), so two publishers never overwrite each other silently. Edges load it through
-`edgehaul.model_scorer.ModelScorer("latest")`. Triggered by MODEL_READY
+`edgehaul.model_scorer.ModelScorer("latest")`. A model trained on an older version of the published
+model's dataset is not published (trainings can finish out of version order) unless `allow_older`. Triggered by MODEL_READY
 (`{{ event.payload.model_id }}`) or run by hand.
 
 Blocks: ObjectStore `store_block`. Cache policy: none (publishing is idempotent per model id).
@@ -27,6 +28,8 @@ class PublishModelParams(BaseModel):
     model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     store_block: str = Field(default="central")
     min_val_acc: float = Field(default=0.0, ge=0, le=1, description="Refuse models below this final val_acc.")
+    allow_older: bool = Field(default=False, description="Publish even if trained on an older dataset version "
+                              "than the published model (a rollback).")
 
 
 class QualityGateFailed(RuntimeError):
@@ -45,7 +48,12 @@ def publish_model(params: PublishModelParams) -> dict[str, Any]:
         raise QualityGateFailed(
             f"model {params.model_id}: final val_acc {acc:.3f} below the publish gate {params.min_val_acc:.3f}"
         )
-    pointer = publish(store, params.model_name, params.model_id)
+    try:
+        pointer = publish(store, params.model_name, params.model_id, allow_older=params.allow_older)
+    except registry.StaleModel as e:
+        # a training that finished after a newer one: not an error, the newer model stays published
+        get_run_logger().warning("not published: %s", e)
+        return {"model_id": params.model_id, "published": False, "reason": str(e)}
     get_run_logger().info("edge model %s is now %s (was %s)", params.model_name, params.model_id,
                           pointer.get("previous"))
     return pointer

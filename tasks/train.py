@@ -82,5 +82,5 @@ def report_training(store: ObjectStore, result: dict[str, Any], model_name: str)
 
 
 @task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=io_errors_only, cache_policy=NO_CACHE)
-def publish(store: ObjectStore, model_name: str, model_id: str) -> dict[str, Any]:
-    return registry.publish(store, model_name, model_id)
+def publish(store: ObjectStore, model_name: str, model_id: str, allow_older: bool = False) -> dict[str, Any]:
+    return registry.publish(store, model_name, model_id, allow_older=allow_older)

@@ -127,3 +127,24 @@ def test_local_run_trains_and_publish_model_swaps_the_edge_pointer(store: Object
     assert second["previous"] == "a1"
     pointer, _ = registry.read_json(store, registry.latest_uri(store))
     assert pointer["model_id"] == "a2"
+
+
+@pytest.mark.integration
+def test_a_model_of_an_older_dataset_version_does_not_replace_a_newer_one(store: ObjectStore) -> None:
+    from flows.publish_model import PublishModelParams, publish_model
+
+    store_block, _ = _blocks(store)
+    name, uri = "stale-check", "s3://curated/tables/stale-check"
+    for model_id, version in (("v5", 5), ("v3", 3), ("v7", 7), ("other", 1)):
+        registry.register_model(store, name, model_id, {"x": 1}, {"dataset_uri": uri if model_id != "other" else
+                                                                  uri + "-b", "dataset_version": version})
+    assert publish_model(PublishModelParams(model_id="v5", model_name=name, store_block=store_block))["model_id"] == "v5"
+    late = publish_model(PublishModelParams(model_id="v3", model_name=name, store_block=store_block))
+    assert late["published"] is False and "version 3" in late["reason"] and "v5 (version 5)" in late["reason"]
+    assert registry.read_json(store, registry.latest_uri(store, name))[0]["model_id"] == "v5"
+    with pytest.raises(registry.StaleModel, match="older than the published model v5"):
+        registry.publish(store, name, "v3")
+    # newer versions, another dataset and an operator's rollback all go through
+    assert registry.publish(store, name, "v7")["previous"] == "v5"
+    assert registry.publish(store, name, "v3", allow_older=True)["previous"] == "v7"
+    assert registry.publish(store, name, "other")["dataset_version"] == 1

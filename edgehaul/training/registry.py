@@ -125,13 +125,27 @@ def latest_uri(store: ObjectStore, name: str = "landcover") -> str:
     return store.uri("models", f"{name}/latest.json")
 
 
-def publish(store: ObjectStore, name: str, model_id: str) -> dict[str, Any]:
-    """Make `model_id` the edge model: compare-and-swap of latest.json (create-if-absent or If-Match)."""
+class StaleModel(RegistryError):
+    """The model was trained on an older version of the published model's dataset."""
+
+
+def _trained_on(lineage: dict[str, Any]) -> tuple[str, int] | None:
+    uri, version = lineage.get("dataset_uri"), lineage.get("dataset_version")
+    return (str(uri), int(version)) if uri is not None and version is not None else None
+
+
+def publish(store: ObjectStore, name: str, model_id: str, allow_older: bool = False) -> dict[str, Any]:
+    """Make `model_id` the edge model: compare-and-swap of latest.json (create-if-absent or If-Match).
+
+    Trainings triggered by successive commits can finish out of version order; a model trained on an
+    older version of the same dataset than the published one is refused (`StaleModel`) unless
+    `allow_older` (an operator's rollback)."""
     lineage, _ = read_json(store, store.uri("models", f"{name}/{model_id}/lineage.json"))
     s3 = store.client()
     bucket, key = parse_s3_uri(latest_uri(store, name))
     previous: str | None = None
     etag: str | None = None
+    cur: dict[str, Any] = {}
     try:
         cur, etag = read_json(store, latest_uri(store, name))
         previous = cur.get("model_id")
@@ -139,10 +153,17 @@ def publish(store: ObjectStore, name: str, model_id: str) -> dict[str, Any]:
         pass
     if previous == model_id:
         return cur
+    new, old = _trained_on(lineage), _trained_on(cur)
+    if not allow_older and new and old and new[0] == old[0] and new[1] < old[1]:
+        raise StaleModel(
+            f"model {model_id} was trained on version {new[1]} of {new[0]}, older than the published model "
+            f"{previous} (version {old[1]}); publish with allow_older to roll back"
+        )
     pointer = {
         "model_id": model_id, "model_name": name, "model_uri": lineage["model_uri"],
         "lineage_uri": store.uri("models", f"{name}/{model_id}/lineage.json"), "model_sha256": lineage["model_sha256"],
         "published": datetime.now(UTC).isoformat(), "previous": previous,
+        "dataset_uri": lineage.get("dataset_uri"), "dataset_version": lineage.get("dataset_version"),
     }
     cond: dict[str, str] = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
     try:
