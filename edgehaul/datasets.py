@@ -304,7 +304,7 @@ def claim_bundles(
             if e.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
                 raise
         held = s3.get_object(Bucket=bucket, Key=key)
-        doc = json.loads(held["Body"].read())
+        doc = _claim_doc(held["Body"].read(), held["LastModified"])
         refresh()
         if committed(b):
             out.committed.append(b)
@@ -319,6 +319,18 @@ def claim_bundles(
             except ClientError:
                 out.deferred.append(b)
     return out
+
+
+def _claim_doc(raw: bytes, last_modified: datetime) -> dict[str, Any]:
+    """A claim's content; an unreadable one (some stores keep a 0-byte object when the claimant died
+    mid-PUT) counts as a claim by nobody, aged from its last-modified time, so its lease runs out."""
+    try:
+        doc = json.loads(raw)
+        if isinstance(doc, dict) and "at" in doc:
+            return doc
+    except ValueError:
+        pass
+    return {"run": None, "at": last_modified.timestamp()}
 
 
 # ---------------------------------------------------------------- commit

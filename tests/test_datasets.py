@@ -123,6 +123,19 @@ def test_claims_defer_a_live_run_and_take_over_a_dead_one(store: ObjectStore) ->
     assert claim_bundles(store, dt, KIND, ["b-2"], "run-other").claimed == ["b-2"]  # own claim: retry ok
 
 
+@pytest.mark.integration
+def test_an_empty_claim_left_by_a_claimant_killed_mid_put_expires_like_any_other(store: ObjectStore) -> None:
+    from edgehaul.datasets import _claim_key
+
+    dt = ensure_table(store, CONTRACT)
+    # some S3 servers keep a 0-byte object when the client dies after the PUT's headers
+    store.client().put_object(Bucket=store.bucket("curated"), Key=_claim_key(store, KIND, "b-empty"), Body=b"")
+    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next", lease_s=600).deferred == ["b-empty"]
+    time.sleep(1.1)  # LastModified has one-second resolution
+    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next", lease_s=1.0).claimed == ["b-empty"]
+    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next").claimed == ["b-empty"]  # now a real claim
+
+
 def _land(store: ObjectStore, vbs: list[ValidatedBundle], datas: list[bytes]) -> None:
     s3 = store.client()
     for vb, data in zip(vbs, datas, strict=True):
