@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 
 from edgehaul import deploy, localstack
 from edgehaul.gateway import signed_headers
+from tests.waiting import wait_for
 
 FLOW_POOLS = {  # docs/ARCHITECTURE.md, "Flows"
     "edge_ingest": "edge-", "uplink_drain": "edge-", "core_ingest": "central", "compact_dataset": "central",
@@ -53,16 +53,6 @@ def test_missing_entrypoint_is_named(tmp_path: Path) -> None:
     bad.write_text(json.dumps(spec))
     with pytest.raises(FileNotFoundError, match=r"flows/nope\.py:nope"):
         deploy.prefect_deploy(bad)
-
-
-def _wait(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.mark.integration
@@ -127,7 +117,7 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
                     runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_a.id])))
                 return [fr for fr in runs if fr.created_by and fr.created_by.type == "AUTOMATION"]
 
-            run = _wait(triggered, 60, "the contact-window trigger to create a flow run")[0]
+            run = wait_for(triggered, 60, "the contact-window trigger to create a flow run")[0]
 
             def finished() -> Any:
                 with get_client(sync_client=True) as client:
@@ -135,7 +125,7 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
                 return fr if fr.state and fr.state.is_final() else None
 
             logs = Path(stack.root) / "logs" / "workers.log"
-            fr = _wait(finished, 240, f"the triggered run to finish; worker log: {logs}")
+            fr = wait_for(finished, 240, f"the triggered run to finish; worker log: {logs}")
             assert fr.state.is_completed(), (fr.state, logs.read_text()[-3000:] if logs.exists() else "")
             assert fr.work_pool_name == "edge-default" and fr.work_queue_name == "node-a"
             assert fr.parameters["params"]["edge_node"] == "node-a"

@@ -13,17 +13,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from blocks import EdgeNode, LinkProfile, TeamQuota
 from edgehaul import deploy, localstack, verify
 from tests.conftest import store_for
+from tests.waiting import wait_for
 
 
 @pytest.mark.integration
@@ -70,16 +69,6 @@ def test_placement_verdict_rules() -> None:
     # the server's pool of an executed run disagrees with the worker's
     ok, detail = verify.placement_verdict(good, {good[0].flow_run_id: "edge-default"})
     assert not ok and "assigned to pool edge-default" in detail
-
-
-def _wait(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.mark.integration
@@ -131,7 +120,7 @@ def test_placement_on_runs_executed_by_real_workers(stack: localstack.StackState
             got = [x for x in verify.executions(stack, t0) if x.flow_run_id in {str(i) for i in runs.values()}]
             return got if len(got) == len(runs) else []
 
-        execs = {x.flow_run_id: x for x in _wait(executed, 240, "three worker-executed flow runs")}
+        execs = {x.flow_run_id: x for x in wait_for(executed, 240, "three worker-executed flow runs")}
         with get_client(sync_client=True) as c:
             final = {k: c.read_flow_run(i) for k, i in runs.items()}
         assert final["train"].state.is_completed(), final["train"].state  # type: ignore[union-attr]
