@@ -92,19 +92,13 @@ def prefect_server() -> Iterator[str]:
     root = Path(tempfile.mkdtemp(prefix="eh-bench-prefect-"))
     state = localstack.new_state(root, fixed_ports=False)
     state.save()
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_LOGGING_LEVEL")}
     try:
         localstack.start_prefect(state)
-        os.environ.update(PREFECT_API_URL=state.prefect_api_url, PREFECT_LOGGING_LEVEL="WARNING")
-        with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
+        with localstack.environ({"PREFECT_API_URL": state.prefect_api_url, "PREFECT_LOGGING_LEVEL": "WARNING"}), \
+                temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
             yield state.prefect_api_url
     finally:
         localstack.down(root)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_prefect_dask(workers: int, batches: int, rows: int) -> tuple[float, float, list[tuple[str, str]]]:

@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -299,6 +300,22 @@ def _wait_s3_ready(state: StackState, timeout: float = 60) -> None:
             last = e
             time.sleep(0.3)
     raise TimeoutError(f"SeaweedFS S3 at {state.s3_endpoint} not ready: {last}")
+
+
+@contextlib.contextmanager
+def environ(updates: dict[str, str]) -> Iterator[None]:
+    """`os.environ` with `updates` for this process and its children; the previous values (or their
+    absence) come back on exit, so a private stack does not leak into what runs after it."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def start_prefect(state: StackState) -> None:

@@ -6,7 +6,6 @@ on free ports in a temporary folder, so a developer's `make demo` stack is never
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,20 +25,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.Stack
     except BaseException:
         localstack.down(root)  # a start-up timeout must not leave its servers running
         raise
-    saved = {k: os.environ.get(k) for k in state.env()}
-    os.environ.update(state.env())
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    with localstack.environ(state.env()):
+        from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
-            yield state
-    finally:
-        localstack.down(root)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        try:
+            with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
+                yield state
+        finally:
+            localstack.down(root)
 
 
 def store_for(state: localstack.StackState, role: str = "admin", prefix: str = "") -> ObjectStore:
