@@ -7,7 +7,10 @@ tiering gain (value per uplinked byte vs sending everything).
     python benchmarks/bench_edge.py --full   # 1M samples through the pipeline and the flow, measured
 
 Throughput is per core: input bytes / CPU seconds of this process (the machine is shared, so wall
-time is noisy; each stage and the zstd baseline run interleaved and the best of 3 is kept).
+time is noisy; each stage and the zstd baseline run interleaved and the best of 3 is kept). The
+baseline is zstd at the policy's level over the same bytes in 1 MiB frames (its fastest here); the
+floor is the work no pipeline of this product can skip (zstd, per-sample SHA-256, features, bundle
+SHA-256), so "floor ratio" is the best ratio any implementation of these requirements could print.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import zstandard
 from blocks import TieringPolicy
 from edgehaul.contracts import load_contract
 from edgehaul.landsat import generate, raw_table, real_patches, table_sha256
-from edgehaul.preprocess import batch_key, pixel_digests, preprocess
+from edgehaul.preprocess import _binary_values, _features, batch_key, content_hashes, preprocess
 from edgehaul.scoring import NoveltyScorer
 from edgehaul.tiering import Batcher, assign
 
@@ -63,8 +66,8 @@ def pipeline(raw: pa.Table, policy: TieringPolicy, scorer: NoveltyScorer) -> tup
     """The edge path of one batch (as tasks/edge.py runs it, minus staging and spool I/O), timed per stage."""
     times: dict[str, float] = {}
     t0 = time.process_time()
-    key, digests = batch_key(raw)  # the cache key; its pixel digests are reused as content hashes
-    acc = preprocess(raw, C, key=key, digests=digests).accepted
+    key, hashes = batch_key(raw)  # the cache key; its per-sample hashes are the content hashes
+    acc = preprocess(raw, C, key=key, hashes=hashes).accepted
     t1 = time.process_time()
     values = scorer.score(acc, key)
     scored = assign(acc, values, policy, C)
@@ -77,13 +80,31 @@ def pipeline(raw: pa.Table, policy: TieringPolicy, scorer: NoveltyScorer) -> tup
     return b, times
 
 
+# The zstd baseline compresses the same bytes in 1 MiB frames: measured here that is 1.3-1.6x faster
+# than one frame per 75 MB batch (the match window and tables stay in cache), and it is what the
+# Parquet writer does with its ~1 MiB pages. The one-frame speed is printed beside it.
+FRAME = 1 << 20
+
+
+def _zstd_frames(blob: bytes, zc: zstandard.ZstdCompressor) -> list[bytes]:
+    mv = memoryview(blob)
+    return [zc.compress(mv[i : i + FRAME]) for i in range(0, len(mv), FRAME)]
+
+
 def _floor(blobs: list[bytes], batches: list[pa.Table], zc: zstandard.ZstdCompressor) -> float:
-    """CPU seconds of the work no edge pipeline can skip: the same zstd pass, SHA-256 of every
-    sample's pixels (content hash) and SHA-256 of the compressed bytes (bundle checksum)."""
+    """CPU seconds of the work no edge pipeline of this product can skip: the zstd pass (1 MiB
+    frames), SHA-256 of every sample's pixels (content hash), the per-channel mean/std features the
+    scorer and the low-tier summaries need, and SHA-256 of the compressed bytes (bundle checksum)."""
     t0 = time.process_time()
     for blob, raw in zip(blobs, batches, strict=True):
-        hashlib.sha256(zc.compress(blob)).digest()
-        pixel_digests(raw.column("pixels"))
+        h = hashlib.sha256()
+        for frame in _zstd_frames(blob, zc):
+            h.update(frame)
+        pixels = raw.column("pixels").combine_chunks()
+        content_hashes(pixels)
+        offsets, data = _binary_values(pixels)
+        x = data[offsets[0] : offsets[-1]].view(C.np_dtype).reshape(len(pixels), -1, len(C.channels))
+        _features(x, C)
     return time.process_time() - t0
 
 
@@ -91,8 +112,8 @@ def throughput(name: str, batches: list[pa.Table], policy: TieringPolicy) -> dic
     zc = zstandard.ZstdCompressor(level=policy.zstd_level)
     blobs = [_ipc(b) for b in batches]
     nbytes = sum(len(b) for b in blobs)
-    zbytes = sum(len(zc.compress(b)) for b in blobs)
-    best_pipe = best_zstd = best_floor = float("inf")
+    zbytes = sum(len(f) for b in blobs for f in _zstd_frames(b, zc))
+    best_pipe = best_zstd = best_one = best_floor = float("inf")
     stage_best: dict[str, float] = {}
     out_bytes = 0
     for _ in range(3):  # interleaved, best of 3: the machine is shared
@@ -108,13 +129,15 @@ def throughput(name: str, batches: list[pa.Table], policy: TieringPolicy) -> dic
             total += sum(st.values())
         if total < best_pipe:
             best_pipe, stage_best, out_bytes = total, stages, written
-        best_zstd = min(best_zstd, _cpu(lambda: [zc.compress(x) for x in blobs], repeat=1))
+        best_zstd = min(best_zstd, _cpu(lambda: [_zstd_frames(x, zc) for x in blobs], repeat=1))
+        best_one = min(best_one, _cpu(lambda: [zc.compress(x) for x in blobs], repeat=1))
         best_floor = min(best_floor, _floor(blobs, batches, zc))
     mb = nbytes / 1e6
     return {
         "input": name, "samples": sum(b.num_rows for b in batches), "MB": round(mb, 1),
         "pipeline MB/s/core": round(mb / best_pipe, 1), "raw zstd MB/s/core": round(mb / best_zstd, 1),
         "ratio": round(best_zstd / best_pipe, 2), "floor ratio": round(best_zstd / best_floor, 2),
+        "zstd 1 frame MB/s": round(mb / best_one, 1), "ratio vs 1 frame": round(best_one / best_pipe, 2),
         "preprocess %": round(100 * stage_best["preprocess"] / best_pipe), "score+tier %":
         round(100 * stage_best["score_tier"] / best_pipe), "bundle %": round(100 * stage_best["bundle"] / best_pipe),
         "bundles/zstd bytes": round(out_bytes / zbytes, 2),
@@ -154,7 +177,7 @@ C = load_contract("landsat_patch"); p = TieringPolicy(); s = NoveltyScorer(C)
 b = Batcher(p, C)
 for raw in generate(n, batch_size=batch):
     k, d = batch_key(raw)
-    acc = preprocess(raw, C, key=k, digests=d).accepted
+    acc = preprocess(raw, C, key=k, hashes=d).accepted
     b.add(assign(acc, s.score(acc, k), p, C))
     s.fold(acc, k)
 b.flush()
@@ -220,9 +243,9 @@ def orchestration(n: int, batch: int, repeat: int = 1) -> dict[str, object]:
         def direct(spool_dir: Path, limit: int | None = None) -> None:
             node = EdgeNode(node_id="node-a", spool_dir=str(spool_dir), spool_cap_bytes=2**36)
             for raw in itertools.islice(_raw_batches(params, "node-a"), limit):
-                key, digests = batch_key(raw)
+                key, hashes = batch_key(raw)
                 version = scorer_key(p, node, context_key(key, C, node.node_id), None, C)
-                ingest_batch.fn(raw, key, C.id, p, node, version, None, digests)
+                ingest_batch.fn(raw, key, C.id, p, node, version, None, hashes)
             spool = Spool.from_block(node)
             spool.expire()
             spool.check_watermarks()
@@ -302,8 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     real = raw_table(patches.pixels, patches.labels, "node-a")
     gen = list(generate(min(gen_n, 200_000), "node-a", seed=1, batch_size=batch))
     # The real scene once (repeating it would let zstd match whole copies and flatter the baseline).
+    n_gen = sum(b.num_rows for b in gen)
+    # Last row: the low-tier raw store at the uplink level too, to show what its own level buys.
+    uniform = policy.model_copy(update={"raw_store_zstd_level": policy.zstd_level})
     rows = [throughput(f"real patches ({real.num_rows})", [real], policy),
-            throughput(f"generated {sum(b.num_rows for b in gen)}", gen, policy)]
+            throughput(f"generated {n_gen}", gen, policy),
+            throughput(f"generated {n_gen}, raw store at level {policy.zstd_level}", gen, uniform)]
     if gen_n > 200_000:  # stream the rest without holding it: time the pipeline only
         scorer = NoveltyScorer(C)
         cpu = 0.0
@@ -314,8 +341,9 @@ def main(argv: list[str] | None = None) -> None:
             cpu += sum(st.values())
         rows.append({"input": f"generated {gen_n} (streamed)", "samples": gen_n, "MB": round(nbytes / 1e6, 1),
                      "pipeline MB/s/core": round(nbytes / 1e6 / cpu, 1)})
-    _table("Throughput: preprocess+score+tier+bundle vs raw zstd (same bytes, same level), per CPU-second "
-           "(target ratio >= 0.60; floor ratio: zstd vs zstd + the two SHA-256 passes every pipeline must make)", rows)
+    _table("Throughput: preprocess+score+tier+bundle vs raw zstd of the same bytes at the same level in 1 MiB "
+           "frames, per CPU-second (target ratio >= 0.60). Floor ratio: zstd vs the work the pipeline cannot skip "
+           "(zstd + per-sample SHA-256 + mean/std features + bundle SHA-256); 1 frame: zstd of each whole batch", rows)
     _table("Tiering gain: value captured per uplinked byte, tiered vs no tiering (measured, same run)",
            [tiering_gain(gen[0], policy)])
     sizes = [50_000, 100_000] if args.quick else [50_000, 200_000]

@@ -118,6 +118,10 @@ class TieringPolicy(Block):
     flush_max_seconds: float = Field(default=300.0, gt=0, description="...or T seconds after its first sample.")
     urgent_max_bytes: int = Field(default=4 * MiB, gt=0, description="Largest urgent (high-tier) bundle.")
     zstd_level: int = Field(default=3, ge=1, le=19, description="Parquet zstd level of bundles.")
+    # The raw store never crosses the link, so its level only buys local disk: on pixel data level 1
+    # is 1.3-4x faster than 3 for 0-1.5% more bytes (benchmarks/bench_edge.py).
+    raw_store_zstd_level: int = Field(
+        default=1, ge=1, le=19, description="Parquet zstd level of low-tier raw bundles kept on the node.")
     row_group_rows: int = Field(default=8192, gt=0, description="Rows per Parquet row group.")
 
     @model_validator(mode="after")

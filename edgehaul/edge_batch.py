@@ -11,7 +11,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
 
 from edgehaul import ledger as ledger_mod
@@ -39,16 +38,16 @@ class BatchResult:
 
 def ingest_batch(
     raw: pa.Table, contract: Contract, policy: TieringPolicy, spool: Spool, scorer: Scorer | NoveltyScorer, *,
-    key: str, digests: np.ndarray | None = None, context_key: str | None = None, node_id: str | None = None,
+    key: str, hashes: pa.Array | None = None, context_key: str | None = None, node_id: str | None = None,
     scorer_version: str = "", team: str = "default",
 ) -> BatchResult:
     """Run one raw batch through the edge path and put its bundles in `spool`.
 
-    `key`, `digests`: `batch_key(raw)` (digests save hashing the pixels twice). `context_key`: the
+    `key`, `hashes`: `batch_key(raw)` (the hashes save hashing the pixels twice). `context_key`: the
     key a NoveltyScorer files this batch under (default `key`); it scores the batch against the
     batches folded before it, then folds it. The caller persists the scorer's state.
     """
-    result = preprocess(raw, contract, node_id=node_id, key=key, digests=digests)
+    result = preprocess(raw, contract, node_id=node_id, key=key, hashes=hashes)
     if result.rejects.num_rows:
         rj = result.rejects
         rows = list(zip(rj.column("sample_id").to_pylist(), rj.column("reason").to_pylist(),

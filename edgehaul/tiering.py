@@ -168,10 +168,11 @@ class Batcher:
         self.report = TierReport()
 
     def _write(self, rows: pa.Table, tier: str, reason: str) -> BuiltBundle:
+        level = self.policy.raw_store_zstd_level if tier == "low" else self.policy.zstd_level
         data, manifest = write_bundle(
             rows, self.contract, tier=tier, policy_version=self.policy.version,
             policy_fingerprint=self.policy.fingerprint, scorer_version=self.scorer_version, team=self.team,
-            zstd_level=self.policy.zstd_level, row_group_rows=self.policy.row_group_rows,
+            zstd_level=level, row_group_rows=self.policy.row_group_rows,
         )
         summary = rows.column("is_summary")
         sent_value = float(pc.sum(pc.filter(rows.column("value"), pc.invert(summary))).as_py() or 0.0)

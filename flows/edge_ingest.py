@@ -114,14 +114,14 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     done: list[EdgeBatch] = []
     shown = 0.0
     for i, raw in enumerate(_raw_batches(p, node.node_id)):
-        raw_key, digests = batch_key(raw)
+        raw_key, hashes = batch_key(raw)
         version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store, contract)
-        res = batch_task(raw, raw_key, contract.id, policy, node, version, store, digests)
+        res = batch_task(raw, raw_key, contract.id, policy, node, version, store, hashes)
         if not res.is_intact():  # a cached result whose spool has lost its receipt: wiped or replaced
             logger.info("batch %d: receipt %s missing from the spool; recomputing", i, res.receipt)
             res = ingest_batch.with_options(**{**opts, "refresh_cache": True})(
-                raw, raw_key, contract.id, policy, node, version, store, digests)
-        del raw, digests
+                raw, raw_key, contract.id, policy, node, version, store, hashes)
+        del raw, hashes
         done.append(res)
         pct = min(100.0, 100.0 * (i + 1) / expected) if expected else 0.0
         if pct - shown >= 10 or pct >= 100:  # an API call each: not per batch on long runs

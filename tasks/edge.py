@@ -27,7 +27,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 from prefect import task
 from prefect.context import TaskRunContext
@@ -136,9 +135,9 @@ def scorer_key(policy: TieringPolicy, node: EdgeNode, ctx_key: str, store: Objec
 )
 def ingest_batch(
     raw: pa.Table, raw_key: str, contract_id: str, policy: TieringPolicy, node: EdgeNode, scorer_version: str,
-    store: ObjectStore | None = None, digests: np.ndarray | None = None,
+    store: ObjectStore | None = None, hashes: pa.Array | None = None,
 ) -> EdgeBatch:
-    """Preprocess, score, tier and spool one raw batch. `raw_key`, `digests`: the caller's
+    """Preprocess, score, tier and spool one raw batch. `raw_key`, `hashes`: the caller's
     `batch_key(raw)`; `scorer_version`: the caller's `scorer_key(...)`."""
     contract = contract_by_id(contract_id)
     ctx = context_key(raw_key, contract, node.node_id)
@@ -150,7 +149,7 @@ def ingest_batch(
         scorer = model_scorer(policy, store, contract)
     spool = open_spool(node)
     try:
-        res = run_batch(raw, contract, policy, spool, scorer, key=raw_key, digests=digests, context_key=ctx,
+        res = run_batch(raw, contract, policy, spool, scorer, key=raw_key, hashes=hashes, context_key=ctx,
                         node_id=node.node_id, scorer_version=scorer_version, team=node.team)
         if isinstance(scorer, NoveltyScorer):
             scorer.state.save(state_path)

@@ -1,5 +1,5 @@
 """One batch through the edge path (edgehaul.edge_batch) and the batch content key: the key sees
-every change and no chunking, its digests are the content hashes, rows without an id stay distinct
+every change and no chunking, its per-sample hashes are the content hashes, rows without an id stay distinct
 across batches in the ledger, and the bundle's Parquet settings per column."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from edgehaul.contracts import load_contract
 from edgehaul.edge_batch import ingest_batch
 from edgehaul.landsat import generate
 from edgehaul.ledger import STAGE_PREPROCESS
-from edgehaul.preprocess import MISSING_FIELD, batch_key, preprocess
+from edgehaul.preprocess import MISSING_FIELD, batch_key, content_hashes, preprocess
 from edgehaul.scoring import NoveltyScorer
 from edgehaul.spool import Spool
 
@@ -41,14 +41,23 @@ def _spool(tmp_path: Path) -> Spool:
     return Spool(tmp_path / "spool", cap_bytes=2**30, emit=lambda *a, **k: True)
 
 
-def test_batch_key_digests_are_the_content_hashes(raw: pa.Table) -> None:
-    key, digests = batch_key(raw)
-    assert digests is not None and digests.shape == (200, 32)
-    assert [bytes(d).hex() for d in digests] == [hashlib.sha256(b).hexdigest() for b in raw.column("pixels").to_pylist()]
-    with_digests = preprocess(raw, C, key=key, digests=digests).accepted
-    assert with_digests.equals(preprocess(raw, C).accepted)
-    with pytest.raises(ValueError, match="digests of shape"):
-        preprocess(raw, C, digests=digests[:10])
+def test_batch_key_hashes_are_the_content_hashes(raw: pa.Table) -> None:
+    key, hashes = batch_key(raw)
+    assert hashes is not None and hashes.type == pa.string()
+    assert hashes.to_pylist() == [hashlib.sha256(b).hexdigest() for b in raw.column("pixels").to_pylist()]
+    with_hashes = preprocess(raw, C, key=key, hashes=hashes).accepted
+    assert with_hashes.equals(preprocess(raw, C).accepted)
+    with pytest.raises(ValueError, match="10 content hashes for a batch of 200 rows"):
+        preprocess(raw, C, hashes=hashes[:10])
+
+
+def test_content_hashes_of_chunked_sliced_and_null_values() -> None:
+    values = [b"abc", None, b"", b"x" * 3000, b"yy"]
+    arr = pa.chunked_array([pa.array(values[:3], pa.binary()), pa.array([b"drop", *values[3:]], pa.binary()).slice(1)])
+    want = [None if v is None else hashlib.sha256(v).hexdigest() for v in values]
+    assert content_hashes(arr).to_pylist() == want
+    assert content_hashes(pa.array(values, pa.large_binary())).to_pylist() == want
+    assert content_hashes(pa.array([], pa.binary())).to_pylist() == []
 
 
 @settings(max_examples=25, deadline=None)
@@ -93,8 +102,8 @@ def test_rows_without_an_id_stay_distinct_across_batches_in_the_ledger(tmp_path:
         ids = raw.column("sample_id").to_pylist()
         ids[3] = ids[7] = None  # the same row numbers in both batches
         raw = _set(raw, "sample_id", ids)
-        key, digests = batch_key(raw)
-        res = ingest_batch(raw, C, TieringPolicy(), spool, scorer, key=key, digests=digests, node_id="node-a")
+        key, hashes = batch_key(raw)
+        res = ingest_batch(raw, C, TieringPolicy(), spool, scorer, key=key, hashes=hashes, node_id="node-a")
         assert res.reject_counts == {MISSING_FIELD: 2} and res.accepted == 298
         rejected += [f"<no-id:{key[:16]}:row 3>", f"<no-id:{key[:16]}:row 7>"]
     assert len(set(rejected)) == 4
@@ -103,12 +112,12 @@ def test_rows_without_an_id_stay_distinct_across_batches_in_the_ledger(tmp_path:
     spool.close()
 
 
-def test_ingest_batch_spools_every_accepted_sample_once_with_or_without_digests(raw: pa.Table, tmp_path: Path) -> None:
-    key, digests = batch_key(raw)
+def test_ingest_batch_spools_every_accepted_sample_once_with_or_without_hashes(raw: pa.Table, tmp_path: Path) -> None:
+    key, hashes = batch_key(raw)
     out = []
-    for name, d in (("a", digests), ("b", None)):
+    for name, d in (("a", hashes), ("b", None)):
         spool = Spool(tmp_path / name, cap_bytes=2**30, emit=lambda *a, **k: True)
-        res = ingest_batch(raw, C, TieringPolicy(), spool, NoveltyScorer(C), key=key, digests=d, node_id="node-a")
+        res = ingest_batch(raw, C, TieringPolicy(), spool, NoveltyScorer(C), key=key, hashes=d, node_id="node-a")
         held = [i for e in spool.pending() for i in e.manifest.sample_ids]
         assert sorted(held) == sorted(raw.column("sample_id").to_pylist())  # full rows + summaries, once each
         assert all(b["spooled"] for b in res.bundles)
@@ -118,15 +127,17 @@ def test_ingest_batch_spools_every_accepted_sample_once_with_or_without_digests(
 
 
 def test_bundle_parquet_settings_per_column(raw: pa.Table, tmp_path: Path) -> None:
-    key, digests = batch_key(raw)
+    key, hashes = batch_key(raw)
     spool = _spool(tmp_path)
-    res = ingest_batch(raw, C, TieringPolicy(), spool, NoveltyScorer(C), key=key, digests=digests, node_id="node-a")
+    res = ingest_batch(raw, C, TieringPolicy(), spool, NoveltyScorer(C), key=key, hashes=hashes, node_id="node-a")
     data = spool.read(res.bundles[0]["bundle_id"])
     spool.close()
     meta = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
     cols = {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
     assert cols["pixels"].statistics is None and cols["content_sha256"].statistics is None
+    assert cols["mean_b1_blue"].statistics is None and cols["std_b7_swir2"].statistics is None
     assert cols["capture_time"].statistics is not None and cols["value"].statistics is not None
+    assert cols["sample_id"].statistics is not None
     assert not any("DICT" in e for e in cols["pixels"].encodings + cols["sample_id"].encodings)
     assert any("DICT" in e for e in cols["node_id"].encodings)
     assert all(c.compression == "ZSTD" for c in cols.values())

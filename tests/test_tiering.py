@@ -154,3 +154,20 @@ def test_tiering_raises_value_per_uplinked_byte_over_sending_everything() -> Non
     assert b.report.value_per_mb > 1.3 * base.report.value_per_mb
     assert b.report.samples["low"] > 0 and b.report.samples["high"] > 0
     assert pc.sum(scored.column("value")).as_py() == pytest.approx(b.report.value_total, rel=1e-5)
+
+
+def test_raw_store_level_applies_to_low_tier_bundles_only(accepted: pa.Table) -> None:
+    """Low-tier raw bundles (kept on the node) use raw_store_zstd_level; uplinked bundles keep zstd_level."""
+    values = _values(accepted.num_rows, seed=3)
+
+    def bundles(raw_level: int) -> dict[str, bytes]:
+        p = TieringPolicy(raw_store_zstd_level=raw_level)
+        b = Batcher(p, C)
+        out = b.add(assign(accepted, values, p, C)) + b.flush()
+        assert sorted(x.manifest.tier for x in out) == ["high", "low", "normal"]
+        return {x.manifest.tier: x.data for x in out}
+
+    fast, slow = bundles(1), bundles(19)
+    assert fast["high"] == slow["high"] and fast["normal"] == slow["normal"]
+    assert fast["low"] != slow["low"]
+    assert read_bundle(fast["low"]).equals(read_bundle(slow["low"]))  # same rows, only the compression differs
