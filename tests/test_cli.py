@@ -1,0 +1,46 @@
+"""The `edgehaul` console script: it resolves (pyproject names edgehaul.cli:main), answers --help,
+refuses unknown commands, and dispatches to the module's own main with the remaining arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from edgehaul import cli, localstack
+
+
+def test_console_script_entry_point_loads_main() -> None:
+    (ep,) = entry_points(group="console_scripts", name="edgehaul")
+    assert ep.load() is cli.main
+
+
+def test_help_lists_every_command_and_no_args_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("stack", "deploy", "demo", "drills", "verify"))
+    assert cli.main([]) == 2
+
+
+def test_unknown_command_is_refused_with_its_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_stack_health_dispatches_to_localstack(stack: localstack.StackState, tmp_path: Path) -> None:
+    run = [sys.executable, "-m", "edgehaul.cli", "stack", "health", "--root"]
+    live = subprocess.run([*run, stack.root], capture_output=True, text=True, timeout=60)
+    assert live.returncode == 0 and json.loads(live.stdout) == {"prefect": True, "s3": True}
+    nothing = subprocess.run([*run, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert nothing.returncode == 1 and json.loads(nothing.stdout) == {"prefect": False, "s3": False}
+
+
+def test_a_commands_own_options_reach_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["drills", "--help"])
+    assert exc.value.code == 0
+    assert "--markdown" in capsys.readouterr().out
