@@ -3,12 +3,12 @@
     python -m edgehaul.verify [--root .edgehaul-stack] [--only NAME ...]     # `make verify`
 
 Prints PASS/FAIL per item and exits non-zero if any fails:
-1. control_plane   Prefect API healthy; every work pool (edge-*, central, ops) has a worker with a
+1. control_plane   Prefect API healthy; every work pool (edge-*, central, central-gpu, ops) has a worker with a
                    recent heartbeat; recent edgehaul.link.stats and edgehaul.dataset.committed /
                    edgehaul.bundle.receipt events are visible (needs `make deploy` and a demo run);
 2. high_value      a high-value sample, spooled and drained, lands in the object store within its
                    expected time (high tier is sent at once: transfer time at the rate cap + slack);
-3. placement       train_model runs were executed by workers of the central pool, edge flows by workers
+3. placement       train_model runs were executed by workers of the central-gpu pool, edge flows by workers
                    of edge-* pools (the workers' prefect.worker.executed-flow-run events, cross-checked
                    with each run's pool on the server); needs runs through deployments, e.g.
                    `python -m edgehaul.demo --via-deployments` (`make verify-demo` does it all);
@@ -46,7 +46,8 @@ from blocks import LinkProfile, ObjectStore, TeamQuota
 from edgehaul import localstack
 
 EDGE_FLOWS = ("edge_ingest", "uplink_drain")
-CENTRAL_FLOWS = ("train_model",)
+TRAINING_FLOWS = ("train_model",)
+TRAINING_POOL = "central-gpu"  # deployments/prefect.yaml: training has its own (GPU) pool
 
 
 @dataclass
@@ -113,8 +114,8 @@ def check_control_plane(state: localstack.StackState, window_h: float = 24.0) ->
     with get_client(sync_client=True) as c:
         pools = sorted(p.name for p in c.read_work_pools())
         edge = [p for p in pools if p.startswith("edge")]
-        if not edge or "central" not in pools:
-            problems.append(f"pools {pools}: want edge-*, central, ops (run `make deploy`)")
+        if not edge or not {"central", TRAINING_POOL, "ops"} <= set(pools):
+            problems.append(f"pools {pools}: want edge-*, central, {TRAINING_POOL}, ops (run `make deploy`)")
         for pool in pools:
             beats = [w.last_heartbeat_time for w in c.read_workers_for_work_pool(pool) if w.last_heartbeat_time]
             fresh = [b for b in beats if now - b < timedelta(seconds=120)]
@@ -191,7 +192,7 @@ def executions(state: localstack.StackState, since: datetime) -> list[Execution]
 
 
 PLACEMENT: tuple[tuple[tuple[str, ...], str, Callable[[str], bool]], ...] = (
-    (CENTRAL_FLOWS, "central", lambda pool: pool == "central"),
+    (TRAINING_FLOWS, TRAINING_POOL, lambda pool: pool == TRAINING_POOL),
     (EDGE_FLOWS, "edge-*", lambda pool: pool.startswith("edge")),
 )
 
@@ -228,7 +229,7 @@ def check_placement(state: localstack.StackState, window_h: float = 24.0, since:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     execs = executions(state, since or datetime.now(UTC) - timedelta(hours=window_h))
-    execs = [x for x in execs if x.flow in CENTRAL_FLOWS + EDGE_FLOWS]
+    execs = [x for x in execs if x.flow in TRAINING_FLOWS + EDGE_FLOWS]
     if flow_run_ids is not None:
         execs = [x for x in execs if x.flow_run_id in flow_run_ids]
     ids = sorted({x.flow_run_id for x in execs})
@@ -403,7 +404,7 @@ def _submit_over_quota(team: str, hours: float, timeout: float) -> tuple[str, st
 
 def check_quota(state: localstack.StackState, timeout: float = 300.0) -> tuple[bool, str]:
     """Over-quota training is refused with a message naming team and limit: submitted through the
-    training deployment when it is deployed with a live central worker, else the quota step itself."""
+    training deployment when it is deployed with a live training worker, else the quota step itself."""
     from prefect.client.orchestration import get_client
 
     from edgehaul.training.quota import QuotaExceeded
@@ -421,7 +422,7 @@ def check_quota(state: localstack.StackState, timeout: float = 300.0) -> tuple[b
             deployed = c.read_deployment_by_name(TRAIN_DEPLOYMENT) is not None
         except Exception:  # ObjectNotFound
             deployed = False
-    if deployed and _live_workers("central"):
+    if deployed and _live_workers(TRAINING_POOL):
         name, final, msg = _submit_over_quota(quota.team, hours, timeout)
         ok = final == "Failed" and "QuotaExceeded" in msg and clear(msg)
         return ok, f"{TRAIN_DEPLOYMENT} run {name} ({hours:g} h for team {quota.team!r}): {final}: {msg[:400]}"

@@ -66,7 +66,7 @@ def current_work_pool() -> str | None:
 
 @flow(name="train_model", log_prints=True)
 def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
-    """Train the land-cover model on the central pool; see the module docstring."""
+    """Train the land-cover model on the central GPU pool; see the module docstring."""
     p = params or TrainModelParams()
     logger = get_run_logger()
     where = check_placement(current_work_pool(), p.allow_local)

@@ -18,7 +18,7 @@ from tests.waiting import wait_for
 
 FLOW_POOLS = {  # docs/ARCHITECTURE.md, "Flows"
     "edge_ingest": "edge-", "uplink_drain": "edge-", "core_ingest": "central", "compact_dataset": "central",
-    "train_model": "central", "publish_model": "central", "lifecycle_moves": "ops", "cost_report": "ops",
+    "train_model": "central-gpu", "publish_model": "central", "lifecycle_moves": "ops", "cost_report": "ops",
 }
 
 
@@ -31,7 +31,8 @@ def test_spec_deploys_every_flow_to_its_pool_with_schedules_and_triggers() -> No
     assert set(by_flow) == set(FLOW_POOLS)
     for flow, deps in by_flow.items():
         for d in deps:
-            assert d["work_pool"]["name"].startswith(FLOW_POOLS[flow]), (flow, d["work_pool"])
+            want, pool = FLOW_POOLS[flow], d["work_pool"]["name"]
+            assert pool.startswith(want) if want.endswith("-") else pool == want, (flow, pool)
             assert Path(deploy.REPO, d["entrypoint"].split(":")[0]).name == f"{flow}.py"
     assert {d["name"] for d in by_flow["uplink_drain"]} == {"node-a", "node-b"}
     assert all("interval" in s for d in by_flow["uplink_drain"] for s in d["schedules"])
@@ -80,7 +81,7 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
                 d = client.read_deployment_by_name(name)
                 deps[name] = d
                 ids.append(d.id)
-            assert deps["train_model/on-dataset-committed"].work_pool_name == "central"
+            assert deps["train_model/on-dataset-committed"].work_pool_name == "central-gpu"
             assert deps["uplink_drain/node-b"].work_queue_name == "node-b"
             assert deps["uplink_drain/node-a"].schedules[0].schedule.interval.total_seconds() == 600  # type: ignore[union-attr]
             assert deps["cost_report/monthly"].schedules[0].schedule.cron == "0 6 1 * *"  # type: ignore[union-attr]

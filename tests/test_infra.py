@@ -44,8 +44,27 @@ def pod_spec(job_config: dict[str, Any]) -> dict[str, Any]:
     return job_config["job_manifest"]["spec"]["template"]["spec"]  # type: ignore[no-any-return]
 
 
-def test_both_pools_exist() -> None:
-    assert {p.stem for p in POOLS} == {"central-gpu", "edge"}
+def test_every_pool_template_exists() -> None:
+    assert {p.stem for p in POOLS} == {"central", "central-gpu", "edge"}
+
+
+def test_every_central_pool_the_deployments_use_has_a_template_and_workers() -> None:
+    """prefect.yaml, the pool creation commands of infra/README.md, k8s/workers.yaml and the compose
+    file name the same non-edge pools (edge pools are per node group; the example site is node-a)."""
+    from edgehaul import deploy
+
+    pools = {p for p in deploy.pools_of(deploy.load_spec()) if not p.startswith("edge-")}
+    assert pools == {"central", "central-gpu", "ops"}
+    created = dict(re.findall(r"prefect work-pool create (\S+) --type kubernetes --base-job-template (\S+)",
+                              (INFRA / "README.md").read_text()))
+    assert pools <= set(created), created
+    assert all((INFRA.parent / path).is_file() for path in created.values()), created
+    k8s = {_containers(d)[0]["command"][4] for _, d in _docs()
+           if d.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/name") == "prefect-worker"}
+    services = yaml.safe_load((INFRA / "compose" / "compose.yaml").read_text())["services"]
+    compose = {s["command"][4] for name, s in services.items() if name.startswith("worker-")}
+    assert pools <= k8s, k8s
+    assert pools <= compose, compose
 
 
 @pytest.mark.parametrize("path", POOLS, ids=lambda p: p.stem)
@@ -79,6 +98,16 @@ def test_central_gpu_template_renders_a_guaranteed_gpu_job() -> None:
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     with pytest.raises(jsonschema.ValidationError):
         render(tpl, gpu_count=0)
+
+
+def test_central_template_renders_a_guaranteed_cpu_job() -> None:
+    tpl = load_pool(INFRA / "k8s" / "work-pools" / "central.json")
+    cfg = render(tpl, cpu="8", memory="32Gi")
+    KubernetesWorkerJobConfiguration(**cfg)
+    spec = pod_spec(cfg)
+    res = spec["containers"][0]["resources"]
+    assert res["requests"] == res["limits"] == {"cpu": "8", "memory": "32Gi"}  # no accelerator asked for
+    assert spec["nodeSelector"] == {"edgehaul.io/pool": "central"} and "tolerations" not in spec
 
 
 def test_edge_template_pins_the_node_and_is_guaranteed() -> None:
@@ -133,7 +162,7 @@ def test_manifests_have_kind_api_version_and_names() -> None:
 def test_workloads_are_pinned_probed_sized_and_take_secrets_by_reference() -> None:
     workloads = [(n, d) for n, d in _docs() if d["kind"] in ("Deployment", "StatefulSet")]
     names = {d["metadata"]["name"] for _, d in workloads}
-    assert {"postgres", "prefect-server", "webhook-gateway", "worker-central-gpu"} <= names
+    assert {"postgres", "prefect-server", "webhook-gateway", "worker-central", "worker-central-gpu", "worker-ops"} <= names
     for name, d in workloads:
         sel = d["spec"]["selector"]["matchLabels"]
         assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items(), name
@@ -159,7 +188,7 @@ def test_prefect_server_runs_on_postgres_with_auth() -> None:
         d for _, d in _docs() if d.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/name") == "prefect-worker"
     ]
     served = {_containers(w)[0]["command"][4] for w in workers}
-    assert "central-gpu" in served and any(p.startswith("edge-") for p in served), served
+    assert {"central", "central-gpu", "ops"} <= served and any(p.startswith("edge-") for p in served), served
     for w in workers:
         cmd = _containers(w)[0]["command"]
         assert cmd[:3] == ["prefect", "worker", "start"] and "--pool" in cmd
@@ -170,7 +199,8 @@ def test_compose_file_is_complete_and_keeps_secrets_out() -> None:
     text = (INFRA / "compose" / "compose.yaml").read_text()
     doc = yaml.safe_load(text)
     services = doc["services"]
-    want = {"postgres", "prefect-server", "minio", "minio-init", "worker-central", "worker-edge-node-a", "gateway"}
+    want = {"postgres", "prefect-server", "minio", "minio-init", "worker-central", "worker-central-gpu", "worker-ops",
+            "worker-edge-node-a", "gateway"}
     assert want <= set(services)
     for name, svc in services.items():
         assert PINNED.match(svc["image"]), f"{name}: image {svc['image']} not pinned"

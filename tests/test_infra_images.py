@@ -201,6 +201,7 @@ def test_every_edgehaul_image_in_infra_is_a_build_target_at_the_project_version(
     assert seen == {"edge", "core", "train"}
     pools = {p.stem: json.loads(p.read_text()) for p in (INFRA / "k8s" / "work-pools").glob("*.json")}
     assert OUR_IMAGE.match(pools["central-gpu"]["variables"]["properties"]["image"]["default"])["target"] == "train"  # type: ignore[index]
+    assert OUR_IMAGE.match(pools["central"]["variables"]["properties"]["image"]["default"])["target"] == "core"  # type: ignore[index]
     assert OUR_IMAGE.match(pools["edge"]["variables"]["properties"]["image"]["default"])["target"] == "edge"  # type: ignore[index]
 
 
@@ -225,7 +226,7 @@ def _job_env(pool: str, deployment_env: dict[str, str]) -> tuple[dict[str, str],
 
 
 def test_central_pool_runs_tasks_on_the_cluster_dask_yaml_defines() -> None:
-    env, manifest_env = _job_env("central-gpu", {"EDGEHAUL_DASK_WORKERS": "4", "FOO": "1"})
+    env, manifest_env = _job_env("central", {"EDGEHAUL_DASK_WORKERS": "4", "FOO": "1"})
     cfg = RunnerConfig.from_env({k: v or "" for k, v in manifest_env.items()})
     assert cfg.kind == "dask" and manifest_env["FOO"] == "1"  # a deployment's env is merged, not replacing
     host, port = _dask_scheduler_service()
@@ -237,9 +238,12 @@ def test_central_pool_runs_tasks_on_the_cluster_dask_yaml_defines() -> None:
                    if d["kind"] == "Deployment" and d["metadata"]["name"] == "dask-worker")
     assert cfg.dask_address in workers["spec"]["template"]["spec"]["containers"][0]["command"]
     # a deployment can still opt out
-    _, opted_out = _job_env("central-gpu", {"EDGEHAUL_TASK_RUNNER": "thread"})
+    _, opted_out = _job_env("central", {"EDGEHAUL_TASK_RUNNER": "thread"})
     assert RunnerConfig.from_env({k: v or "" for k, v in opted_out.items()}).kind == "thread"
     assert "EDGEHAUL_TASK_RUNNER" in env
+    # training submits no tasks: its pool does not depend on the Dask cluster being up
+    _, training = _job_env("central-gpu", {})
+    assert RunnerConfig.from_env({k: v or "" for k, v in training.items()}).kind == "thread"
 
 
 def test_edge_pool_and_edge_worker_keep_tasks_on_the_node() -> None:

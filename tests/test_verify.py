@@ -2,7 +2,7 @@
 
 high_value, resume, alert_l2 and quota must PASS here. control_plane needs a worker on every pool
 (`make deploy`), so on the session stack it is exercised for its FAIL path. placement is checked on
-real flow runs executed by real process workers of the session's `central` and `edge-default` pools
+real flow runs executed by real process workers of the session's `central-gpu` and `edge-default` pools
 (deployments of the real flows on a private work queue): training and an edge flow on their pools
 pass, a training deployment put on an edge pool fails the check. The whole chain on a deployed stack
 (`make verify-demo`) is recorded in docs/VERIFY.md.
@@ -55,16 +55,17 @@ def _x(flow: str, pool: str, code: str = "0", run: str | None = None) -> verify.
 
 
 def test_placement_verdict_rules() -> None:
-    good = [_x("train_model", "central"), _x("edge_ingest", "edge-default"), _x("uplink_drain", "edge-north")]
+    good = [_x("train_model", "central-gpu"), _x("edge_ingest", "edge-default"), _x("uplink_drain", "edge-north")]
     ok, detail = verify.placement_verdict(good, {})
     assert ok, detail
     assert "train_model: 1 run(s)" in detail and "edge_ingest/uplink_drain: 2 run(s)" in detail
-    # training executed by an edge worker, or an edge flow by the central worker: FAIL, naming the run
-    for bad in (_x("train_model", "edge-default", "1", "aaaa1111"), _x("edge_ingest", "central", "0", "aaaa1111")):
+    # training executed by an edge or a CPU central worker, or an edge flow by the training worker: FAIL, naming the run
+    for bad in (_x("train_model", "edge-default", "1", "aaaa1111"), _x("train_model", "central", "0", "aaaa1111"),
+                _x("edge_ingest", "central-gpu", "0", "aaaa1111")):
         ok, detail = verify.placement_verdict([*good, bad], {})
         assert not ok and "aaaa1111" in detail and bad.pool in detail
     # only failed executions on the right pool: not evidence of placement
-    ok, detail = verify.placement_verdict([_x("train_model", "central", "1"), good[1]], {})
+    ok, detail = verify.placement_verdict([_x("train_model", "central-gpu", "1"), good[1]], {})
     assert not ok and "no train_model run executed (exit 0)" in detail
     # the server's pool of an executed run disagrees with the worker's
     ok, detail = verify.placement_verdict(good, {good[0].flow_run_id: "edge-default"})
@@ -83,7 +84,7 @@ def test_placement_on_runs_executed_by_real_workers(stack: localstack.StackState
     TeamQuota(team=team, accelerator_hours_per_month=10, storage_bytes=1024**3).save(team, overwrite=True)
     EdgeNode(node_id=f"verify-{tag}", spool_dir=str(tmp_path / "spool")).save(f"verify-{tag}", overwrite=True)
     LinkProfile(bandwidth_bps=100e6, latency_ms=5, loss_rate=0.0).save(f"verify-{tag}", overwrite=True)
-    deploy.ensure_pools(["central", "edge-default"])
+    deploy.ensure_pools(["central-gpu", "edge-default"])
     train = {"team": team, "store_block": f"verify-{tag}", "epochs": 1, "width": 4, "batch_size": 64,
              "num_threads": 1, "max_hours": 0.1}
     uplink = {"edge_node": f"verify-{tag}", "object_store": f"verify-{tag}", "link_profile": f"verify-{tag}",
@@ -91,7 +92,7 @@ def test_placement_on_runs_executed_by_real_workers(stack: localstack.StackState
     # The real flows, deployed the way `prefect deploy` does (code in the repository, no download).
     pull = [{"prefect.deployments.steps.set_working_directory": {"directory": str(deploy.REPO)}}]
     specs = {  # run key -> (flow, entrypoint, pool, parameters)
-        "train": ("train_model", "flows/train_model.py:train_model", "central", train),
+        "train": ("train_model", "flows/train_model.py:train_model", "central-gpu", train),
         "uplink": ("uplink_drain", "flows/uplink_drain.py:uplink_drain", "edge-default", uplink),
         "misplaced": ("train_model", "flows/train_model.py:train_model", "edge-default", train),
     }
@@ -109,7 +110,7 @@ def test_placement_on_runs_executed_by_real_workers(stack: localstack.StackState
                 )
                 dep_ids.append(dep_id)
                 runs[key] = c.create_flow_run_from_deployment(dep_id).id
-        for pool in ("central", "edge-default"):
+        for pool in ("central-gpu", "edge-default"):
             workers.append(subprocess.Popen(
                 [deploy.prefect_exe(), "worker", "start", "--pool", pool, "--work-queue", queue, "--type", "process",
                  "--name", f"verify-{pool}-{tag}"],
@@ -127,16 +128,16 @@ def test_placement_on_runs_executed_by_real_workers(stack: localstack.StackState
         assert final["uplink"].state.is_completed(), final["uplink"].state  # type: ignore[union-attr]
         # The flow itself refuses to train on an edge pool; the check must catch the misplacement too.
         assert final["misplaced"].state.is_failed(), final["misplaced"].state  # type: ignore[union-attr]
-        assert execs[str(runs["train"])].worker == f"verify-central-{tag}"
+        assert execs[str(runs["train"])].worker == f"verify-central-gpu-{tag}"
         assert execs[str(runs["misplaced"])].pool == "edge-default"
 
         good = {str(runs["train"]), str(runs["uplink"])}
         ok, detail = verify.check_placement(stack, since=t0, flow_run_ids=good)
         assert ok, detail
-        assert f"verify-central-{tag}" in detail and f"verify-edge-default-{tag}" in detail
+        assert f"verify-central-gpu-{tag}" in detail and f"verify-edge-default-{tag}" in detail
         ok, detail = verify.check_placement(stack, since=t0, flow_run_ids={str(i) for i in runs.values()})
         assert not ok
-        assert "train_model ran outside central" in detail and str(runs["misplaced"])[:8] in detail
+        assert "train_model ran outside central-gpu" in detail and str(runs["misplaced"])[:8] in detail
     finally:
         for w in workers:
             os.killpg(w.pid, signal.SIGTERM)

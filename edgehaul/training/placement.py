@@ -19,6 +19,6 @@ def check_placement(work_pool: str | None, allow_local: bool, *, forbidden_prefi
     if work_pool.lower().startswith(forbidden_prefix):
         raise PlacementError(
             f"work pool {work_pool!r} is an edge pool: training never runs on edge pools, deploy train_model "
-            "to the central pool"
+            "to the central-gpu pool"
         )
     return work_pool
