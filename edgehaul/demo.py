@@ -8,8 +8,9 @@ tier, bytes uplinked, the dataset version, model metrics and the UI address.
 With --via-deployments (after `make deploy`) the same pipeline runs through the deployments, so the
 workers of the right pools execute it: edge_ingest and uplink_drain per node on `edge-default` (queue
 per node), then the event chain bundle landed -> core_ingest -> dataset committed -> train_model (on
-`central-gpu`) -> model ready -> publish_model (core_ingest and publish_model on `central`), and lifecycle_moves (dry run) / cost_report on `ops`. The
-summary then lists every flow run with its pool and final state; any run not Completed fails the demo.
+`central-gpu`) -> model ready -> publish_model (core_ingest and publish_model on `central`), and
+lifecycle_moves (dry run) / cost_report on `ops`. The summary then lists every flow run with its pool
+and final state; any run not Completed fails the demo.
 
     python -m edgehaul.demo [--samples N] [--epochs E] [--via-deployments [--timeout S]]
 """

@@ -48,23 +48,38 @@ def test_every_pool_template_exists() -> None:
     assert {p.stem for p in POOLS} == {"central", "central-gpu", "edge"}
 
 
-def test_every_central_pool_the_deployments_use_has_a_template_and_workers() -> None:
+def _served(command: list[str]) -> tuple[str, str | None]:
+    """(pool, work queue or None) of a `prefect worker start` command."""
+    opts = dict(zip(command[3::2], command[4::2], strict=False))
+    return opts["--pool"], opts.get("--work-queue")
+
+
+def test_every_pool_the_deployments_use_has_a_template_and_workers() -> None:
     """prefect.yaml, the pool creation commands of infra/README.md, k8s/workers.yaml and the compose
-    file name the same non-edge pools (edge pools are per node group; the example site is node-a)."""
+    file name the same pools; the example edge node's worker serves its own queue of its group's pool,
+    and every edge deployment names its node for the edge template."""
     from edgehaul import deploy
 
-    pools = {p for p in deploy.pools_of(deploy.load_spec()) if not p.startswith("edge-")}
-    assert pools == {"central", "central-gpu", "ops"}
+    spec = deploy.load_spec()
+    pools = set(deploy.pools_of(spec))
+    assert pools == {"central", "central-gpu", "edge-default", "ops"}
     created = dict(re.findall(r"prefect work-pool create (\S+) --type kubernetes --base-job-template (\S+)",
                               (INFRA / "README.md").read_text()))
     assert pools <= set(created), created
     assert all((INFRA.parent / path).is_file() for path in created.values()), created
-    k8s = {_containers(d)[0]["command"][4] for _, d in _docs()
+    k8s = {_served(_containers(d)[0]["command"]) for _, d in _docs()
            if d.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/name") == "prefect-worker"}
     services = yaml.safe_load((INFRA / "compose" / "compose.yaml").read_text())["services"]
-    compose = {s["command"][4] for name, s in services.items() if name.startswith("worker-")}
-    assert pools <= k8s, k8s
-    assert pools <= compose, compose
+    compose = {_served(s["command"]) for name, s in services.items() if name.startswith("worker-")}
+    for served in (k8s, compose):
+        assert pools == {p for p, _ in served}, served
+        assert ("edge-default", "node-a") in served and ("edge-default", None) not in served, served
+    edge_tpl = load_pool(INFRA / created["edge-default"].removeprefix("infra/"))
+    for d in spec["deployments"]:
+        pool = d["work_pool"]
+        if pool["name"].startswith("edge-"):
+            assert pool["job_variables"]["edge_node"] == pool["work_queue_name"], d["name"]
+            pod_spec(render(edge_tpl, **pool["job_variables"]))  # the edge template takes them as they are
 
 
 @pytest.mark.parametrize("path", POOLS, ids=lambda p: p.stem)
