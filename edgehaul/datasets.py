@@ -321,6 +321,28 @@ def claim_bundles(
     return out
 
 
+def release_claims(store: ObjectStore, kind: str, handle: TableHandle, bundle_ids: list[str], s3: S3Client) -> int:
+    """After a failed commit, give back this run's claims so the next run commits those bundles at once
+    instead of deferring them for the whole lease. A bundle the refreshed table holds after all (the
+    commit landed despite the error) keeps its claim; so do all of them when the table cannot be read
+    now (the lease then frees them). Returns how many claims were released."""
+    try:
+        handle.refresh(s3)
+    except (DeltaError, DatasetError, ClientError, OSError) as e:
+        log.warning("dataset %s: claims kept until their lease ends (table unreadable: %s)", kind, e)
+        return 0
+    released = 0
+    for b in bundle_ids:
+        if handle.is_committed(b):
+            continue
+        try:
+            s3.delete_object(Bucket=store.bucket("curated"), Key=_claim_key(store, kind, b))
+            released += 1
+        except ClientError as e:
+            log.warning("dataset %s: claim on %s kept until its lease ends (%s)", kind, b, e)
+    return released
+
+
 def _claim_doc(raw: bytes, last_modified: datetime) -> dict[str, Any]:
     """A claim's content; an unreadable one (some stores keep a 0-byte object when the claimant died
     mid-PUT) counts as a claim by nobody, aged from its last-modified time, so its lease runs out."""
@@ -469,7 +491,9 @@ def _commit_locked(
             commit_properties=CommitProperties(custom_metadata=metadata, app_transactions=txns, max_commit_retries=50),
         )
     except (DeltaError, OSError) as e:
-        raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles failed, nothing written: {e}") from e
+        released = release_claims(store, contract.kind, h, claims.claimed, s3)
+        raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles failed, nothing written "
+                           f"({released} claims released): {e}") from e
     version = h.absorb(s3, commit_id, after=parent)
     log.info("dataset %s v%d: %d bundles, %d rows from %s", contract.kind, version, len(todo), data.num_rows, nodes)
     return CommitResult(contract.kind, version, version - 1, commit_id, [vb.manifest.bundle_id for vb in todo], nodes,

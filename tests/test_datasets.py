@@ -136,6 +136,36 @@ def test_an_empty_claim_left_by_a_claimant_killed_mid_put_expires_like_any_other
     assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next").claimed == ["b-empty"]  # now a real claim
 
 
+@pytest.mark.integration
+def test_a_failed_commit_releases_its_claims_so_the_next_run_commits_at_once(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write itself fails (injected at delta-rs: a store error mid-commit): nothing is in the table,
+    the run's claims are gone, and the next run commits those bundles instead of deferring them for
+    the lease (found by `make drills`, concurrent_ingest, under load)."""
+    from deltalake.exceptions import DeltaError
+
+    import edgehaul.datasets as ds
+
+    vbs = [_validated(20, "node-a", 41), _validated(20, "node-b", 42)]
+    ensure_table(store, CONTRACT)
+
+    def failing_write(*args: object, **kwargs: object) -> None:
+        raise DeltaError("injected: the store went away mid-commit")
+
+    with monkeypatch.context() as m:
+        m.setattr(ds, "write_deltalake", failing_write)
+        with pytest.raises(DatasetError, match=r"nothing written \(2 claims released\): injected"):
+            commit_bundles(store, CONTRACT, vbs, run_id="run-failed", lease_s=600)
+    s3 = store.client()
+    for vb in vbs:
+        with pytest.raises(s3.exceptions.NoSuchKey):
+            s3.get_object(Bucket=store.bucket("curated"), Key=ds._claim_key(store, KIND, vb.manifest.bundle_id))
+    res = commit_bundles(store, CONTRACT, vbs, run_id="run-next", lease_s=600)
+    assert not res.deferred and sorted(res.bundles) == sorted(vb.manifest.bundle_id for vb in vbs)
+    assert read_version(store, KIND).num_rows == 40
+
+
 def _land(store: ObjectStore, vbs: list[ValidatedBundle], datas: list[bytes]) -> None:
     s3 = store.client()
     for vb, data in zip(vbs, datas, strict=True):
