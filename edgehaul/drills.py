@@ -1075,6 +1075,17 @@ def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: 
     return [results[n] for n in names]
 
 
+NOTES_HEADING = "## Runs on this machine (notes, not generated)"
+
+
+def with_notes(report: str, previous: str | None) -> str:
+    """The generated report, then the hand-written notes section of the file it replaces (if it has one):
+    regenerating docs/DRILLS.md must not erase the record of earlier runs."""
+    if not previous or NOTES_HEADING not in previous:
+        return report
+    return report.rstrip("\n") + "\n\n" + previous[previous.index(NOTES_HEADING):]
+
+
 def render_markdown(results: Sequence[DrillResult], trials: int, *, wall_s: float | None = None,
                     load: Sequence[float] = ()) -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -1148,7 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
         for p in r.problems[:5]:
             print(f"  {r.name}: {p}")
     if args.markdown:
-        args.markdown.write_text(render_markdown(results, args.trials, wall_s=wall, load=load))
+        previous = args.markdown.read_text() if args.markdown.exists() else None
+        args.markdown.write_text(with_notes(render_markdown(results, args.trials, wall_s=wall, load=load), previous))
     bad = any(r.row["lost"] or r.row["duplicated"] or r.problems for r in results)
     return 1 if bad else 0
 

@@ -34,6 +34,14 @@ def test_validation_memo_revalidates_changed_bytes(tmp_path: Path) -> None:
 SUITE_TRIALS = 4
 
 
+def test_a_regenerated_report_keeps_the_hand_written_notes() -> None:
+    notes = f"{drills.NOTES_HEADING}\n\n| run | lost |\n|---|---|\n| 14:27 | 0 |\n"
+    new = drills.with_notes("# Fault drills\n\nnew table\n", "# Fault drills\n\nold table\n\n" + notes)
+    assert new.startswith("# Fault drills\n\nnew table\n") and new.endswith(notes) and "old table" not in new
+    assert drills.with_notes("report\n", None) == "report\n"
+    assert drills.with_notes("report\n", "# an older report without notes\n") == "report\n"
+
+
 @pytest.mark.integration
 def test_every_drill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     # The suite runs a few trials per drill to fit CI's budget; `make drills` runs the full 50.
