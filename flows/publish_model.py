@@ -48,12 +48,8 @@ def publish_model(params: PublishModelParams) -> dict[str, Any]:
         raise QualityGateFailed(
             f"model {params.model_id}: final val_acc {acc:.3f} below the publish gate {params.min_val_acc:.3f}"
         )
-    try:
-        pointer = publish(store, params.model_name, params.model_id, allow_older=params.allow_older)
-    except registry.StaleModel as e:
-        # a training that finished after a newer one: not an error, the newer model stays published
-        get_run_logger().warning("not published: %s", e)
-        return {"model_id": params.model_id, "published": False, "reason": str(e)}
-    get_run_logger().info("edge model %s is now %s (was %s)", params.model_name, params.model_id,
-                          pointer.get("previous"))
+    pointer = publish(store, params.model_name, params.model_id, allow_older=params.allow_older)
+    if pointer.get("published") is not False:  # a stale model was refused by the task, which logged why
+        get_run_logger().info("edge model %s is now %s (was %s)", params.model_name, params.model_id,
+                              pointer.get("previous"))
     return pointer

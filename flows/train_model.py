@@ -23,7 +23,6 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from blocks import ObjectStore, TeamQuota
-from edgehaul.training import registry
 from edgehaul.training.model import estimate_storage_bytes
 from edgehaul.training.placement import check_placement
 from edgehaul.training.trainer import TrainConfig
@@ -89,13 +88,7 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
                 usage["accelerator_hours"], usage["month"], run_id, uri, version, where)
     result = train_run.with_options(timeout_seconds=p.max_hours * 3600)(cfg, store, p.nproc_per_node)
     links = report_training(store, result, p.model_name)
-    published: dict[str, Any] | None = None
-    if p.publish:
-        try:
-            published = publish(store, p.model_name, result["model_id"])
-        except registry.StaleModel as e:  # a newer version's model is already published: it stays
-            logger.warning("not published: %s", e)
-            published = {"model_id": result["model_id"], "published": False, "reason": str(e)}
+    published = publish(store, p.model_name, result["model_id"]) if p.publish else None
     final = result["history"][-1] if result["history"] else {}
     logger.info("model %s: %d steps, final %s, checkpoint share %s", result["model_id"], result["steps"], final,
                 result["checkpoint"])

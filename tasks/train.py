@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
@@ -83,4 +83,11 @@ def report_training(store: ObjectStore, result: dict[str, Any], model_name: str)
 
 @task(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=io_errors_only, cache_policy=NO_CACHE)
 def publish(store: ObjectStore, model_name: str, model_id: str, allow_older: bool = False) -> dict[str, Any]:
-    return registry.publish(store, model_name, model_id, allow_older=allow_older)
+    """The new latest.json pointer; a model trained on an older version of the published model's dataset
+    (trainings can finish out of order) is not an error: the newer model stays published and the result
+    says why (`published: False`, `reason`)."""
+    try:
+        return registry.publish(store, model_name, model_id, allow_older=allow_older)
+    except registry.StaleModel as e:
+        get_run_logger().warning("not published: %s", e)
+        return {"model_id": model_id, "published": False, "reason": str(e)}
