@@ -198,13 +198,12 @@ def _wait_http(url: str, timeout: float, pid: int, what: str, log: Path) -> None
     deadline = time.monotonic() + timeout
     start = log.stat().st_size if log.exists() else 0
     while time.monotonic() < deadline:
-        if not _alive(pid):
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            if "already in use" in log.read_bytes()[start:].decode(errors="replace").lower():
-                raise PortInUse(f"{what}: port of {url} already in use; see {log}")
-            raise RuntimeError(f"{what} exited during start-up; log {log}:\n{tail}")
+        # checked before liveness: a server that lost its port may exit or keep retrying the bind
         if log.exists() and "already in use" in log.read_bytes()[start:].decode(errors="replace").lower():
             raise PortInUse(f"{what}: port of {url} already in use; see {log}")
+        if not _alive(pid):
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"{what} exited during start-up; log {log}:\n{tail}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status < 500:
