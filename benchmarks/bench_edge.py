@@ -80,7 +80,7 @@ def pipeline(raw: pa.Table, policy: TieringPolicy, scorer: NoveltyScorer) -> tup
     return b, times
 
 
-# The zstd baseline compresses the same bytes in 1 MiB frames: measured here that is 1.3-1.6x faster
+# The zstd baseline compresses the same bytes in 1 MiB frames: measured here that is 1.1-1.5x faster
 # than one frame per 75 MB batch (the match window and tables stay in cache), and it is what the
 # Parquet writer does with its ~1 MiB pages. The one-frame speed is printed beside it.
 FRAME = 1 << 20
