@@ -237,9 +237,17 @@ sides = sorted(src.glob("*.json"))
 for side in sides[start:] + sides[:start]:
     m = BundleManifest.from_json(side.read_bytes())
     if s.put(side.with_suffix(".bin").read_bytes(), m) is not None:
-        print("ok", m.bundle_id, flush=True)
+        # one write per line: under PYTHONUNBUFFERED print() writes "ok", " " and the id separately, so a kill
+        # between them left a bare "ok " that named no bundle
+        sys.stdout.write(f"ok {m.bundle_id}\n")
+        sys.stdout.flush()
 print("done", flush=True)
 """
+
+
+def confirmed_ids(out: str) -> set[str]:
+    """Bundle ids the writer confirmed: complete "ok <id>" lines only (a kill can cut the last line short)."""
+    return {line.split()[1] for line in out.split("\n")[:-1] if line.startswith("ok ") and len(line.split()) == 2}
 
 
 def test_kill_9_mid_write_loses_nothing_and_duplicates_nothing(tmp_path: Path) -> None:
@@ -265,14 +273,12 @@ def test_kill_9_mid_write_loses_nothing_and_duplicates_nothing(tmp_path: Path) -
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
         for _ in range(rng.randint(0, 2)):  # let a few puts complete, then kill at a random point of the next
-            line = proc.stdout.readline()
-            if line.startswith("ok "):
-                confirmed.add(line.split()[1])
+            confirmed |= confirmed_ids(proc.stdout.readline())
         time.sleep(rng.uniform(0.0, 0.012))
         proc.send_signal(signal.SIGKILL)
         out, _ = proc.communicate()
         kills += proc.returncode == -signal.SIGKILL
-        confirmed |= {line.split()[1] for line in out.splitlines() if line.startswith("ok ")}
+        confirmed |= confirmed_ids(out)
         s = Spool(root, cap_bytes=10**9, node_id="node-a", emit=lambda *a, **k: True)
         mid_write += s.recovered > 0
         present = [e.bundle_id for e in s.pending()]
