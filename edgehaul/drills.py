@@ -282,24 +282,7 @@ class DrillEnv:
         root = Path(self.states[which].root)
         pid = localstack._read_pid(root, "seaweedfs")
         if pid is not None:
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
-            killed = grace_s <= 0
-            deadline = time.monotonic() + (30.0 if killed else grace_s)
-            while True:
-                try:
-                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                        break
-                except ChildProcessError:  # not our child (started elsewhere): no zombie to reap
-                    if not localstack._alive(pid):
-                        break
-                if time.monotonic() > deadline:
-                    if killed:
-                        raise RuntimeError(f"SeaweedFS {pid} survived SIGKILL for 30 s")
-                    with contextlib.suppress(OSError):
-                        os.killpg(pid, signal.SIGKILL)
-                    deadline, killed = time.monotonic() + 30, True
-                time.sleep(0.05)
+            localstack.stop_group(pid, grace_s)
         localstack.down(root)  # pid file and stale sockets
 
     def s3_start(self) -> None:

@@ -167,6 +167,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def stop_group(pid: int, grace_s: float) -> bool:
+    """Stop the process group `pid` leads: SIGTERM, then SIGKILL after `grace_s` (0: SIGKILL at once, a
+    crash), and wait until it is gone (reaped when it is our child). False when nothing was running.
+    Raises RuntimeError when it survives SIGKILL for 30 s."""
+    try:
+        os.killpg(pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+    except OSError:
+        return False
+    killed = grace_s <= 0
+    deadline = time.monotonic() + (30.0 if killed else grace_s)
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            if killed:
+                raise RuntimeError(f"process group {pid} survived SIGKILL for 30 s")
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            deadline, killed = time.monotonic() + 30, True
+        time.sleep(0.05)
+    return True
+
+
 def _read_pid(root: Path, name: str) -> int | None:
     p = _pid_dir(root) / f"{name}.pid"
     if not p.exists():
@@ -406,11 +427,7 @@ def up(root: Path = DEFAULT_ROOT, *, fixed_ports: bool = True, api_auth: bool = 
         except PortInUse:
             pid = _read_pid(root, "prefect")
             if pid:
-                with contextlib.suppress(OSError):
-                    os.killpg(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 10
-                while _alive(pid) and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                stop_group(pid, grace_s=0)
                 (_pid_dir(root) / "prefect.pid").unlink(missing_ok=True)
             if fixed_ports or attempt == 2:
                 raise
@@ -423,17 +440,8 @@ def down(root: Path = DEFAULT_ROOT) -> list[str]:
     stopped = []
     for name in ("prefect", "seaweedfs", "gateway", "workers"):
         pid = _read_pid(root, name)
-        if pid is None:
+        if pid is None or not stop_group(pid, grace_s=20):
             continue
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except OSError:
-            continue
-        deadline = time.monotonic() + 20
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _alive(pid):
-            os.killpg(pid, signal.SIGKILL)
         (_pid_dir(root) / f"{name}.pid").unlink(missing_ok=True)
         stopped.append(name)
     state = StackState.load(root)
