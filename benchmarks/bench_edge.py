@@ -38,7 +38,7 @@ import zstandard
 from blocks import TieringPolicy
 from edgehaul.contracts import load_contract
 from edgehaul.landsat import generate, raw_table, real_patches, table_sha256
-from edgehaul.preprocess import _binary_values, _features, batch_key, content_hashes, preprocess
+from edgehaul.preprocess import batch_key, channel_features, content_hashes, pixel_tensor, preprocess
 from edgehaul.scoring import NoveltyScorer
 from edgehaul.tiering import Batcher, assign
 
@@ -107,9 +107,7 @@ def _floor(blobs: list[bytes], batches: list[pa.Table], zc: zstandard.ZstdCompre
         pixels = raw.column("pixels").combine_chunks()
         content_hashes(pixels)
         t2 = time.process_time()
-        offsets, data = _binary_values(pixels)
-        x = data[offsets[0] : offsets[-1]].view(C.np_dtype).reshape(len(pixels), -1, len(C.channels))
-        _features(x, C)
+        channel_features(pixel_tensor(pixels, C), C)
         t3 = time.process_time()
         h = hashlib.sha256()
         for frame in frames:

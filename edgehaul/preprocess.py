@@ -243,11 +243,7 @@ def preprocess(
     keep = pa.array(rj.alive)
     pix_arr = _keep(cols["pixels"], rj.alive, keep)
     m = len(pix_arr)
-    offsets, data = _binary_values(pix_arr)
-    flat = data[offsets[0] : offsets[-1]] if m else data[:0]
-    tensor = flat.view(contract.np_dtype).reshape((m, *contract.shape))
-    c = len(contract.channels)
-    x = tensor.reshape(m, int(np.prod(contract.shape[:-1])), c)  # channels last (HWC)
+    x = pixel_tensor(pix_arr, contract)
     if np.issubdtype(contract.np_dtype, np.floating) and m:
         nan_frac = np.isnan(x).mean(axis=(1, 2))
         too_many = nan_frac > contract.max_nan_fraction
@@ -261,7 +257,7 @@ def preprocess(
             keep = pa.array(rj.alive)
             pix_arr = _keep(cols["pixels"], rj.alive, keep)
             x = x[sel]
-    means, stds = _features(x, contract)
+    means, stds = channel_features(x, contract)
 
     out: dict[str, pa.Array] = {}
     for name in ("sample_id", "node_id", "capture_time", "seq"):
@@ -295,7 +291,16 @@ def _keep(col: pa.Array, alive: np.ndarray, keep: pa.Array) -> pa.Array:
     return col if alive.all() else pc.filter(col, keep)
 
 
-def _features(x: np.ndarray, contract: Contract, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def pixel_tensor(pixels: pa.Array, contract: Contract) -> np.ndarray:
+    """The pixels of rows whose byte length matches the contract (checked before) as one zero-copy
+    (m, H*W, C) view, channels last."""
+    m = len(pixels)
+    offsets, data = _binary_values(pixels)
+    flat = data[offsets[0] : offsets[-1]] if m else data[:0]
+    return flat.view(contract.np_dtype).reshape(m, int(np.prod(contract.shape[:-1])), len(contract.channels))
+
+
+def channel_features(x: np.ndarray, contract: Contract, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and std of the normalised values, (m, C) float32 each.
 
     Integer tensors: per-sample sums and sums of squares as batched BLAS products over
