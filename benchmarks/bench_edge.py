@@ -178,36 +178,57 @@ def tiering_gain(raw: pa.Table, policy: TieringPolicy) -> dict[str, object]:
     }
 
 
+# The child's own peak is VmHWM (the high-water mark of its address space, new at exec). Not
+# getrusage's ru_maxrss: Linux carries that across fork+exec, so a child started by this process
+# (which holds the generated batches, ~0.9-1.4 GB) reported the parent's peak, the same at every size.
 MEM_CHILD = r"""
-import resource, sys
+import sys
+from pathlib import Path
+import pyarrow as pa
+import pyarrow.parquet as pq
 from blocks import TieringPolicy
 from edgehaul.contracts import load_contract
-from edgehaul.landsat import generate
 from edgehaul.preprocess import batch_key, preprocess
 from edgehaul.scoring import NoveltyScorer
 from edgehaul.tiering import Batcher, assign
-n, batch = int(sys.argv[1]), int(sys.argv[2])
+
+def hwm_mb():
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) // 1024
+
+folder, batch = Path(sys.argv[1]), int(sys.argv[2])
 C = load_contract("landsat_patch"); p = TieringPolicy(); s = NoveltyScorer(C)
 b = Batcher(p, C)
-for raw in generate(n, batch_size=batch):
-    k, d = batch_key(raw)
-    acc = preprocess(raw, C, key=k, hashes=d).accepted
-    b.add(assign(acc, s.score(acc, k), p, C))
-    s.fold(acc, k)
+base = hwm_mb()
+for f in sorted(folder.glob("*.parquet")):  # the flow's parquet source: one record batch at a time
+    for rb in pq.ParquetFile(f).iter_batches(batch_size=batch):
+        raw = pa.Table.from_batches([rb])
+        k, d = batch_key(raw)
+        acc = preprocess(raw, C, key=k, hashes=d).accepted
+        b.add(assign(acc, s.score(acc, k), p, C))  # bundles dropped as produced (the spool writes them)
+        s.fold(acc, k)
 b.flush()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(base, hwm_mb(), pa.default_memory_pool().max_memory() // 2**20)
 """
 
 
-def peak_memory(sizes: list[int], batch: int) -> list[dict[str, object]]:
-    """Peak RSS of a fresh process streaming n samples in batches (bundles discarded as produced)."""
+def peak_memory(sizes: list[int], batches: list[int]) -> list[dict[str, object]]:
+    """Peak memory of a fresh process streaming n raw samples from Parquet files (the flow's
+    `source="parquet"`), read `batch` rows at a time, bundles discarded as produced: every size at
+    every batch. Bounded means it follows the batch, not n."""
     rows: list[dict[str, object]] = []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for n in sizes:
-        out = subprocess.run([sys.executable, "-c", MEM_CHILD, str(n), str(batch)], capture_output=True, text=True,
-                             env=env, check=True)
-        rows.append({"samples": n, "input MB": round(n * C.sample_nbytes / 1e6), "batch": batch,
-                     "peak RSS MB": round(int(out.stdout.strip().splitlines()[-1]) / 1024)})
+    with tempfile.TemporaryDirectory() as d:
+        for n in sizes:
+            _raw_files(Path(d) / str(n), n, min(n, 50_000))
+            for batch in batches:
+                out = subprocess.run([sys.executable, "-c", MEM_CHILD, str(Path(d) / str(n)), str(batch)],
+                                     capture_output=True, text=True, env=env, check=True)
+                base, peak, arrow = (int(x) for x in out.stdout.split())
+                rows.append({"samples": n, "input MB": round(n * C.sample_nbytes / 1e6), "batch": batch,
+                             "batch MB": round(batch * C.sample_nbytes / 1e6), "peak MB (VmHWM)": peak,
+                             "after imports MB": base, "Arrow pool peak MB": arrow})
+            shutil.rmtree(Path(d) / str(n))
     return rows
 
 
@@ -361,8 +382,9 @@ def main(argv: list[str] | None = None) -> None:
            "1 frame: zstd of each whole batch", rows)
     _table("Tiering gain: value captured per uplinked byte, tiered vs no tiering (measured, same run)",
            [tiering_gain(gen[0], policy)])
-    sizes = [50_000, 100_000] if args.quick else [50_000, 200_000]
-    _table("Peak memory vs input size (streaming, fixed batch)", peak_memory(sizes, batch))
+    sizes = [50_000, 200_000] + ([1_000_000] if args.full else [])
+    _table("Peak memory vs input size and batch size (streaming from Parquet, a fresh process each)",
+           peak_memory(sizes, [10_000, batch]))
     n_flow = 1_000_000 if args.full else (100_000 if args.quick else 200_000)
     _table("Prefect: task runs and orchestration share (target < 500 per 1M, < 10%)",
            [orchestration(n_flow, batch, repeat=1 if args.quick or args.full else 2)])
