@@ -220,7 +220,7 @@ def peak_memory(sizes: list[int], batches: list[int]) -> list[dict[str, object]]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as d:
         for n in sizes:
-            _raw_files(Path(d) / str(n), n, min(n, 50_000))
+            _raw_files(Path(d) / str(n), n, min(n, max(batches)))  # row groups of the largest batch
             for batch in batches:
                 out = subprocess.run([sys.executable, "-c", MEM_CHILD, str(Path(d) / str(n)), str(batch)],
                                      capture_output=True, text=True, env=env, check=True)
