@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import yaml
 
-CONTRACTS_DIR = Path(os.environ.get("EDGEHAUL_CONTRACTS_DIR", Path(__file__).resolve().parent.parent / "data_contracts"))
+CONTRACTS_DIR = Path(os.environ.get("EDGEHAUL_CONTRACTS_DIR", Path(__file__).resolve().parent / "data_contracts"))
 
 _ARROW_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from blocks import ObjectStore
-from edgehaul import localstack
+from edgehaul.blocks import ObjectStore
+from edgehaul_dev import localstack
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blocks import ObjectStore, RetentionPolicy, RetentionRule
-from edgehaul import lifecycle as lc
-from edgehaul.lifecycle_config import apply_configuration, lifecycle_configuration
-from edgehaul.storage_classes import BELOW_MIN_SIZE, CLASSES, check_delete, check_move
+from edgehaul.blocks import ObjectStore, RetentionPolicy, RetentionRule
+from edgehaul.ops import lifecycle as lc
+from edgehaul.ops.lifecycle_config import apply_configuration, lifecycle_configuration
+from edgehaul.ops.storage_classes import BELOW_MIN_SIZE, CLASSES, check_delete, check_move
 from tests.builders import processed_rows
 from tests.conftest import store_for
 
@@ -328,8 +328,8 @@ def test_generated_lifecycle_configuration_round_trips_through_the_server(stack:
 
 @pytest.mark.integration
 def test_lifecycle_flow_dry_run_then_moves_and_meters_its_requests(stack: object) -> None:
-    from edgehaul.costs import usage_records
-    from flows.lifecycle_moves import LifecycleParams, lifecycle_moves
+    from edgehaul.flows.lifecycle_moves import LifecycleParams, lifecycle_moves
+    from edgehaul.ops.costs import usage_records
 
     store = _fresh_store(stack, "lifecycle")
     want = _put_raw(store, 3)

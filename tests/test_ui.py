@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from edgehaul import events, localstack
+from edgehaul import events
+from edgehaul_dev import localstack
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = [
@@ -49,7 +50,7 @@ _SERVED = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from prefect import flow
     from prefect.events import DeploymentEventTrigger
-    from edgehaul.reporting import summary_table
+    from edgehaul.platform.reporting import summary_table
 
     @flow(name="ui-triggered-{uid}")
     def on_contact(node: str) -> str:
@@ -79,7 +80,7 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
-    from edgehaul.reporting import Progress, summary_table
+    from edgehaul.platform.reporting import Progress, summary_table
 
     uid = uuid.uuid4().hex[:8]
     api, ui = stack.prefect_api_url, stack.prefect_ui_url
@@ -154,7 +155,7 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
 
 
 def test_reporting_helpers_are_noops_outside_a_run() -> None:
-    from edgehaul.reporting import Progress, artifact_key, summary_table
+    from edgehaul.platform.reporting import Progress, artifact_key, summary_table
 
     assert artifact_key("Core Ingest: node_A/2026") == "core-ingest-node-a-2026"
     assert artifact_key("***") == "edgehaul"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from botocore.exceptions import ClientError
 
-from blocks import ObjectStore
+from edgehaul.blocks import ObjectStore
 
 
 class RegistryError(RuntimeError):

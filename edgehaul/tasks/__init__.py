@@ -1,0 +1,3 @@
+"""Prefect `@task` wrappers, one module per stage: retries for I/O only (the stage's
+`retry_condition_fn` decides what is safe to retry), cache policies keyed on content.
+They import the stages, `edgehaul.platform` and `edgehaul.blocks`; only flows import them."""
