@@ -76,13 +76,24 @@ def _artifacts(api: str, key: str) -> list[dict[str, Any]]:
 
 @pytest.mark.integration
 def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackState, tmp_path: Path) -> None:
-    from prefect import flow
+    from botocore.exceptions import ClientError
+    from prefect import flow, task
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
+    import edgehaul.tasks  # noqa: F401  (the product's tasks attach the domain loggers to the run logs)
     from edgehaul.platform.reporting import Progress, summary_table
+    from edgehaul.platform.s3_errors import IO_RETRY
 
     uid = uuid.uuid4().hex[:8]
+    puts: list[int] = []
+
+    @task(name=f"put-bundle-{uid}", **{**IO_RETRY, "retry_delay_seconds": 0})
+    def put_bundle() -> None:  # throttled once, as a busy store does: the retry is a domain log line
+        puts.append(1)
+        if len(puts) == 1:
+            raise ClientError({"Error": {"Code": "SlowDown", "Message": "slow down"},  # type: ignore[typeddict-item]
+                               "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
     api, ui = stack.prefect_api_url, stack.prefect_ui_url
 
     # A triggered run: a served deployment whose trigger matches a contact-window event.
@@ -98,6 +109,7 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
             with Progress(f"ui-demo-{uid}-progress", total=3, description="bundles validated") as p:
                 for _ in range(3):
                     p.advance()
+            put_bundle()
             summary_table(f"ui-demo-{uid}", [{"bundle": f"b-{uid}", "rows": 512, "status": "committed"}], "demo run")
             return str(flow_run.id)
 
@@ -135,6 +147,8 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
 
         page = browse(f"{ui}/runs/flow-run/{demo_id}", tmp_path)
         assert demo_name in page and f"ui-demo-{uid}" in page and "Completed" in page, page[:1500]
+        # the run's Logs tab shows the product's own log line (edgehaul.platform.s3_errors), not only Prefect's
+        assert f"retrying put-bundle-{uid} after SlowDown" in page, page[:3000]
 
         page = browse(f"{ui}/artifacts/artifact/{table['id']}", tmp_path)
         assert f"ui-demo-{uid}" in page and f"b-{uid}" in page and "committed" in page, page[:1500]

@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import Any, cast
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.platform.caching import ensure_result_storage
+from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import compact_task, file_set_task
 
@@ -43,12 +43,11 @@ def compact_dataset(params: CompactDatasetParams | None = None) -> dict[str, Any
     files = file_set_task(store, p.kind)
     result = compact_task.with_options(result_storage=storage, refresh_cache=p.refresh_cache)(
         store, files, int(p.target_size_mb * 1024 * 1024), p.min_files)
-    create_table_artifact(
-        key="compact-dataset", table=[{"kind": p.kind, "files_before": len(files.files),
-                                       "bytes": files.total_bytes, "version_before": files.version,
-                                       "version": result["version"], "removed": result["files_removed"],
-                                       "added": result["files_added"]}],
-        description=f"compact_dataset {p.kind}",
+    summary_table(
+        "compact-dataset", [{"kind": p.kind, "files_before": len(files.files), "bytes": files.total_bytes,
+                             "version_before": files.version, "version": result["version"],
+                             "removed": result["files_removed"], "added": result["files_added"]}],
+        f"compact_dataset {p.kind}",
     )
     logger.info("compact_dataset %s: %d files at v%d -> removed %d, added %d (v%s)", p.kind, len(files.files),
                 files.version, result["files_removed"], result["files_added"], result["version"])

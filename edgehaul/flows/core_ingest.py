@@ -28,7 +28,6 @@ import uuid
 from typing import Any, cast
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
@@ -36,6 +35,7 @@ from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.core.validation import ValidationResult
 from edgehaul.platform.caching import ensure_result_storage
+from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import (
     BundleRejected,
@@ -140,9 +140,9 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
                         {"status": status, "kind": c.kind, "version": c.version, "node_id": node_of.get(b, "")},
                         **{"edgehaul.node.id": node_of.get(b, "")})
 
-    create_table_artifact(
-        key="core-ingest-validation", table=_artifact_rows(list(passed.values()), list(rejected.values())),
-        description=f"core_ingest: {len(passed)} bundles valid, {len(rejected)} quarantined, {len(errors)} errors",
+    summary_table(
+        "core-ingest-validation", _artifact_rows(list(passed.values()), list(rejected.values())),
+        f"core_ingest: {len(passed)} bundles valid, {len(rejected)} quarantined, {len(errors)} errors",
     )
     summary = {
         "bundles": len(keys),

@@ -18,11 +18,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, field_validator
 
 from edgehaul.blocks import ObjectStore, PriceSheet
 from edgehaul.ops.costs import RequestMeter, UsageRecord, markdown_summary, record_usage
+from edgehaul.platform.reporting import summary_table
 from edgehaul.tasks.costs import build_report_task, write_outputs_task
 
 
@@ -55,8 +56,8 @@ def cost_report(params: CostReportParams = CostReportParams()) -> dict[str, Any]
     # this run's own requests go to the metering log (they show in the report of `now`'s month)
     record_usage(store, UsageRecord(at=now, meter="requests", quantity=meter.count, source="cost_report"))
     key = f"cost-report-{month}"
-    create_table_artifact([{**line, "cost": round(line["cost"], 6)} for line in report.lines], key=key,
-                          description=f"Priced meters for {month} ({report.currency})")
+    summary_table(key, [{**line, "cost": round(line["cost"], 6)} for line in report.lines],
+                  f"Priced meters for {month} ({report.currency})")
     create_markdown_artifact(markdown_summary(report, out["chart"], out["chart_url"], out["report"]),
                              key=f"{key}-summary", description=f"Cost summary {month}")
     totals = report.totals()

@@ -24,12 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, cast
-from uuid import UUID
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from pydantic import BaseModel, Field, model_validator
 
 from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
@@ -37,6 +35,8 @@ from edgehaul.contracts import contract_by_id
 from edgehaul.edge.landsat import generate
 from edgehaul.edge.preprocess import batch_key
 from edgehaul.edge.spool import Spool
+from edgehaul.platform import run_logging
+from edgehaul.platform.reporting import Progress, summary_table
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, merge_reports, scorer_key
 
@@ -105,28 +105,26 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
         opts["result_storage"] = p.result_storage
     batch_task = ingest_batch.with_options(**opts)
     expected = max(1, -(-p.n_samples // p.batch_size)) if p.source == "generate" else 0
-    # create_* are typed sync-or-async; in a sync flow they return the value.
-    progress = create_progress_artifact(0.0, key=f"edge-ingest-{node.node_id}-progress",
-                                        description=f"edge_ingest on {node.node_id}: batches done")
-
     # A model scorer's version (its model id) is fixed for the run: resolve it once, not per batch.
     fixed_version = scorer_key(policy, node, "", store, contract) if policy.scorer != "novelty" else None
     done: list[EdgeBatch] = []
-    shown = 0.0
-    for i, raw in enumerate(_raw_batches(p, node.node_id)):
-        raw_key, hashes = batch_key(raw)
-        version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store, contract)
-        res = batch_task(raw, raw_key, contract.id, policy, node, version, store, hashes)
-        if not res.is_intact():  # a cached result whose spool has lost its receipt: wiped or replaced
-            logger.info("batch %d: receipt %s missing from the spool; recomputing", i, res.receipt)
-            res = ingest_batch.with_options(**{**opts, "refresh_cache": True})(
-                raw, raw_key, contract.id, policy, node, version, store, hashes)
-        del raw, hashes
-        done.append(res)
-        pct = min(100.0, 100.0 * (i + 1) / expected) if expected else 0.0
-        if pct - shown >= 10 or pct >= 100:  # an API call each: not per batch on long runs
-            update_progress_artifact(cast(UUID, progress), pct)
-            shown = pct
+    # the progress artifact moves every 10%: an API call each, not one per batch on long runs
+    with run_logging.for_node(node.node_id), Progress(
+            f"edge-ingest-{node.node_id}-progress", total=expected,
+            description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
+        for i, raw in enumerate(_raw_batches(p, node.node_id)):
+            raw_key, hashes = batch_key(raw)
+            version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store,
+                                                  contract)
+            res = batch_task(raw, raw_key, contract.id, policy, node, version, store, hashes)
+            if not res.is_intact():  # a cached result whose spool has lost its receipt: wiped or replaced
+                logger.info("batch %d: receipt %s missing from the spool; recomputing", i, res.receipt)
+                res = ingest_batch.with_options(**{**opts, "refresh_cache": True})(
+                    raw, raw_key, contract.id, policy, node, version, store, hashes)
+            del raw, hashes
+            done.append(res)
+            if expected:  # a folder source has no known total: the artifact shows 100% at the end
+                progress.advance()
 
     spool = Spool.from_block(node)
     try:
@@ -147,9 +145,9 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     rows.append({"tier": "value/MB sent", "samples": round(report.value_per_mb, 2), "uplink_bytes": "", "local_bytes": ""})
     rows.append({"tier": "value/MB no-tiering (est.)", "samples": round(report.baseline_value_per_mb, 2),
                  "uplink_bytes": "", "local_bytes": ""})
-    create_table_artifact(rows, key=f"edge-ingest-{node.node_id}",
-                          description=f"edge_ingest {node.node_id}: {n_in} samples, {sum(rejects.values())} rejected, "
-                                      f"gain in value per uplinked byte {100 * report.gain:+.0f}% vs no tiering")
+    summary_table(f"edge-ingest-{node.node_id}", rows,
+                  f"edge_ingest {node.node_id}: {n_in} samples, {sum(rejects.values())} rejected, "
+                  f"scorer's own value per uplinked byte {100 * report.gain:+.0f}% vs no tiering")
     summary = {
         "node_id": node.node_id, "batches": len(done), "samples_in": n_in, "rejected": rejects,
         "bundles": sum(len(t.bundles) for t in done), "bundles_refused": refused, "pending": pending,

@@ -75,15 +75,33 @@ class Progress:
             self.advance(0)
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': byte counts as a person reads them (binary units, 3 significant digits)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.3g} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cell(column: str, value: Any) -> Any:
+    # every column that counts bytes is shown in units; the run's return value keeps the raw numbers
+    if "bytes" in column.lower() and isinstance(value, int | float) and not isinstance(value, bool):
+        return human_bytes(value)
+    return value
+
+
 def summary_table(key: str, rows: list[dict[str, Any]], description: str = "") -> UUID | None:
-    """A table artifact of the run (one dict per row, same keys); returns its id, None outside a run."""
+    """A table artifact of the run (one dict per row, same keys; byte columns in human units);
+    returns its id, None outside a run. The one way the product writes table artifacts."""
     if not _in_run():
         return None
     try:
         from prefect.artifacts import create_table_artifact
 
         cols = list(dict.fromkeys(k for r in rows for k in r))
-        table = [{c: r.get(c, "") for c in cols} for r in rows]
+        table = [{c: _cell(c, r.get(c, "")) for c in cols} for r in rows]
         return create_table_artifact(table, key=artifact_key(key), description=description)  # type: ignore[return-value]
     except Exception as e:
         log.warning("table artifact %s not created: %s", key, e)

@@ -16,6 +16,7 @@ missing-bucket and digest errors never are: they need a person, not a retry.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
@@ -38,6 +39,8 @@ PERMANENT_CODES = frozenset({
     "NotImplemented", "PreconditionFailed", "InvalidRequest", "EntityTooLarge",
 })
 DIGEST_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"})
+
+log = logging.getLogger(__name__)
 
 
 def error_code(exc: BaseException) -> str:
@@ -97,7 +100,15 @@ def retry_condition(task: Any, task_run: Any, state: Any) -> bool:
         exc = state.result(raise_on_failure=False)
     except Exception as e:  # the result could not be read: judge that error
         exc = e
-    return isinstance(exc, BaseException) and worth_a_task_retry(exc)
+    if not isinstance(exc, BaseException):
+        return False
+    what = error_code(exc) or type(exc).__name__
+    if worth_a_task_retry(exc):
+        log.warning("retrying %s after %s: a later attempt can get past it", getattr(task, "name", "task"), what)
+        return True
+    why = f"the client already tried it {client_attempts(exc)} times" if is_retryable(exc) else "not retryable"
+    log.error("not retrying %s after %s: %s", getattr(task, "name", "task"), what, why)
+    return False
 
 
 # `@task(**IO_RETRY, ...)`: the task-level half of the budget, the same for every task doing S3 I/O.

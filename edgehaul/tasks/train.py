@@ -10,10 +10,11 @@ from dataclasses import asdict
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from edgehaul.blocks import ObjectStore, TeamQuota
+from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.s3_errors import IO_RETRY
 from edgehaul.training import registry
 from edgehaul.training.data import latest_version
@@ -53,10 +54,8 @@ def report_training(store: ObjectStore, result: dict[str, Any], model_name: str)
     presigned URL (7 days), and a markdown artifact carries it inline for UIs that cannot reach the store."""
     history, model_id = result["history"], result["model_id"]
     key = f"train-{model_name}"
-    create_table_artifact(
-        table=metrics_table(history), key=f"{key}-metrics",
-        description=f"Per-epoch metrics of model {model_id} ({result['steps']} steps, {result['world_size']} processes)",
-    )
+    summary_table(f"{key}-metrics", metrics_table(history),
+                  f"Per-epoch metrics of model {model_id} ({result['steps']} steps, {result['world_size']} processes)")
     png = plot_png(history, f"{model_name} {model_id}")
     s3 = store.client()
     bucket, pkey = store.bucket("models"), store.key("models", f"{model_name}/{model_id}/metrics.png")

@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from edgehaul import events
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
 from edgehaul.edge.spool import Spool
+from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.s3_errors import TASK_RETRIES, TASK_RETRY_DELAYS_S, retry_condition
 from edgehaul.uplink.link import Link, SimulatedLink
 from edgehaul.uplink.retry_queue import RetryQueue
@@ -106,8 +107,6 @@ def drain_spool(
 @task(name="publish-link-stats", cache_policy=NO_CACHE)
 def publish_link_stats(node_id: str, metrics: dict[str, Any]) -> bool:
     """LINK_STATS event (retransmission rate is level 1) and a table artifact of the run."""
-    from prefect.artifacts import create_table_artifact
-
     payload = {
         "level": 1,
         "retransmission_rate": metrics.get("retransmission_rate", 0.0),
@@ -120,5 +119,5 @@ def publish_link_stats(node_id: str, metrics: dict[str, Any]) -> bool:
     }
     ok = events.emit(events.LINK_STATS, f"edgehaul.link.{node_id}", payload, **{"edgehaul.node": node_id})
     rows = [{"metric": k, "value": str(v)} for k, v in payload.items()]
-    create_table_artifact(rows, key=f"uplink-{node_id}", description=f"Uplink metrics of node {node_id}")
+    summary_table(f"uplink-{node_id}", rows, f"Uplink metrics of node {node_id}")
     return ok
