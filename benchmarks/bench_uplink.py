@@ -27,8 +27,9 @@ from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.edge.landsat import generate
 from edgehaul.uplink.link import SimulatedLink
-from edgehaul.uplink.transfer import Drainer, MemorySource, Receipt, Uplink
+from edgehaul.uplink.transfer import Drainer, Receipt, Uplink
 from edgehaul_dev import localstack
+from tests.doubles import MemorySource
 
 KiB, MiB = 1024, 1024 * 1024
 

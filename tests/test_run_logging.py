@@ -4,33 +4,19 @@ human units in table artifacts."""
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 
 import pytest
 
 from edgehaul.platform.reporting import _cell, human_bytes
 from edgehaul_dev import localstack
+from tests.waiting import run_log_lines
 
 
 def test_byte_columns_are_shown_in_human_units() -> None:
     assert human_bytes(978098) == "955 KiB" and human_bytes(512) == "512 B" and human_bytes(3 * 2**30) == "3 GiB"
     assert _cell("uplink_bytes", 1536) == "1.5 KiB" and _cell("bytes", 2**20) == "1 MiB"
     assert _cell("rows", 1536) == 1536 and _cell("uplink_bytes", "") == "" and _cell("bytes", True) is True
-
-
-def _run_logs(flow_run_id: uuid.UUID, needle: str) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    deadline = time.monotonic() + 30  # the API handler ships logs in the background, every ~2 s
-    while True:
-        with get_client(sync_client=True) as client:
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-        lines = [f"{lg.name}: {lg.message}" for lg in logs]
-        if any(needle in line for line in lines) or time.monotonic() > deadline:
-            return lines
-        time.sleep(1)
 
 
 @pytest.mark.integration
@@ -62,7 +48,7 @@ def test_a_retry_decision_and_a_node_tagged_line_reach_the_flow_runs_logs(stack:
         return str(flow_run.id)
 
     run_id = uuid.UUID(node_work())
-    lines = _run_logs(run_id, f"flaky-put-{uid}")
+    lines = run_log_lines(run_id, f"retrying flaky-put-{uid}")
     tagged = f"[node=node-{uid}] spool at 81%"
     assert any(line.startswith("edgehaul.edge.spool: ") and tagged in line for line in lines), lines
     assert any(line.startswith("edgehaul.platform.s3_errors: ") and f"retrying flaky-put-{uid} after SlowDown" in line

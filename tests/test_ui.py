@@ -20,6 +20,7 @@ import pytest
 
 from edgehaul import events
 from edgehaul_dev import localstack
+from tests.waiting import run_log_lines
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = [
@@ -145,6 +146,7 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
         table = _artifacts(api, f"ui-demo-{uid}")[0]
         assert _artifacts(api, f"ui-triggered-{uid}")[0]["flow_run_id"] == str(triggered.id)
 
+        run_log_lines(demo_id, f"retrying put-bundle-{uid}")  # shipped to the API before the page loads
         page = browse(f"{ui}/runs/flow-run/{demo_id}", tmp_path)
         assert demo_name in page and f"ui-demo-{uid}" in page and "Completed" in page, page[:1500]
         # the run's Logs tab shows the product's own log line (edgehaul.platform.s3_errors), not only Prefect's

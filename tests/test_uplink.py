@@ -28,10 +28,11 @@ from edgehaul.edge.spool import Spool
 from edgehaul.tasks.uplink import spool_discard
 from edgehaul.uplink.link import Link, SimulatedLink
 from edgehaul.uplink.retry_queue import RETRY_EXPIRED, RETRY_OVERFLOW, STAGE_UPLINK, RetryQueue
-from edgehaul.uplink.transfer import Drainer, MemorySource, Uplink, UplinkError
+from edgehaul.uplink.transfer import Drainer, Uplink, UplinkError
 from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
 from tests.conftest import store_for
+from tests.doubles import MemorySource
 
 MiB = 1024 * 1024
 KiB = 1024

@@ -79,10 +79,23 @@ def txn_app_id(bundle_id: str) -> str:
     return f"edgehaul/bundle/{bundle_id}"
 
 
-def open_table(store: ObjectStore, kind: str, version: int | str | datetime | None = None) -> DeltaTable:
+def open_uri(uri: str, storage_options: dict[str, str], version: int | None = None) -> DeltaTable:
+    """A dataset table (at `version`, else the latest) by URI: for readers that hold no store block
+    (training processes, outside readers). Errors are `DatasetError`s naming the table and version."""
     try:
-        dt = DeltaTable(table_uri(store, kind), storage_options=store.storage_options())
+        return DeltaTable(uri, version=version, storage_options=storage_options)
     except TableNotFoundError as e:
+        raise DatasetError(f"no dataset at {uri}: {e}") from e
+    except DeltaError as e:
+        raise DatasetError(f"cannot open {uri} at version {version}: {e}") from e
+
+
+def open_table(store: ObjectStore, kind: str, version: int | str | datetime | None = None) -> DeltaTable:
+    """The one way to open a dataset version (training, lifecycle and compaction go through here or
+    `open_uri`): the latest, a version number, or the version current at a time."""
+    try:
+        dt = open_uri(table_uri(store, kind), store.storage_options())
+    except DatasetError as e:
         raise DatasetError(f"no dataset for kind {kind!r} at {table_uri(store, kind)}") from e
     if version is not None:
         try:

@@ -21,7 +21,7 @@ import torch
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import contract_by_id
 from edgehaul.training.model import build_model, pixels_to_tensor
-from edgehaul.training.registry import RegistryError, latest_uri, load_model_file, read_json
+from edgehaul.training.registry import load_model_file, resolve_model_uri
 
 
 class ModelScorer:
@@ -30,15 +30,7 @@ class ModelScorer:
 
     def __init__(self, model_uri: str | None, store: ObjectStore | None = None, *, batch_size: int = 1024) -> None:
         self.store = store or ObjectStore.from_env()
-        model_uri = model_uri or "latest"
-        if model_uri == "latest" or model_uri.startswith("latest:"):
-            name = model_uri.split(":", 1)[1] if ":" in model_uri else "landcover"
-            try:
-                pointer, _ = read_json(self.store, latest_uri(self.store, name))
-            except RegistryError as e:
-                raise RegistryError(f"no published {name} model yet ({e}); run the publish_model flow") from e
-            model_uri = str(pointer["model_uri"])
-        self.model_uri = model_uri
+        self.model_uri = model_uri = resolve_model_uri(self.store, model_uri)
         f = load_model_file(self.store, model_uri)
         self.version: str = str(f["model_id"])
         self.contract = contract_by_id(str(f["contract"]))

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from edgehaul import events
 from edgehaul.bundles import BundleError, BundleManifest
+from edgehaul.contracts import tier_rank
 from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
 
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FULL_POLICIES = ("reject-new", "drop-lowest-value")
-TIER_RANK = {"high": 0, "normal": 1, "low": 2}
 STAGE_RAW = "spool-raw"  # ledger stage of the raw store (low-tier pixels; their summaries were kept)
 _SIDECAR = ".manifest.json"
 _TMP = ".tmp"
@@ -110,7 +110,7 @@ def _atomic_write(path: Path, data: bytes, *, mtime: float | None = None) -> Non
 
 def _value_key(e: SpoolEntry) -> tuple[int, float, float]:
     """Lower sorts first = cheaper to lose: low tier, then smaller max_value, then oldest."""
-    return (-TIER_RANK.get(e.tier, 1), e.max_value, e.created_at)
+    return (-tier_rank(e.tier), e.max_value, e.created_at)
 
 
 class Spool:
@@ -263,7 +263,7 @@ class Spool:
         """Bundles waiting for uplink: high tier first, then max_value desc, then oldest."""
         with self._tlock:
             entries = self._entries(self.bundles_dir)
-            return sorted(entries, key=lambda e: (TIER_RANK.get(e.tier, 1), -e.max_value, e.created_at))
+            return sorted(entries, key=lambda e: (tier_rank(e.tier), -e.max_value, e.created_at))
 
     def raw_entries(self) -> list[SpoolEntry]:
         """The local raw store (low-tier rows with pixels), oldest first."""
@@ -382,7 +382,7 @@ class Spool:
             return True
         if self.full_policy == "reject-new" or incoming.tier == "low":
             return False
-        rank_in = (-TIER_RANK.get(incoming.tier, 1), incoming.max_value)
+        rank_in = (-tier_rank(incoming.tier), incoming.max_value)
         cheaper = [e for e in sorted(self._entries(self.bundles_dir), key=_value_key) if _value_key(e)[:2] < rank_in]
         plan, freed = [], 0
         for e in cheaper:

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from edgehaul.bundles import BundleManifest, write_bundle
-from edgehaul.contracts import Contract
+from edgehaul.contracts import TIERS, Contract
 
 if TYPE_CHECKING:
     from edgehaul.blocks.policies import TieringPolicy
@@ -132,7 +132,7 @@ class TierReport:
     def rows(self) -> list[dict[str, object]]:
         """One row per tier plus a total, for a table artifact."""
         out: list[dict[str, object]] = []
-        for tier in ("high", "normal", "low"):
+        for tier in TIERS:
             out.append({"tier": tier, "samples": self.samples[tier],
                         "uplink_bytes": self.uplink_bytes.get(tier, 0) if tier != "low" else 0,
                         "local_bytes": self.raw_store_bytes if tier == "low" else 0})
@@ -219,7 +219,7 @@ class Batcher:
         """Route one scored batch (bundle-schema rows with tier set). Returns bundles ready now."""
         out: list[BuiltBundle] = []
         tiers = scored.column("tier")
-        masks = {tier: pc.equal(tiers, tier) for tier in ("high", "normal", "low")}
+        masks = {tier: pc.equal(tiers, tier) for tier in TIERS}
         for tier, mask in masks.items():
             self.report.samples[tier] += int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
         self.report.value_total += float(pc.sum(scored.column("value")).as_py() or 0.0)

@@ -62,6 +62,7 @@ from urllib.parse import unquote
 
 from botocore.exceptions import ClientError
 
+from edgehaul.core.datasets import open_uri
 from edgehaul.ops.storage_classes import CLASSES, check_delete, check_move, storage_class
 
 if TYPE_CHECKING:
@@ -83,10 +84,6 @@ ActionKind = Literal["move", "restore", "delete"]
 
 class LifecycleError(RuntimeError):
     """An action could not be carried out; the message names the object."""
-
-
-class SimulatedCrash(RuntimeError):
-    """Raised by a test hook to stop a batch between two steps."""
 
 
 # ---------------------------------------------------------------------------------------------- keys
@@ -290,9 +287,7 @@ class TableFiles:
 
 
 def _version_keys(store: ObjectStore, uri: str, version: int) -> set[str]:
-    from deltalake import DeltaTable
-
-    dt = DeltaTable(uri, version=version, storage_options=store.storage_options())
+    dt = open_uri(uri, store.storage_options(), version)
     bucket = store.bucket("curated")
     keys = set()
     for u in dt.file_uris():
@@ -306,13 +301,11 @@ def delta_protection(
     accesses: list[dict[str, Any]],
 ) -> dict[str, TableFiles]:
     """Per table: which versions are protected (and why), the files they read, and last use per file."""
-    from deltalake import DeltaTable
-
     out: dict[str, TableFiles] = {}
     bucket = store.bucket("curated")
     for root in table_roots:
         uri = f"s3://{bucket}/{root}"
-        latest = DeltaTable(uri, storage_options=store.storage_options()).version()
+        latest = open_uri(uri, store.storage_options()).version()
         why: dict[int, str] = {}
         for v in range(max(0, latest - policy.keep_latest_versions + 1), latest + 1):
             why[v] = f"latest {policy.keep_latest_versions}"
@@ -693,7 +686,7 @@ def run_batch(
     they became referenced) are skipped instead of finished.
 
     Errors of single objects are collected (the batch stays pending and is retried on the next run);
-    a `SimulatedCrash` from the hook propagates.
+    anything else the hook raises (a test's simulated crash between two steps) propagates.
     """
     s3 = s3 or store.client()
     bid = journal_batch(store, actions, now, s3)

@@ -100,18 +100,11 @@ _scorers_lock = threading.Lock()
 def model_scorer(policy: TieringPolicy, store: ObjectStore | None, contract: Contract | None = None) -> Scorer:
     """The policy's (non-novelty) scorer, loaded once per process and model: a task per batch must
     not download the model again. 'latest' is re-resolved on every call (a new model re-scores)."""
-    from edgehaul.training.registry import RegistryError, latest_uri, read_json
+    from edgehaul.training.registry import resolve_model_uri
 
-    uri = policy.model_uri or "latest"
     store = store or ObjectStore.from_env()
     store_id = store.model_dump_json()
-    if uri == "latest" or uri.startswith("latest:"):
-        name = uri.split(":", 1)[1] if ":" in uri else "landcover"
-        try:
-            pointer, _ = read_json(store, latest_uri(store, name))
-        except RegistryError as e:
-            raise RegistryError(f"no published {name} model yet ({e}); run the publish_model flow") from e
-        uri = str(pointer["model_uri"])
+    uri = resolve_model_uri(store, policy.model_uri)
     with _scorers_lock:
         s = _scorers.get((uri, store_id))
         if s is None:

@@ -125,6 +125,20 @@ def latest_uri(store: ObjectStore, name: str = "landcover") -> str:
     return store.uri("models", f"{name}/latest.json")
 
 
+def resolve_model_uri(store: ObjectStore, model_uri: str | None) -> str:
+    """The model a scorer or reader means: `latest` / `latest:<name>` / None is the published model of
+    that name (default `landcover`, through its `latest.json` pointer); anything else is a model URI."""
+    model_uri = model_uri or "latest"
+    if model_uri != "latest" and not model_uri.startswith("latest:"):
+        return model_uri
+    name = model_uri.split(":", 1)[1] if ":" in model_uri else "landcover"
+    try:
+        pointer, _ = read_json(store, latest_uri(store, name))
+    except RegistryError as e:
+        raise RegistryError(f"no published {name} model yet ({e}); run the publish_model flow") from e
+    return str(pointer["model_uri"])
+
+
 class StaleModel(RegistryError):
     """The model was trained on an older version of the published model's dataset."""
 

@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING, Any
 from botocore.exceptions import EndpointConnectionError
 
 from edgehaul import events
+from edgehaul.contracts import tier_rank
 
 if TYPE_CHECKING:
     from edgehaul.blocks.policies import LinkProfile
 
 Priority = tuple[Any, ...]
-TIER_RANK = {"high": 0, "normal": 1, "low": 2}
 
 
 def priority_key(tier: str, max_value: float, created_at: str) -> Priority:
     """Lower sorts first: tier (high, normal, low), then highest value, then oldest."""
-    return (TIER_RANK.get(tier, 3), -float(max_value), created_at)
+    return (tier_rank(tier), -float(max_value), created_at)
 
 
 class LinkDown(EndpointConnectionError):

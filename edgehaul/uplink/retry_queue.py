@@ -23,7 +23,7 @@ from typing import Protocol
 
 from edgehaul import events
 from edgehaul.bundles import BundleManifest
-from edgehaul.uplink.link import TIER_RANK
+from edgehaul.contracts import tier_rank
 
 STAGE_UPLINK = "uplink"
 RETRY_EXPIRED = "retry-expired"
@@ -112,7 +112,7 @@ class RetryQueue:
                 delay = self.backoff_s[min(attempts - 1, len(self.backoff_s) - 1)]
                 self._conn.execute(
                     "INSERT OR REPLACE INTO retry VALUES (?,?,?,?,?,?,?,?,?)",
-                    (manifest.bundle_id, TIER_RANK.get(manifest.tier, 3), manifest.max_value, first, now, attempts,
+                    (manifest.bundle_id, tier_rank(manifest.tier), manifest.max_value, first, now, attempts,
                      now + delay, error[:2000], json.dumps(manifest.sample_ids)),
                 )
                 over = int(self._conn.execute("SELECT COUNT(*) FROM retry").fetchone()[0]) - self.cap
