@@ -109,15 +109,20 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-def read_json(store: ObjectStore, uri: str) -> tuple[dict[str, Any], str]:
-    """JSON object at `uri` and its ETag."""
+def _get_object(store: ObjectStore, uri: str, what: str) -> Any:
+    """GetObject of `uri`; a missing key is a RegistryError naming `what`."""
     bucket, key = parse_s3_uri(uri)
     try:
-        r = store.client().get_object(Bucket=bucket, Key=key)
+        return store.client().get_object(Bucket=bucket, Key=key)
     except ClientError as e:
         if _code(e) in ("NoSuchKey", "404"):
-            raise RegistryError(f"{uri} does not exist") from e
+            raise RegistryError(f"{what} does not exist") from e
         raise
+
+
+def read_json(store: ObjectStore, uri: str) -> tuple[dict[str, Any], str]:
+    """JSON object at `uri` and its ETag."""
+    r = _get_object(store, uri, uri)
     return json.loads(r["Body"].read()), str(r["ETag"])
 
 
@@ -192,13 +197,7 @@ def publish(store: ObjectStore, name: str, model_id: str, allow_older: bool = Fa
 
 
 def load_model_file(store: ObjectStore, model_uri: str) -> dict[str, Any]:
-    bucket, key = parse_s3_uri(model_uri)
-    try:
-        r = store.client().get_object(Bucket=bucket, Key=key)
-    except ClientError as e:
-        if _code(e) in ("NoSuchKey", "404"):
-            raise RegistryError(f"model {model_uri} does not exist") from e
-        raise
+    r = _get_object(store, model_uri, f"model {model_uri}")
     data = r["Body"].read()
     want = r.get("Metadata", {}).get("sha256")
     if want and hashlib.sha256(data).hexdigest() != want:
