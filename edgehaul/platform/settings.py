@@ -71,6 +71,11 @@ class EnvSettings(BaseSettings):
             return (init_settings,)
         return init_settings, env_settings, dotenv_settings, file_secret_settings
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strip(cls, v: Any) -> Any:
+        return _blank_to_none(v)
+
 
 class Settings(EnvSettings):
     """edgehaul's own settings (`EDGEHAUL_*`) plus the AWS credentials it reads itself."""
@@ -122,11 +127,6 @@ class Settings(EnvSettings):
     aws_secret_access_key: SecretStr | None = Field(
         default=None, validation_alias="AWS_SECRET_ACCESS_KEY",
         description="Standard AWS variable: the secret key that goes with AWS_ACCESS_KEY_ID.")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _strip(cls, v: Any) -> Any:
-        return _blank_to_none(v)
 
     @field_validator("task_runner", mode="before")
     @classmethod
