@@ -97,7 +97,7 @@ class Settings(EnvSettings):
     )
     # task runner of the data-parallel flows (read when each flow run starts: edgehaul.platform.runners)
     task_runner: Literal["thread", "dask"] = Field(
-        default="thread", description="Task runner of edge_ingest, core_ingest and compact_dataset: thread | dask.")
+        default="thread", description="Task runner of edge_ingest, core_ingest and compact_dataset: thread or dask.")
     threads: PositiveInt | None = Field(
         default=None, description="Threads of the thread runner (unset: Prefect's default).")
     dask_address: str | None = Field(
@@ -249,13 +249,13 @@ def _dotenv() -> dict[str, str]:
 def describe(settings: BaseSettings) -> list[dict[str, str]]:
     """One row per field: variable, effective value (secrets masked), source, description."""
     cls = type(settings)
-    environ = {k.upper(): v for k, v in os.environ.items() if v.strip()}
+    present = {k.upper() for k, v in os.environ.items() if v.strip()}
     dotenv = _dotenv() if cls.model_config.get("env_file") else {}
     rows = []
     for field, var in env_names(cls).items():
         value = getattr(settings, field)
         shown = "********" if isinstance(value, SecretStr) else "" if value is None else str(value)
-        source = "environment" if var in environ else f"{ENV_FILE} file" if var in dotenv else "default"
+        source = "environment" if var in present else f"{ENV_FILE} file" if var in dotenv else "default"
         rows.append({"variable": var, "value": shown, "source": source,
                      "description": cls.model_fields[field].description or ""})
     return rows
