@@ -180,12 +180,12 @@ def env_names(cls: type[BaseSettings]) -> dict[str, str]:
 def _error(cls: type[BaseSettings], e: ValidationError) -> SettingsError:
     names = env_names(cls)
     by_key = {**{k.lower(): v for k, v in names.items()}, **{v.lower(): v for v in names.values()}}
+    secret = {names[f] for f, info in cls.model_fields.items() if "SecretStr" in str(info.annotation)}
     lines = []
     for err in e.errors(include_url=False):
         key = str(err["loc"][0]) if err["loc"] else ""
         var = by_key.get(key.lower(), key or cls.__name__)
-        got = err.get("input")
-        shown = "***" if "SECRET" in var or "TOKEN" in var or "PASSWORD" in var else repr(got)
+        shown = "***" if var in secret else repr(err.get("input"))
         msg = str(err["msg"]).removeprefix("Value error, ")
         lines.append(f"{var}: {msg} (got {shown})")
     return SettingsError(f"invalid {cls.__name__}: " + "; ".join(lines))
