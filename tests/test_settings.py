@@ -266,3 +266,12 @@ def test_edgehaul_settings_runs_as_a_command() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert '"variable": "EDGEHAUL_TASK_RUNNER"' in proc.stdout
+
+
+def test_contracts_dir_is_read_when_a_contract_is_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edgehaul.contracts import ContractError, load_contract
+
+    assert load_contract("landsat_patch").kind == "landsat_patch"  # the package's contracts by default
+    monkeypatch.setenv("EDGEHAUL_CONTRACTS_DIR", str(tmp_path))  # after import: still followed
+    with pytest.raises(ContractError, match=str(tmp_path)):
+        load_contract("landsat_patch")
