@@ -8,7 +8,6 @@ bundle schema, feature columns, validation) is derived from it.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -18,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import yaml
 
-CONTRACTS_DIR = Path(os.environ.get("EDGEHAUL_CONTRACTS_DIR", Path(__file__).resolve().parent / "data_contracts"))
+from edgehaul.platform.settings import get_settings
 
 _ARROW_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
@@ -128,9 +127,14 @@ def _parse(path: Path) -> Contract:
         raise ContractError(f"{path}: malformed contract ({type(e).__name__}: {e})") from e
 
 
+def load_contract(kind: str, version: int | None = None, directory: Path | None = None) -> Contract:
+    """Load `<kind>.v<version>.yaml` from `directory` (default: EDGEHAUL_CONTRACTS_DIR, else the package's
+    contracts); without a version, the highest one present."""
+    return _load_contract(kind, version, directory or get_settings().contracts_dir)
+
+
 @cache
-def load_contract(kind: str, version: int | None = None, directory: Path = CONTRACTS_DIR) -> Contract:
-    """Load `<kind>.v<version>.yaml`; without a version, the highest one present."""
+def _load_contract(kind: str, version: int | None, directory: Path) -> Contract:
     if version is None:
         versions = sorted(
             int(p.stem.rsplit(".v", 1)[1]) for p in directory.glob(f"{kind}.v*.yaml")
@@ -148,7 +152,7 @@ def load_contract(kind: str, version: int | None = None, directory: Path = CONTR
     return c
 
 
-def contract_by_id(contract_id: str, directory: Path = CONTRACTS_DIR) -> Contract:
+def contract_by_id(contract_id: str, directory: Path | None = None) -> Contract:
     """`landsat_patch.v1` -> Contract, with a clear error for anything else."""
     kind, sep, ver = contract_id.rpartition(".v")
     if not sep or not ver.isdigit():

@@ -5,6 +5,7 @@
     python -m edgehaul_dev demo [...]             the data path end to end on the running stack (edgehaul_dev.demo)
     python -m edgehaul_dev drills [...]           fault drills, N trials each (edgehaul_dev.drills)
     python -m edgehaul_dev verify [...]           the operations guide's acceptance checklist (edgehaul_dev.verify)
+    python -m edgehaul_dev settings               the development settings (edgehaul_dev.settings)
 
 `python -m edgehaul_dev <command> --help` shows the command's own options. Each command is the module's `main`,
 imported only when it is called, so `--help` answers at once.
@@ -21,6 +22,7 @@ COMMANDS = {
     "demo": ("edgehaul_dev.demo", "run the data path end to end on the running stack"),
     "drills": ("edgehaul_dev.drills", "fault drills with loss/duplicate accounting"),
     "verify": ("edgehaul_dev.verify", "the operations guide's acceptance checklist"),
+    "settings": ("edgehaul_dev.settings", "the development settings and their sources"),
 }
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 from edgehaul_dev import configure, localstack
+from edgehaul_dev.settings import dev_settings
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -264,7 +265,7 @@ def summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edgehaul_dev.demo")
-    ap.add_argument("--samples", type=int, default=int(os.environ.get("EDGEHAUL_DEMO_SAMPLES", 20_000)))
+    ap.add_argument("--samples", type=int, default=dev_settings().demo_samples, help="default: EDGEHAUL_DEMO_SAMPLES")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--nodes", nargs="+", default=["node-a", "node-b"])
     ap.add_argument("--via-deployments", action="store_true", help="run through the deployments (after make deploy)")

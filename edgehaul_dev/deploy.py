@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from edgehaul.platform.settings import get_settings
+
 log = logging.getLogger("edgehaul_dev.deploy")
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,11 +68,15 @@ def prefect_exe() -> str:
 
 
 def register_blocks() -> None:
+    from prefect.settings import get_current_settings
+
     from edgehaul_dev import configure, localstack
 
     configure.register_block_types()
     state = localstack.StackState.load(localstack.DEFAULT_ROOT)
-    if state is not None and os.environ.get("PREFECT_API_URL", "").rstrip("/") == state.prefect_api_url:
+    # Prefect's own settings: the API this process talks to (environment, profile or temporary_settings)
+    api_url = (get_current_settings().api.url or "").rstrip("/")
+    if state is not None and api_url == state.prefect_api_url:
         saved = configure.save_blocks(state)
         log.info("blocks saved: %d documents", sum(len(v) for v in saved.values()))
 
@@ -113,9 +119,10 @@ def prefect_deploy(prefect_file: Path = PREFECT_FILE, timeout: float = 900) -> s
 
 def default_alert_target() -> tuple[str, str | None]:
     """(webhook URL, bearer token): $EDGEHAUL_ALERT_WEBHOOK_URL, else the local gateway's /alerts sink."""
-    url = os.environ.get("EDGEHAUL_ALERT_WEBHOOK_URL")
-    if url:
-        return url, os.environ.get("EDGEHAUL_ALERT_WEBHOOK_TOKEN")
+    settings = get_settings()
+    if settings.alert_webhook_url:
+        token = settings.alert_webhook_token
+        return settings.alert_webhook_url, token.get_secret_value() if token else None
     from edgehaul.platform import gateway
     from edgehaul_dev import localstack
 

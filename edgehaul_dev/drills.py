@@ -64,6 +64,7 @@ from edgehaul.uplink.link import Link, SimulatedLink
 from edgehaul.uplink.retry_queue import RETRY_EXPIRED, STAGE_UPLINK, RetryQueue
 from edgehaul.uplink.transfer import Drainer, Uplink
 from edgehaul_dev import localstack
+from edgehaul_dev.settings import dev_settings
 
 log = logging.getLogger(__name__)
 
@@ -991,7 +992,7 @@ _COST = {"store_down": 3.0, "concurrent_ingest": 3.0, "ingest_commit_kill": 2.5,
 
 def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: int = 20261203,
                root: Path | None = None, progress: Callable[[str], None] | None = None,
-               parallel: int = int(os.environ.get("EDGEHAUL_DRILL_PARALLEL", 8)),
+               parallel: int = dev_settings().drill_parallel,
                streams: int = 2) -> list[DrillResult]:
     names = [n for n in DRILLS if not only or n in only]
     unknown = set(only) - set(DRILLS)
@@ -1125,7 +1126,7 @@ def _sample_load(out: list[float], stop: threading.Event) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edgehaul_dev.drills", description=__doc__.split("\n")[0])
-    ap.add_argument("--trials", type=int, default=int(os.environ.get("EDGEHAUL_DRILL_TRIALS", DEFAULT_TRIALS)))
+    ap.add_argument("--trials", type=int, default=dev_settings().drill_trials or DEFAULT_TRIALS)
     ap.add_argument("--only", nargs="*", default=[])
     ap.add_argument("--markdown", type=Path, default=None, help="write the report (e.g. docs/DRILLS.md)")
     args = ap.parse_args(argv)

@@ -3,6 +3,13 @@
 Used by `make demo`, `infra/local/*.sh` and the test suite (one stack per test session, on free
 ports, in a temporary folder). It only ever stops processes whose PIDs it recorded itself.
 
+Stacks coexist on one host: `make up` takes the Prefect and S3 ports from EDGEHAUL_PREFECT_PORT /
+EDGEHAUL_S3_PORT (edgehaul_dev.settings; 0 = a free port) and refuses to start on one another process
+holds; every other port (SeaweedFS's master, volume, filer, admin and their gRPC ports, the gateway
+unless EDGEHAUL_GATEWAY_PORT is set) is chosen free and kept in state.json, so a restart reuses it
+unless it has been taken meanwhile. Sockets live in the stack folder where SeaweedFS allows it; the
+gRPC sockets it insists on putting in /tmp are removed only when no process listens on them.
+
     python -m edgehaul_dev.localstack up      # start or reuse, print env exports
     python -m edgehaul_dev.localstack health
     python -m edgehaul_dev.localstack down
@@ -12,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import hashlib
 import json
 import os
@@ -30,7 +36,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_ROOT = Path(os.environ.get("EDGEHAUL_STACK_DIR", Path.cwd() / ".edgehaul-stack"))
+from edgehaul.platform.settings import get_settings
+from edgehaul_dev.settings import dev_settings
+
+DEFAULT_ROOT = dev_settings().stack_dir
 
 # Buckets of the product: one per zone, so identities and lifecycle rules can target them.
 ROLES = ("admin", "ingest", "trainer", "lifecycle", "results")
@@ -41,6 +50,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (all held open until every one is chosen)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
+def port_free(port: int) -> bool:
+    """Nobody listens on 127.0.0.1:`port` (SO_REUSEADDR like the servers: TIME_WAIT leftovers do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+# SeaweedFS's internal ports: chosen free per stack (clients only ever use the S3 port).
+WEED_PORTS = ("s3_grpc", "master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "admin", "admin_grpc")
+# SeaweedFS 4.48 also listens on /tmp/seaweedfs-<kind>-grpc-<port>.sock beside each gRPC port, a path no
+# flag moves (unlike -filer.localSocket / -s3.localSocket, which point into the stack folder).
+GRPC_SOCKETS = {"master_grpc": "master", "volume_grpc": "volume", "filer_grpc": "filer", "s3_grpc": "s3",
+                "admin_grpc": "admin"}
 
 
 @dataclass
@@ -57,6 +94,8 @@ class StackState:
     weed_ports: dict[str, int]
     identities: dict[str, Credentials] = field(default_factory=dict)
     api_auth_string: str | None = None
+    # ports configured by settings ("prefect", "s3"): never swapped for a free one, an error when taken
+    pinned: list[str] = field(default_factory=list)
 
     @property
     def prefect_api_url(self) -> str:
@@ -238,11 +277,64 @@ def _wait_http(url: str, timeout: float, pid: int, what: str, log: Path) -> None
     raise TimeoutError(f"{what} not healthy at {url} after {timeout:.0f}s; see {log}")
 
 
-def _clean_stale_sockets(ports: dict[str, int]) -> None:
-    for port in ports.values():
-        for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock"):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+def grpc_socket_paths(ports: dict[str, int]) -> list[Path]:
+    return [Path(f"/tmp/seaweedfs-{kind}-grpc-{ports[key]}.sock") for key, kind in GRPC_SOCKETS.items() if key in ports]
+
+
+def socket_listening(path: Path) -> bool:
+    """Some process accepts connections on the Unix socket `path` (a file a dead server left does not)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # cannot tell (permissions, a busy server): treat it as someone's
+        return True
+
+
+def remove_stale_grpc_sockets(ports: dict[str, int]) -> list[Path]:
+    """Unlink the gRPC socket files of `ports` that no process listens on: left by a SeaweedFS that died,
+    they would make the next one fail to listen. A file some process listens on belongs to a running
+    server (another stack's) and is never touched."""
+    removed = []
+    for path in grpc_socket_paths(ports):
+        if path.is_socket() and not socket_listening(path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _claim_port(state: StackState, name: str, port: int) -> int:
+    """`port` if nobody holds it; a pinned (configured) port held by someone is an error, any other is
+    swapped for a free one (returned; the caller records it)."""
+    if port_free(port):
+        return port
+    if name in state.pinned:
+        var = {"prefect": "EDGEHAUL_PREFECT_PORT", "s3": "EDGEHAUL_S3_PORT"}.get(name, name)
+        raise PortInUse(f"{name} port {port} of the stack in {state.root} is taken by another process (another "
+                        f"stack?): stop it, or give this stack another port ({var}; 0 = a free one) on a fresh stack "
+                        f"(make clean)")
+    return free_port()
+
+
+def _claim_weed_ports(state: StackState) -> None:
+    """Keep the recorded ports (the master keeps its state per port) unless another process holds one now,
+    by TCP or on its /tmp gRPC socket: those are replaced by free ones."""
+    state.s3_port = _claim_port(state, "s3", state.s3_port)
+    held = set()
+    for key in WEED_PORTS:
+        port = state.weed_ports.get(key, 0)
+        sock = Path(f"/tmp/seaweedfs-{GRPC_SOCKETS[key]}-grpc-{port}.sock") if key in GRPC_SOCKETS else None
+        if not port or port in held or (sock is not None and socket_listening(sock)):
+            port = free_port()
+        port = _claim_port(state, key, port)
+        state.weed_ports[key] = port
+        held.add(port)
+    if (Path(state.root) / "state.json").exists():
+        state.save()
 
 
 def _socket_dir(d: Path) -> Path:
@@ -263,21 +355,10 @@ def _weed_binary() -> str:
     return found
 
 
-def start_s3(state: StackState) -> None:
-    root = Path(state.root)
-    if _read_pid(root, "seaweedfs"):
-        return
-    d = root / "seaweedfs"
-    (d / "data").mkdir(parents=True, exist_ok=True)
-    (d / "logs").mkdir(parents=True, exist_ok=True)
-    cfg = d / "s3.json"
-    nodes = [k for k in state.identities if k not in ROLES]
-    cfg.write_text(json.dumps(identities_config(state.identities, nodes)))
-    os.chmod(cfg, 0o600)
+def _weed_command(state: StackState, d: Path, cfg: Path) -> list[str]:
     p = state.weed_ports
-    _clean_stale_sockets(p)
     sock = _socket_dir(d)
-    cmd = [
+    return [
         _weed_binary(), f"-logdir={d / 'logs'}", "mini", f"-dir={d / 'data'}",
         "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.config={cfg}",
         "-s3.allowDeleteBucketNotEmpty=false", "-s3.autoCreateBucket=false",
@@ -290,8 +371,31 @@ def start_s3(state: StackState) -> None:
         f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin_grpc']}",
         "-master.volumeSizeLimitMB=256", "-master.telemetry=false",
     ]
-    pid = _spawn(root, "seaweedfs", cmd, dict(os.environ))
-    _wait_http(f"{state.s3_endpoint}/", 60, pid, "SeaweedFS", root / "logs" / "seaweedfs.log")
+
+
+def start_s3(state: StackState) -> None:
+    root = Path(state.root)
+    if _read_pid(root, "seaweedfs"):
+        return
+    d = root / "seaweedfs"
+    (d / "data").mkdir(parents=True, exist_ok=True)
+    (d / "logs").mkdir(parents=True, exist_ok=True)
+    cfg = d / "s3.json"
+    nodes = [k for k in state.identities if k not in ROLES]
+    cfg.write_text(json.dumps(identities_config(state.identities, nodes)))
+    os.chmod(cfg, 0o600)
+    for attempt in range(3):
+        _claim_weed_ports(state)
+        remove_stale_grpc_sockets(state.weed_ports)
+        pid = _spawn(root, "seaweedfs", _weed_command(state, d, cfg), dict(os.environ))
+        try:
+            _wait_http(f"{state.s3_endpoint}/", 60, pid, "SeaweedFS", root / "logs" / "seaweedfs.log")
+            break
+        except PortInUse:
+            # a free port taken between choosing and binding: the next claim swaps it (a pinned one raises)
+            stop_group(pid, grace_s=0)
+            if attempt == 2:
+                raise
     _wait_s3_ready(state)
 
 
@@ -344,6 +448,12 @@ def start_prefect(state: StackState) -> None:
         return
     home = root / "prefect"
     home.mkdir(parents=True, exist_ok=True)
+    # checked before start-up: a server of another stack on this port would answer our health check
+    port = _claim_port(state, "prefect", state.prefect_port)
+    if port != state.prefect_port:
+        state.prefect_port = port
+        state.save()
+    db_url = dev_settings().prefect_db_url
     env = dict(os.environ)
     for k in list(env):
         if k.startswith("PREFECT_"):
@@ -355,9 +465,8 @@ def start_prefect(state: StackState) -> None:
         PREFECT_LOGGING_LEVEL="WARNING",
         # The UI asks the server where its API is; without this it says 127.0.0.1:4200 on any port.
         PREFECT_UI_API_URL=state.prefect_api_url,
-        PREFECT_API_DATABASE_CONNECTION_URL=os.environ.get(
-            "EDGEHAUL_PREFECT_DB_URL", f"sqlite+aiosqlite:///{home / 'prefect.db'}"
-        ),
+        PREFECT_API_DATABASE_CONNECTION_URL=db_url.get_secret_value() if db_url
+        else f"sqlite+aiosqlite:///{home / 'prefect.db'}",
     )
     if state.api_auth_string:
         env["PREFECT_SERVER_API_AUTH_STRING"] = state.api_auth_string
@@ -377,7 +486,10 @@ def start_gateway(state: StackState, port: int | None = None) -> str:
     url_file = root / "gateway.url"
     if _read_pid(root, "gateway") and url_file.exists():
         return url_file.read_text().strip()
-    port = port or int(os.environ.get("EDGEHAUL_GATEWAY_PORT", 0)) or free_port()
+    settings = get_settings()
+    port = port or (settings.gateway_port if "gateway_port" in settings.model_fields_set else 0) or free_port()
+    if not port_free(port):  # another gateway would answer our health check
+        raise PortInUse(f"webhook gateway port {port} is taken by another process (EDGEHAUL_GATEWAY_PORT?)")
     env = {**os.environ, **state.env()}
     cmd = [sys.executable, "-m", "edgehaul.platform.gateway", "--port", str(port), "--create-secret"]
     pid = _spawn(root, "gateway", cmd, env)
@@ -391,22 +503,27 @@ def new_state(
     root: Path, *, nodes: tuple[str, ...] = ("node-a", "node-b"), fixed_ports: bool = True,
     api_auth: bool = False,
 ) -> StackState:
-    def port(env: str, default: int) -> int:
-        return int(os.environ.get(env, default)) if fixed_ports else free_port()
+    """A new stack's state. `fixed_ports` (`make up`): the Prefect and S3 ports come from the settings
+    EDGEHAUL_PREFECT_PORT / EDGEHAUL_S3_PORT (0: a free port) and are pinned; every other port is free."""
+    settings = dev_settings()
+    free = iter(free_ports(len(WEED_PORTS) + 2))
+    pinned: list[str] = []
 
-    weed_defaults = {
-        "s3_grpc": 18333, "master": 9333, "master_grpc": 19333, "volume": 8080, "volume_grpc": 18080,
-        "filer": 8888, "filer_grpc": 18888, "admin": 23646, "admin_grpc": 33646,
-    }
-    weed_ports = {k: (v if fixed_ports else free_port()) for k, v in weed_defaults.items()}
+    def port(name: str, configured: int) -> int:
+        if fixed_ports and configured:
+            pinned.append(name)
+            return configured
+        return next(free)
+
+    prefect_port, s3_port = port("prefect", settings.prefect_port), port("s3", settings.s3_port)
+    weed_ports = {k: next(free) for k in WEED_PORTS}
     roles = [*ROLES, *nodes]
     creds = {
         r: Credentials(f"EH{secrets.token_hex(8).upper()}", secrets.token_urlsafe(30)) for r in roles
     }
     return StackState(
-        root=str(root), prefect_port=port("EDGEHAUL_PREFECT_PORT", 4200),
-        s3_port=port("EDGEHAUL_S3_PORT", 8333), weed_ports=weed_ports, identities=creds,
-        api_auth_string=f"edgehaul:{secrets.token_urlsafe(16)}" if api_auth else None,
+        root=str(root), prefect_port=prefect_port, s3_port=s3_port, weed_ports=weed_ports, identities=creds,
+        api_auth_string=f"edgehaul:{secrets.token_urlsafe(16)}" if api_auth else None, pinned=pinned,
     )
 
 
@@ -429,7 +546,7 @@ def up(root: Path = DEFAULT_ROOT, *, fixed_ports: bool = True, api_auth: bool = 
             if pid:
                 stop_group(pid, grace_s=0)
                 (_pid_dir(root) / "prefect.pid").unlink(missing_ok=True)
-            if fixed_ports or attempt == 2:
+            if "prefect" in state.pinned or attempt == 2:
                 raise
             state.prefect_port = free_port()  # another process took the free port first: take another
             state.save()
@@ -446,7 +563,7 @@ def down(root: Path = DEFAULT_ROOT) -> list[str]:
         stopped.append(name)
     state = StackState.load(root)
     if state:
-        _clean_stale_sockets(state.weed_ports)
+        remove_stale_grpc_sockets(state.weed_ports)
     return stopped
 
 
@@ -470,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edgehaul_dev.localstack")
     ap.add_argument("command", choices=["up", "down", "health", "env"])
     ap.add_argument("--root", type=Path, default=DEFAULT_ROOT)
-    ap.add_argument("--api-auth", action="store_true", default=os.environ.get("EDGEHAUL_API_AUTH", "") not in ("", "0"),
+    ap.add_argument("--api-auth", action="store_true", default=dev_settings().api_auth,
                     help="turn on Prefect API basic auth (default: $EDGEHAUL_API_AUTH=1)")
     args = ap.parse_args(argv)
     if args.command == "up":

@@ -8,6 +8,7 @@ from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator
 
 from edgehaul.platform.s3_errors import CLIENT_MAX_ATTEMPTS
+from edgehaul.platform.settings import get_settings
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -140,12 +141,11 @@ class ObjectStore(Block):
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ObjectStore:
-        """Build from EDGEHAUL_S3_ENDPOINT and the AWS_* variables (local stack, CI)."""
-        import os
-
-        fields: dict[str, Any] = {"endpoint_url": os.environ.get("EDGEHAUL_S3_ENDPOINT")}
-        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-            fields["access_key_id"] = SecretStr(os.environ["AWS_ACCESS_KEY_ID"])
-            fields["secret_access_key"] = SecretStr(os.environ["AWS_SECRET_ACCESS_KEY"])
+        """Build from the settings EDGEHAUL_S3_ENDPOINT, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (local
+        stack, CI); keys left unset fall back to boto3's default chain."""
+        settings = get_settings()
+        fields: dict[str, Any] = {"endpoint_url": settings.s3_endpoint}
+        if creds := settings.aws_credentials():
+            fields["access_key_id"], fields["secret_access_key"] = creds
         fields.update(overrides)
         return cls(**fields)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,6 +25,7 @@ from uuid import UUID
 from pydantic import BaseModel, Field, model_validator
 
 from edgehaul import events
+from edgehaul.platform.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -222,15 +222,18 @@ def apply_automations(policy: AlertPolicy | None = None, *, webhook_url: str, bl
 
 
 def main(argv: list[str] | None = None) -> int:
+    settings = get_settings()
     ap = argparse.ArgumentParser(prog="edgehaul automations", description="apply the alert automations")
-    ap.add_argument("--webhook-url", default=os.environ.get("EDGEHAUL_ALERT_WEBHOOK_URL"), required=False)
+    ap.add_argument("--webhook-url", default=settings.alert_webhook_url, required=False,
+                    help="default: EDGEHAUL_ALERT_WEBHOOK_URL")
     ap.add_argument("--block-name", default=NOTIFY_BLOCK)
     args = ap.parse_args(argv)
     if not args.webhook_url:
         ap.error("--webhook-url or EDGEHAUL_ALERT_WEBHOOK_URL is required")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for a in apply_automations(webhook_url=args.webhook_url, block_name=args.block_name,
-                               token=os.environ.get("EDGEHAUL_ALERT_WEBHOOK_TOKEN")):
+                               token=settings.alert_webhook_token.get_secret_value()
+                               if settings.alert_webhook_token else None):
         print(f"{'created' if a.created else 'updated'} {a.name} ({a.id})")
     return 0
 

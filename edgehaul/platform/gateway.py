@@ -33,7 +33,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import time
 import uuid
 from collections import OrderedDict
@@ -48,15 +47,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from edgehaul import events
+from edgehaul.platform.settings import Settings, get_settings
 
 log = logging.getLogger("edgehaul.platform.gateway")
 
 TIMESTAMP_HEADER = "x-edgehaul-timestamp"
 SIGNATURE_HEADER = "x-edgehaul-signature"
-SECRET_ENV = "EDGEHAUL_GATEWAY_SECRET"
-SECRET_BLOCK_ENV = "EDGEHAUL_GATEWAY_SECRET_BLOCK"
-DEFAULT_SECRET_BLOCK = "edgehaul-gateway-hmac"
-DEFAULT_PORT = 8787
+SECRET_ENV = "EDGEHAUL_GATEWAY_SECRET"  # names for messages; the values come from get_settings()
+DEFAULT_SECRET_BLOCK = Settings.model_fields["gateway_secret_block"].default
 
 _NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 
@@ -385,12 +383,12 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
 def load_secret() -> str:
     """The HMAC secret: EDGEHAUL_GATEWAY_SECRET, else the Prefect Secret block named by
     EDGEHAUL_GATEWAY_SECRET_BLOCK (default `edgehaul-gateway-hmac`)."""
-    env = os.environ.get(SECRET_ENV)
-    if env:
-        return env
+    settings = get_settings()
+    if settings.gateway_secret:
+        return settings.gateway_secret.get_secret_value()
     from prefect.blocks.system import Secret
 
-    name = os.environ.get(SECRET_BLOCK_ENV, DEFAULT_SECRET_BLOCK)
+    name = settings.gateway_secret_block
     try:
         value = Secret.load(name).get()  # type: ignore[union-attr]
     except ValueError as e:
@@ -418,21 +416,22 @@ def ensure_secret_block(name: str = DEFAULT_SECRET_BLOCK) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    settings = get_settings()
     ap = argparse.ArgumentParser(prog="edgehaul gateway", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=int(os.environ.get("EDGEHAUL_GATEWAY_PORT", DEFAULT_PORT)))
+    ap.add_argument("--port", type=int, default=settings.gateway_port, help="default: EDGEHAUL_GATEWAY_PORT")
     ap.add_argument("--max-body", type=int, default=64 * 1024, help="largest accepted body in bytes")
     ap.add_argument("--tolerance", type=float, default=300.0, help="allowed clock skew / replay window, seconds")
     ap.add_argument("--replay-capacity", type=int, default=10_000)
-    ap.add_argument("--alert-log", default=os.environ.get("EDGEHAUL_ALERT_LOG", "alerts.jsonl"),
-                    help="where POST /alerts appends alert notifications (JSON lines)")
+    ap.add_argument("--alert-log", default=str(settings.alert_log),
+                    help="where POST /alerts appends alert notifications (JSON lines; default: EDGEHAUL_ALERT_LOG)")
     ap.add_argument("--create-secret", action="store_true", help="create the Secret block (random value) if missing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import uvicorn
 
-    if args.create_secret and not os.environ.get(SECRET_ENV):
-        ensure_secret_block(os.environ.get(SECRET_BLOCK_ENV, DEFAULT_SECRET_BLOCK))
+    if args.create_secret and not settings.gateway_secret:
+        ensure_secret_block(settings.gateway_secret_block)
     app = create_app(GatewayConfig(load_secret(), args.max_body, args.tolerance, args.replay_capacity, args.alert_log))
     log.info("gateway on http://%s:%d/hooks/{%s}", args.host, args.port, ",".join(sorted(HOOKS)))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

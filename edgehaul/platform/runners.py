@@ -9,6 +9,8 @@ per batch or bundle; which engine runs those tasks is deployment configuration, 
     EDGEHAUL_DASK_WORKERS  workers of that local cluster (default: CPU count), one thread each
     EDGEHAUL_THREADS       threads of the thread runner (default: Prefect's default)
 
+(fields of edgehaul.platform.settings.Settings, validated there).
+
 Deployable flows declare `@flow(task_runner=from_environment())`: the setting is read when a flow run
 starts (Prefect's engine calls `task_runner.duplicate()` once per run), in the process that runs it,
 so a worker's job environment (a work pool's `env`, a deployment's `job_variables`) decides, and a
@@ -23,18 +25,20 @@ Only tasks started with
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from prefect.logging import get_logger
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from edgehaul.platform.settings import Settings, SettingsError, get_settings, load
+
 RunnerKind = Literal["thread", "dask"]
 F = TypeVar("F")
 
 
-class RunnerConfigError(ValueError):
+class RunnerConfigError(SettingsError):
     """EDGEHAUL_TASK_RUNNER / EDGEHAUL_DASK_* hold a value we cannot use."""
 
 
@@ -46,22 +50,13 @@ class RunnerConfig:
     threads: int | None = None
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> RunnerConfig:
-        env = dict(os.environ if env is None else env)
-        kind = env.get("EDGEHAUL_TASK_RUNNER", "thread").strip().lower() or "thread"
-        if kind not in ("thread", "dask"):
-            raise RunnerConfigError(f"EDGEHAUL_TASK_RUNNER must be 'thread' or 'dask', got {kind!r}")
-        address = env.get("EDGEHAUL_DASK_ADDRESS", "").strip() or None
-        if address and "://" not in address:
-            raise RunnerConfigError(
-                f"EDGEHAUL_DASK_ADDRESS must be a scheduler URL like tcp://host:8786, got {address!r}"
-            )
-        return cls(
-            kind=kind,  # type: ignore[arg-type]
-            dask_address=address,
-            dask_workers=_positive_int(env, "EDGEHAUL_DASK_WORKERS"),
-            threads=_positive_int(env, "EDGEHAUL_THREADS"),
-        )
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RunnerConfig:
+        """From the settings (the process environment), or from the variables in `env` alone."""
+        try:
+            s = get_settings() if env is None else load(Settings, env)
+        except SettingsError as e:
+            raise RunnerConfigError(str(e)) from None
+        return cls(kind=s.task_runner, dask_address=s.dask_address, dask_workers=s.dask_workers, threads=s.threads)
 
     def describe(self) -> str:
         if self.kind == "thread":
@@ -69,19 +64,6 @@ class RunnerConfig:
         if self.dask_address:
             return f"dask cluster at {self.dask_address}"
         return f"local dask cluster ({self.dask_workers or os.cpu_count()} workers)"
-
-
-def _positive_int(env: dict[str, str], name: str) -> int | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise RunnerConfigError(f"{name} must be a positive integer, got {raw!r}") from None
-    if value < 1:
-        raise RunnerConfigError(f"{name} must be a positive integer, got {raw!r}")
-    return value
 
 
 def task_runner(config: RunnerConfig | None = None) -> TaskRunner[Any]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from edgehaul.platform.settings import torchrun_env
 from edgehaul.training.launch import store_from_public
 from edgehaul.training.trainer import TrainConfig, train
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--result", type=Path)
     args = ap.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = torchrun_env().rank
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     doc = json.loads(args.config.read_text())
     cfg = TrainConfig.model_validate(doc["config"])

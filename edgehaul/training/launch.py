@@ -15,9 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr
-
 from edgehaul.blocks import ObjectStore
+from edgehaul.platform.settings import get_settings, torchrun_env
 from edgehaul.training.trainer import TrainConfig, TrainResult, train
 
 SECRET_FIELDS = ("access_key_id", "secret_access_key")
@@ -35,10 +34,10 @@ def store_to_public(store: ObjectStore) -> dict[str, Any]:
 
 
 def store_from_public(fields: dict[str, Any]) -> ObjectStore:
+    # the keys travel in the child's environment (child_env), never in the config file
     extra: dict[str, Any] = {}
-    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        extra = {"access_key_id": SecretStr(os.environ["AWS_ACCESS_KEY_ID"]),
-                 "secret_access_key": SecretStr(os.environ["AWS_SECRET_ACCESS_KEY"])}
+    if creds := get_settings().aws_credentials():
+        extra = {"access_key_id": creds[0], "secret_access_key": creds[1]}
     return ObjectStore(**{k: v for k, v in fields.items() if k not in SECRET_FIELDS}, **extra)
 
 
@@ -56,7 +55,7 @@ def child_env(store: ObjectStore) -> dict[str, str]:
 
 def torchrun_command(nproc_per_node: int, config_path: Path, result_path: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node)]
-    if not os.environ.get("PET_RDZV_ENDPOINT"):
+    if not torchrun_env().pet_rdzv_endpoint:
         cmd.append("--standalone")
     return [*cmd, "-m", "edgehaul.training", "--config", str(config_path), "--result", str(result_path)]
 
@@ -78,6 +77,6 @@ def run_torchrun(cfg: TrainConfig, store: ObjectStore, nproc_per_node: int, time
 
 def run(cfg: TrainConfig, store: ObjectStore, nproc_per_node: int = 1) -> TrainResult:
     """One process: in this one. More: torchrun children (rank 0's result is returned)."""
-    if nproc_per_node == 1 and not os.environ.get("PET_RDZV_ENDPOINT"):
+    if nproc_per_node == 1 and not torchrun_env().pet_rdzv_endpoint:
         return train(cfg, store)
     return run_torchrun(cfg, store, nproc_per_node)

@@ -22,6 +22,7 @@ import torch
 from botocore.exceptions import ClientError
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.platform.settings import get_settings
 
 
 class RegistryError(RuntimeError):
@@ -33,11 +34,10 @@ def _code(e: ClientError) -> str:
 
 
 def code_version() -> str:
-    """Git sha of the checkout this code runs from, else EDGEHAUL_CODE_VERSION, else 'unknown'."""
-    import os
-
-    if os.environ.get("EDGEHAUL_CODE_VERSION"):
-        return os.environ["EDGEHAUL_CODE_VERSION"]
+    """EDGEHAUL_CODE_VERSION when set (an image knows its own sha), else the git sha of the checkout this
+    code runs from, else 'unknown'."""
+    if configured := get_settings().code_version:
+        return configured
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,

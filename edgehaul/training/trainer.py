@@ -13,7 +13,6 @@ filtered out. The epoch ends when every rank's shard is exhausted.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from pydantic import BaseModel, Field
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, contract_by_id
+from edgehaul.platform.settings import torchrun_env
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointError, CheckpointStore, IntervalController, check_resumable
 from edgehaul.training.data import DatasetRef, Position, epoch_order, is_validation, open_fragments, shard, stream, trainable
@@ -76,9 +76,8 @@ class DistContext:
     @classmethod
     def from_env(cls, device: str = "auto") -> DistContext:
         """Rank/world from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT)."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        env = torchrun_env()
+        world, rank, local_rank = env.world_size, env.rank, env.local_rank
         use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
