@@ -48,6 +48,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from edgehaul import events
+from edgehaul.platform.roles import GATEWAY_SECRET
 
 log = logging.getLogger("edgehaul.platform.gateway")
 
@@ -55,7 +56,7 @@ TIMESTAMP_HEADER = "x-edgehaul-timestamp"
 SIGNATURE_HEADER = "x-edgehaul-signature"
 SECRET_ENV = "EDGEHAUL_GATEWAY_SECRET"
 SECRET_BLOCK_ENV = "EDGEHAUL_GATEWAY_SECRET_BLOCK"
-DEFAULT_SECRET_BLOCK = "edgehaul-gateway-hmac"
+DEFAULT_SECRET_BLOCK = GATEWAY_SECRET
 DEFAULT_PORT = 8787
 
 _NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -390,9 +391,11 @@ def load_secret() -> str:
         return env
     from prefect.blocks.system import Secret
 
+    from edgehaul.platform.block_loading import load_block
+
     name = os.environ.get(SECRET_BLOCK_ENV, DEFAULT_SECRET_BLOCK)
     try:
-        value = Secret.load(name).get()  # type: ignore[union-attr]
+        value = load_block(Secret, name).get()
     except ValueError as e:
         raise RuntimeError(f"gateway secret: Secret block {name!r} not found ({e}); create it or set {SECRET_ENV}") from e
     if not isinstance(value, str) or not value:
@@ -406,8 +409,10 @@ def ensure_secret_block(name: str = DEFAULT_SECRET_BLOCK) -> str:
 
     from prefect.blocks.system import Secret
 
+    from edgehaul.platform.block_loading import load_block
+
     try:
-        value = Secret.load(name).get()  # type: ignore[union-attr]
+        value = load_block(Secret, name).get()
         if isinstance(value, str) and value:
             return value
     except ValueError:
