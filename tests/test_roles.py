@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from edgehaul.platform.block_loading import BlockNotFoundError, aload_block, load_block
 from edgehaul.platform.roles import FLOW_STORES, StoreBlock, node_store
@@ -104,7 +105,8 @@ def test_demo_overlay_simulates_the_link_runs_from_the_checkout_and_changes_no_s
 
 
 def test_overlay_merge_rules(tmp_path: Path) -> None:
-    spec = {"pull": [1], "deployments": [{"name": "a", "entrypoint": "f.py:f", "parameters": {"params": {"x": 1, "y": 2}}}]}
+    spec: dict[str, Any] = {"pull": [1], "deployments": [
+        {"name": "a", "entrypoint": "f.py:f", "parameters": {"params": {"x": 1, "y": 2}}}]}
     out = deploy.apply_overlay(spec, {"pull": None, "deployments": [
         {"name": "a", "entrypoint": "f.py:f", "parameters": {"params": {"y": None, "z": 3}}}]})
     assert out == {"deployments": [{"name": "a", "entrypoint": "f.py:f", "parameters": {"params": {"x": 1, "z": 3}}}]}
@@ -123,8 +125,9 @@ def test_flow_defaults_and_the_local_stack_use_the_role_blocks() -> None:
     from edgehaul.flows.publish_model import PublishModelParams
     from edgehaul.flows.train_model import TrainModelParams
 
-    models = {"core_ingest": CoreIngestParams, "compact_dataset": CompactDatasetParams, "train_model": TrainModelParams,
-              "publish_model": PublishModelParams, "lifecycle_moves": LifecycleParams, "cost_report": CostReportParams}
+    models: dict[str, type[BaseModel]] = {
+        "core_ingest": CoreIngestParams, "compact_dataset": CompactDatasetParams, "train_model": TrainModelParams,
+        "publish_model": PublishModelParams, "lifecycle_moves": LifecycleParams, "cost_report": CostReportParams}
     for flow, model in models.items():
         param, role = FLOW_STORES[flow]
         assert model.model_fields[param].default == role, flow
