@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel
 
 from edgehaul.platform.block_loading import BlockNotFoundError, aload_block, load_block
-from edgehaul.platform.roles import FLOW_STORES, StoreBlock, node_store
+from edgehaul.platform.roles import FLOW_STORES, RESULTS_BLOCK, StoreBlock, node_store
 from edgehaul_dev import configure, deploy, localstack
 
 PRODUCTION = deploy.load_spec()
@@ -73,6 +73,24 @@ def test_the_store_check_fails_on_admin_a_missing_block_and_another_nodes_store(
     assert "cost_report/monthly (deployment): no store_block" in problems
     assert "uplink_drain/node-b (deployment): object_store='node-a', its role's block is 'node-b'" in problems
     assert "core_ingest/on-bundle-landed (trigger" in problems and len(problems.splitlines()) == 4
+
+
+@pytest.mark.parametrize("spec", [PRODUCTION, DEMO], ids=["production", "demo overlay"])
+def test_no_deployment_rewrites_the_shared_results_block(spec: dict[str, Any]) -> None:
+    """A flow whose `result_storage` defaults to empty saves the results block with its own store's keys
+    (edgehaul.platform.caching.ensure_result_storage); its deployments and triggers name the block instead."""
+    from edgehaul.flows.compact_dataset import CompactDatasetParams
+    from edgehaul.flows.core_ingest import CoreIngestParams
+
+    saving: dict[str, type[BaseModel]] = {"core_ingest": CoreIngestParams, "compact_dataset": CompactDatasetParams}
+    assert all(m.model_fields["result_storage"].default == "" for m in saving.values())
+    slug = f"s3-bucket/{RESULTS_BLOCK}"
+    wrong = [f"{_flow(d)}/{d['name']} {what}" for d in spec["deployments"] if _flow(d) in saving
+             for what, p in [("deployment", _params(d)),
+                             *((f"trigger {t.get('name')!r}", t["parameters"].get("params") or {})
+                               for t in d.get("triggers") or [] if t.get("parameters"))]
+             if p.get("result_storage") != slug]
+    assert not wrong
 
 
 def test_production_file_has_no_demo_settings_and_pulls_the_code_from_the_image() -> None:
