@@ -1,8 +1,8 @@
 """Save the block documents the flows load, for the local stack (demo, deploy, verify).
 
-Each role gets its own ObjectStore block with its own least-privilege identity: `node-a`,
-`node-b` (own landing prefix), `ingest`, `trainer`, `lifecycle`, and `central` (operator/admin,
-used by the cost report and by hand). Credentials come from the stack's state file and are stored
+Each role gets its own ObjectStore block with its own least-privilege identity, named as in
+`edgehaul.platform.roles`: one per node (own landing prefix), `ingest`, `trainer`, `lifecycle`, and
+`central` (operator/admin, by hand only). Credentials come from the stack's state file and are stored
 as SecretStr in Prefect (encrypted at rest), never in code or config files.
 
     python -m edgehaul_dev.configure          # against $PREFECT_API_URL, stack in $EDGEHAUL_STACK_DIR
@@ -28,17 +28,13 @@ from edgehaul.blocks import (
     TieringPolicy,
 )
 from edgehaul.platform.caching import RESULTS_BLOCK, ensure_result_storage
+from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, StoreBlock, node_store
 from edgehaul_dev import localstack
 
 log = logging.getLogger(__name__)
 
 # role block name -> stack identity
-STORE_BLOCKS = {
-    "central": "admin",
-    "ingest": "ingest",
-    "trainer": "trainer",
-    "lifecycle": "lifecycle",
-}
+STORE_BLOCKS = {b.value: b.identity for b in StoreBlock}
 
 
 def register_block_types() -> None:
@@ -74,15 +70,15 @@ def save_blocks(state: localstack.StackState, *, team: str = "geo") -> dict[str,
     nodes = [k for k in state.identities if k not in localstack.ROLES]
     root = Path(state.root)
     for node in nodes:
-        save(store_block(state, node), node)
+        save(store_block(state, node), node_store(node))
         save(
             EdgeNode(node_id=node, team=team, node_group="edge-default", spool_dir=str(root / "edge" / node / "spool"),
                      spool_cap_bytes=512 * 1024**2),
             node,
         )
     # A LEO-like downlink scaled down so the demo finishes in seconds: 200 Mbit/s, 1% loss.
-    save(LinkProfile(bandwidth_bps=200e6, latency_ms=20, loss_rate=0.01), "default")
-    save(TieringPolicy(version="1", flush_max_samples=5_000, flush_max_bytes=8 * 1024**2), "default")
+    save(LinkProfile(bandwidth_bps=200e6, latency_ms=20, loss_rate=0.01), DEFAULT_POLICY)
+    save(TieringPolicy(version="1", flush_max_samples=5_000, flush_max_bytes=8 * 1024**2), DEFAULT_POLICY)
     save(
         RetentionPolicy(
             rules=[
@@ -95,11 +91,11 @@ def save_blocks(state: localstack.StackState, *, team: str = "geo") -> dict[str,
             ],
             keep_latest_versions=3,
         ),
-        "default",
+        DEFAULT_POLICY,
     )
     save(TeamQuota(team=team, accelerator_hours_per_month=100, storage_bytes=5 * 1024**4), team)
-    save(TeamQuota(team="default", accelerator_hours_per_month=10, storage_bytes=1024**4), "default")
-    save(PriceSheet(), "default")
+    save(TeamQuota(team=DEFAULT_TEAM, accelerator_hours_per_month=10, storage_bytes=1024**4), DEFAULT_TEAM)
+    save(PriceSheet(), DEFAULT_POLICY)
     return saved
 
 

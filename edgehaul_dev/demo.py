@@ -28,6 +28,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
+from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock, node_store
 from edgehaul_dev import configure, localstack
 from edgehaul_dev.settings import dev_settings
 
@@ -52,23 +53,25 @@ def run(samples: int, epochs: int, nodes: list[str]) -> dict[str, Any]:
     mixes: list[dict[int, float] | None] = [None, {2: 3.0, 4: 3.0, 6: 3.0, 1: 1.0, 3: 1.0, 5: 1.0}]
     for i, node in enumerate(nodes):
         out["edge"][node] = edge_ingest(EdgeIngestParams(
-            edge_node=node, tiering_policy="default", n_samples=samples, batch_size=min(20_000, samples),
+            edge_node=node, object_store=node_store(node), tiering_policy=DEFAULT_POLICY, n_samples=samples,
+            batch_size=min(20_000, samples),
             seed=i, class_weights=mixes[i % len(mixes)],
         ))
     for i, node in enumerate(nodes):
         out["uplink"][node] = uplink_drain(UplinkDrainParams(
-            edge_node=node, link_profile="default", object_store=node, simulate=True, seed=i, max_seconds=600,
+            edge_node=node, link_profile=DEFAULT_POLICY, object_store=node_store(node), simulate=True, seed=i,
+            max_seconds=600,
         ))
-    out["core"] = core_ingest(CoreIngestParams(store_block="ingest"))
+    out["core"] = core_ingest(CoreIngestParams(store_block=StoreBlock.INGEST))
     version = out["core"]["versions"].get("landsat_patch")
     out["train"] = train_model(TrainModelParams(
-        team="geo", store_block="trainer", dataset_version=version, epochs=epochs, allow_local=True, max_hours=0.5,
+        team="geo", store_block=StoreBlock.TRAINER, dataset_version=version, epochs=epochs, allow_local=True, max_hours=0.5,
     ))
     model_id = out["train"].get("model_id")
     if model_id:
-        out["publish"] = publish_model(PublishModelParams(model_id=model_id, store_block="trainer"))
-    out["lifecycle"] = lifecycle_moves(LifecycleParams(store_block="lifecycle", dry_run=True))
-    out["cost"] = cost_report(CostReportParams(store_block="central"))
+        out["publish"] = publish_model(PublishModelParams(model_id=model_id, store_block=StoreBlock.TRAINER))
+    out["lifecycle"] = lifecycle_moves(LifecycleParams(store_block=StoreBlock.LIFECYCLE, dry_run=True))
+    out["cost"] = cost_report(CostReportParams(store_block=StoreBlock.LIFECYCLE))
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -162,12 +165,14 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
     mixes: list[dict[int, float] | None] = [None, {2: 3.0, 4: 3.0, 6: 3.0, 1: 1.0, 3: 1.0, 5: 1.0}]
     runs: list[Any] = []
     edge = _run_all({f"edge_ingest/{n}": (f"edge_ingest/{n}", {
-        "edge_node": n, "tiering_policy": "default", "n_samples": samples, "batch_size": max(100, min(20_000, samples)),
+        "edge_node": n, "object_store": node_store(n), "tiering_policy": DEFAULT_POLICY, "n_samples": samples,
+        "batch_size": max(100, min(20_000, samples)),
         "seed": i, "class_weights": mixes[i % len(mixes)]}) for i, n in enumerate(nodes)}, timeout, say)
     runs += edge.values()
     say(f"edge_ingest: {[f'{k} {r.state_name}' for k, r in edge.items()]}")
     up = _run_all({f"uplink_drain/{n}": (f"uplink_drain/{n}", {
-        "edge_node": n, "object_store": n, "link_profile": "default", "simulate": True, "seed": i, "max_seconds": 600})
+        "edge_node": n, "object_store": node_store(n), "link_profile": DEFAULT_POLICY, "simulate": True, "seed": i,
+        "max_seconds": 600})
         for i, n in enumerate(nodes)}, max(1.0, deadline - time.monotonic()), say)
     runs += up.values()
     say(f"uplink_drain: {[f'{k} {r.state_name}' for k, r in up.items()]}")
@@ -198,8 +203,9 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
         pending = [f"{r.name}:{r.state_name}" for r in chain if not (r.state and r.state.is_final())]
         raise TimeoutError(f"event chain not finished after {timeout:.0f} s ({len(chain)} runs; pending {pending})")
     runs += chain
-    ops = _run_all({"lifecycle_moves/daily": ("lifecycle_moves/daily", {"store_block": "lifecycle", "dry_run": True}),
-                    "cost_report/monthly": ("cost_report/monthly", {"store_block": "central"})},
+    ops_store = StoreBlock.LIFECYCLE.value
+    ops = _run_all({"lifecycle_moves/daily": ("lifecycle_moves/daily", {"store_block": ops_store, "dry_run": True}),
+                    "cost_report/monthly": ("cost_report/monthly", {"store_block": ops_store})},
                    max(1.0, deadline - time.monotonic()), say)
     runs += ops.values()
     names: dict[UUID, str] = {}

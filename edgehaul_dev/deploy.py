@@ -3,14 +3,15 @@
 Against $PREFECT_API_URL (the local stack of $EDGEHAUL_STACK_DIR by default), in order:
 1. `prefect block register -m edgehaul.blocks`, and the stack's block documents (`edgehaul_dev.configure`);
 2. the work pools named in deployments/prefect.yaml (`edge-<group>`, `central`, `ops`), type `process`;
-3. `prefect deploy --all --prefect-file deployments/prefect.yaml` (CI=true: no prompts) from the
-   repository root: deployments, schedules and event triggers;
+3. `prefect deploy --all` (CI=true: no prompts) from the repository root, of deployments/prefect.yaml
+   (production) with the local stack's overlay edgehaul_dev/demo_overlay.yaml merged in (`apply_overlay`):
+   deployments, schedules and event triggers;
 4. the alert automations (`edgehaul.platform.automations`), notifying the gateway's /alerts sink of the
    local stack, or $EDGEHAUL_ALERT_WEBHOOK_URL;
 5. one `prefect worker start` per pool, under one supervisor process recorded as the stack's
    `workers` PID (`make down` stops them with the rest of the stack).
 
-    python -m edgehaul_dev.deploy [--no-workers] [--no-automations]
+    python -m edgehaul_dev.deploy [--no-workers] [--no-automations] [--overlay FILE | --no-overlay]
     python -m edgehaul_dev.deploy workers --pool central --pool ops     # the supervisor itself
 """
 
@@ -22,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,14 +35,54 @@ from edgehaul.platform.settings import get_settings
 log = logging.getLogger("edgehaul_dev.deploy")
 
 REPO = Path(__file__).resolve().parent.parent
-PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
+PREFECT_FILE = REPO / "deployments" / "prefect.yaml"  # production: what an operator deploys
+DEMO_OVERLAY = Path(__file__).with_name("demo_overlay.yaml")  # the local stack's settings over it (not shipped)
 
 
-def load_spec(path: Path = PREFECT_FILE) -> dict[str, Any]:
+def load_spec(path: Path = PREFECT_FILE, overlay: Path | None = None) -> dict[str, Any]:
+    """The deployment file, with `overlay` merged in (`apply_overlay`) when given."""
     spec = yaml.safe_load(path.read_text())
     if not isinstance(spec, dict) or not isinstance(spec.get("deployments"), list):
         raise ValueError(f"{path}: no 'deployments' list")
-    return spec
+    if overlay is None:
+        return spec
+    extra = yaml.safe_load(overlay.read_text())
+    if not isinstance(extra, dict):
+        raise ValueError(f"{overlay}: not a mapping")
+    try:
+        return apply_overlay(spec, extra)
+    except ValueError as e:
+        raise ValueError(f"{overlay}: {e}") from None
+
+
+def _merge(base: Any, over: Any) -> Any:
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = _merge(base.get(k), v)
+        return out
+    return over
+
+
+def apply_overlay(spec: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """prefect.yaml with an overlay's settings: top-level keys replace the file's (null removes one);
+    each overlay deployment, matched by entrypoint and name, is merged into that deployment
+    (mappings key by key, null removes a key, anything else replaces). An overlay deployment that
+    matches none is an error, so an overlay cannot silently outlive a renamed deployment."""
+    out: dict[str, Any] = _merge(spec, {k: v for k, v in overlay.items() if k != "deployments"})
+    deployments = [dict(d) for d in spec["deployments"]]
+    index = {(d["entrypoint"], d["name"]): i for i, d in enumerate(deployments)}
+    for d in overlay.get("deployments") or []:
+        key = (d.get("entrypoint"), d.get("name"))
+        if key not in index:
+            raise ValueError(f"overlay deployment {key[1]!r} ({key[0]}) matches no deployment of the file")
+        i = index[key]
+        deployments[i] = _merge(deployments[i], {k: v for k, v in d.items() if k not in ("entrypoint", "name")})
+    out["deployments"] = deployments
+    return out
 
 
 def deployment_names(spec: dict[str, Any]) -> list[str]:
@@ -101,19 +143,27 @@ def ensure_pools(names: list[str]) -> list[str]:
     return created
 
 
-def prefect_deploy(prefect_file: Path = PREFECT_FILE, timeout: float = 900) -> str:
-    """`prefect deploy --all` from the repository root, without prompts; returns its output."""
-    spec = load_spec(prefect_file)
-    if missing := missing_entrypoints(spec):
+def prefect_deploy(prefect_file: Path = PREFECT_FILE, overlay: Path | None = DEMO_OVERLAY, timeout: float = 900) -> str:
+    """`prefect deploy --all` from the repository root, without prompts; returns its output. With an
+    overlay, the merged file is written to a temporary folder and deployed from there (entrypoints and
+    Prefect's default pull step are relative to the working directory, the repository root)."""
+    if missing := missing_entrypoints(load_spec(prefect_file)):
         raise FileNotFoundError(f"{prefect_file}: entrypoints not found: {', '.join(missing)}")
+    spec = load_spec(prefect_file, overlay)
     env = {**os.environ, "CI": "true", "PREFECT_CLI_PROMPT": "false", "PYTHONPATH": str(REPO)}
-    cmd = [prefect_exe(), "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="edgehaul-deploy-") as tmp:
+        target = prefect_file
+        if overlay is not None:
+            target = Path(tmp, "prefect.yaml")
+            target.write_text(yaml.safe_dump(spec, sort_keys=False))
+        cmd = [prefect_exe(), "--no-prompt", "deploy", "--all", "--prefect-file", str(target)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"prefect deploy failed (exit {proc.returncode}):\n{out[-4000:]}")
-    log.info("deployed %d deployments from %s", len(spec["deployments"]), prefect_file.relative_to(REPO))
+    log.info("deployed %d deployments from %s%s", len(spec["deployments"]), prefect_file.name,
+             f" + {overlay.name}" if overlay else "")
     return out
 
 
@@ -185,12 +235,13 @@ def supervise(pools: list[str]) -> int:
     return 0
 
 
-def deploy(*, workers: bool = True, automations: bool = True, prefect_file: Path = PREFECT_FILE) -> dict[str, Any]:
-    spec = load_spec(prefect_file)
+def deploy(*, workers: bool = True, automations: bool = True, prefect_file: Path = PREFECT_FILE,
+           overlay: Path | None = DEMO_OVERLAY) -> dict[str, Any]:
+    spec = load_spec(prefect_file, overlay)
     register_blocks()
     pools = pools_of(spec)
     ensure_pools(pools)
-    prefect_deploy(prefect_file)
+    prefect_deploy(prefect_file, overlay)
     out: dict[str, Any] = {"pools": pools, "deployments": deployment_names(spec)}
     if automations:
         from edgehaul.platform.automations import apply_automations
@@ -209,13 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-workers", action="store_true")
     ap.add_argument("--no-automations", action="store_true")
     ap.add_argument("--prefect-file", type=Path, default=PREFECT_FILE)
+    ap.add_argument("--overlay", type=Path, default=DEMO_OVERLAY, help="settings merged over the file (the demo's)")
+    ap.add_argument("--no-overlay", action="store_true", help="deploy the file as it is (production settings)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "workers":
         return supervise(args.pool or pools_of(load_spec(args.prefect_file)))
     out = deploy(workers=not args.no_workers, automations=not args.no_automations,
-                 prefect_file=args.prefect_file.resolve())
+                 prefect_file=args.prefect_file.resolve(), overlay=None if args.no_overlay else args.overlay.resolve())
     print(f"pools: {', '.join(out['pools'])}")
     print(f"deployments ({len(out['deployments'])}): {', '.join(out['deployments'])}")
     if "automations" in out:

@@ -38,12 +38,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from prefect.blocks.core import Block
 from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore, TeamQuota
+from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM
 from edgehaul_dev import localstack
+
+B = TypeVar("B", bound=Block)
 
 EDGE_FLOWS = ("edge_ingest", "uplink_drain")
 TRAINING_FLOWS = ("train_model",)
@@ -64,9 +69,10 @@ def admin_store(state: localstack.StackState, prefix: str) -> ObjectStore:
                        secret_access_key=SecretStr(c.secret_access_key), prefix=prefix)
 
 
-def _load_block(cls: Any, name: str) -> Any | None:
+def _load_block(cls: type[B], name: str) -> B | None:
+    """The block, or None when it is missing or the server cannot say (a check then uses its own)."""
     try:
-        return cls.load(name)
+        return load_block(cls, name)
     except (ValueError, RuntimeError, OSError):
         return None
 
@@ -139,7 +145,7 @@ def check_high_value(state: localstack.StackState, work: Path) -> tuple[bool, st
     from edgehaul_dev.drills import KIND, _rows, drain, fast_profile, open_spool
 
     store = admin_store(state, f"verify-{uuid.uuid4().hex[:8]}")
-    profile = _load_block(LinkProfile, "default") or fast_profile()
+    profile = _load_block(LinkProfile, DEFAULT_POLICY) or fast_profile()
     table = _rows(2, "node-a", int(time.time()) % 10_000, int(time.time() * 1000) % 10**9, "high", 0.97)
     data, m = write_bundle(table, load_contract(KIND), tier="high")
     sp = open_spool(work / "spool")
@@ -410,8 +416,8 @@ def check_quota(state: localstack.StackState, timeout: float = 300.0) -> tuple[b
     from edgehaul.tasks.train import check_team_quota
     from edgehaul.training.quota import QuotaExceeded
 
-    quota = _load_block(TeamQuota, "default") or TeamQuota(team="default", accelerator_hours_per_month=10,
-                                                            storage_bytes=1024**4)
+    quota = _load_block(TeamQuota, DEFAULT_TEAM) or TeamQuota(team=DEFAULT_TEAM, accelerator_hours_per_month=10,
+                                                          storage_bytes=1024**4)
     hours = min(quota.accelerator_hours_per_month + 1, 720.0)  # the flow's max_hours bound
 
     def clear(msg: str) -> bool:

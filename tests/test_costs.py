@@ -135,7 +135,8 @@ def test_cost_report_flow_writes_artifacts_parquet_and_chart(stack: object) -> N
     now = datetime.now(UTC)
     seed = _seed(store, now)
     name = f"t-{uuid.uuid4().hex[:10]}"
-    store.save(name)
+    # the flow runs as its deployment does (edgehaul.platform.roles: lifecycle), not as the admin that seeded
+    store_for(stack, "lifecycle", prefix=store.prefix).save(name)  # type: ignore[arg-type]
     PriceSheet(uplink_per_gb=1.0).save(name)
     out = cost_report(CostReportParams(store_block=name, prices_block=name, month=f"{now:%Y-%m}", now=now))
     s3 = store.client()

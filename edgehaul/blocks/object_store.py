@@ -28,7 +28,7 @@ class ObjectStore(Block):
         store = ObjectStore(endpoint_url="http://127.0.0.1:8333", access_key_id="...",
                             secret_access_key="...")
         store.save("central", overwrite=True)
-        s3 = ObjectStore.load("central").client()
+        s3 = load_block(ObjectStore, "central").client()   # edgehaul.platform.block_loading
         s3.list_objects_v2(Bucket=store.bucket("landing"), Prefix=store.key("landing", "node-a/"))
         ```
     """

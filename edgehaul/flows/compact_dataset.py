@@ -12,20 +12,22 @@ unchanged file set is Cached and rewrites nothing; results persist to the ops bu
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.caching import ensure_result_storage
 from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import compact_task, file_set_task
 
 
 class CompactDatasetParams(BaseModel):
-    store_block: str = Field(default="central", min_length=1, description="ObjectStore block (curated writer).")
+    store_block: str = Field(default=StoreBlock.INGEST, min_length=1, description="ObjectStore block (curated writer).")
     kind: str = Field(default="landsat_patch", min_length=1, description="Observation kind (one Delta table each).")
     target_size_mb: float = Field(default=256.0, ge=0.01, le=4096.0, description="Target file size in MB.")
     min_files: int = Field(default=2, ge=2, le=100_000, description="Do nothing below this many files.")
@@ -38,7 +40,7 @@ def compact_dataset(params: CompactDatasetParams | None = None) -> dict[str, Any
     """Bin-pack the dataset's small files into target-size files in one commit."""
     p = params or CompactDatasetParams()
     logger = get_run_logger()
-    store = cast(ObjectStore, ObjectStore.load(p.store_block))
+    store = load_block(ObjectStore, p.store_block, param="store_block")
     storage = p.result_storage or ensure_result_storage(store)
     files = file_set_task(store, p.kind)
     result = compact_task.with_options(result_storage=storage, refresh_cache=p.refresh_cache)(

@@ -25,7 +25,7 @@ are claimed).
 from __future__ import annotations
 
 import uuid
-from typing import Any, cast
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -34,8 +34,10 @@ from pydantic import BaseModel, Field
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.core.validation import ValidationResult
+from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.caching import ensure_result_storage
 from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import (
     BundleRejected,
@@ -48,7 +50,8 @@ from edgehaul.tasks.core import (
 
 
 class CoreIngestParams(BaseModel):
-    store_block: str = Field(default="central", min_length=1, description="ObjectStore block (core ingest identity).")
+    store_block: str = Field(default=StoreBlock.INGEST, min_length=1,
+                             description="ObjectStore block (core ingest identity).")
     bundle_keys: list[str] = Field(default_factory=list, max_length=10_000,
                                    description="Landing keys of bundles (Parquet object or manifest); empty: discover.")
     prefix: str = Field(default="", description="Discover complete bundles under this landing prefix, e.g. 'node-a/'.")
@@ -93,7 +96,7 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     """Validate landed bundles, quarantine failures, commit the rest as one dataset version per contract."""
     p = params or CoreIngestParams()
     logger = get_run_logger()
-    store = cast(ObjectStore, ObjectStore.load(p.store_block))  # sync flow: the block itself
+    store = load_block(ObjectStore, p.store_block, param="store_block")
     run_id = str(flow_run.get_id() or uuid.uuid4())
     storage = p.result_storage or ensure_result_storage(store)
     validate = validate_bundle_task.with_options(result_storage=storage, refresh_cache=p.refresh_cache)

@@ -15,7 +15,7 @@ overwrites that month's report and adds a snapshot.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -23,13 +23,15 @@ from pydantic import BaseModel, Field, field_validator
 
 from edgehaul.blocks import ObjectStore, PriceSheet
 from edgehaul.ops.costs import RequestMeter, UsageRecord, markdown_summary, record_usage
+from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
 from edgehaul.tasks.costs import build_report_task, write_outputs_task
 
 
 class CostReportParams(BaseModel):
-    store_block: str = Field(default="central", min_length=1, description="ObjectStore block name.")
-    prices_block: str = Field(default="default", min_length=1, description="PriceSheet block name.")
+    store_block: str = Field(default=StoreBlock.LIFECYCLE, min_length=1, description="ObjectStore block name.")
+    prices_block: str = Field(default=DEFAULT_POLICY, min_length=1, description="PriceSheet block name.")
     month: str | None = Field(default=None, pattern=r"^\d{4}-(0[1-9]|1[0-2])$",
                               description="Month to report (YYYY-MM); default: the month before `now`.")
     now: datetime | None = Field(default=None, description="Report time (tests, backfills); default: now.")
@@ -48,8 +50,8 @@ def cost_report(params: CostReportParams = CostReportParams()) -> dict[str, Any]
     logger = get_run_logger()
     now = params.now or datetime.now(UTC)
     month = params.month or f"{now.replace(day=1) - timedelta(days=1):%Y-%m}"
-    store = cast(ObjectStore, ObjectStore.load(params.store_block))  # sync flow: the block itself
-    prices = cast(PriceSheet, PriceSheet.load(params.prices_block))
+    store = load_block(ObjectStore, params.store_block, param="store_block")
+    prices = load_block(PriceSheet, params.prices_block, param="prices_block")
     with RequestMeter.process() as meter:
         report = build_report_task(store, prices, month, now)
         out = write_outputs_task(store, report)

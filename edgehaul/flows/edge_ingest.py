@@ -36,13 +36,16 @@ from edgehaul.edge.landsat import generate
 from edgehaul.edge.preprocess import batch_key
 from edgehaul.edge.spool import Spool
 from edgehaul.platform import run_logging
+from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import Progress, summary_table
+from edgehaul.platform.roles import EXAMPLE_NODE, RESULTS_BLOCK
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, merge_reports, scorer_key
 
 
 class EdgeIngestParams(BaseModel):
-    edge_node: str | None = Field(default="node-a", description="EdgeNode block name (or None and set node_id/spool_dir).")
+    edge_node: str | None = Field(default=EXAMPLE_NODE,
+                                  description="EdgeNode block name (or None and set node_id/spool_dir).")
     node_id: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Inline node id.")
     spool_dir: str | None = Field(default=None, description="Inline spool folder (with node_id).")
     spool_cap_bytes: int = Field(default=2 * 1024**3, gt=0, description="Inline spool cap.")
@@ -57,7 +60,7 @@ class EdgeIngestParams(BaseModel):
     start_seq: int = Field(default=0, ge=0, description="First sequence number of generated samples.")
     class_weights: dict[int, float] | None = Field(default=None, description="Generated class mix.")
     result_storage: str | None = Field(
-        default="s3-bucket/edgehaul-ops-results", description="Result storage block slug (ops bucket); None: default."
+        default=f"s3-bucket/{RESULTS_BLOCK}", description="Result storage block slug (ops bucket); None: default."
     )
     refresh_cache: bool = Field(default=False, description="Recompute every cached step of this run.")
 
@@ -85,11 +88,11 @@ def _raw_batches(p: EdgeIngestParams, node_id: str) -> Iterator[pa.Table]:
 
 def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore | None]:
     if p.edge_node:
-        node = cast(EdgeNode, EdgeNode.load(p.edge_node))
+        node = load_block(EdgeNode, p.edge_node, param="edge_node")
     else:
         node = EdgeNode(node_id=cast(str, p.node_id), spool_dir=cast(str, p.spool_dir), spool_cap_bytes=p.spool_cap_bytes)
-    policy = cast(TieringPolicy, TieringPolicy.load(p.tiering_policy)) if p.tiering_policy else TieringPolicy()
-    store = cast(ObjectStore, ObjectStore.load(p.object_store)) if p.object_store else None
+    policy = load_block(TieringPolicy, p.tiering_policy, param="tiering_policy") if p.tiering_policy else TieringPolicy()
+    store = load_block(ObjectStore, p.object_store, param="object_store") if p.object_store else None
     return node, policy, store
 
 

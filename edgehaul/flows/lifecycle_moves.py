@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -29,12 +29,14 @@ from pydantic import BaseModel, Field, field_validator
 
 from edgehaul.blocks import ObjectStore, RetentionPolicy
 from edgehaul.ops.costs import RequestMeter, UsageRecord, record_usage
+from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
 from edgehaul.tasks.lifecycle import apply_config_task, pending_task, plan_task, prune_journal_task, run_batch_task
 
 
 class LifecycleParams(BaseModel):
-    store_block: str = Field(default="central", min_length=1, description="ObjectStore block name.")
-    policy_block: str = Field(default="default", min_length=1, description="RetentionPolicy block name.")
+    store_block: str = Field(default=StoreBlock.LIFECYCLE, min_length=1, description="ObjectStore block name.")
+    policy_block: str = Field(default=DEFAULT_POLICY, min_length=1, description="RetentionPolicy block name.")
     now: datetime | None = Field(default=None, description="Decision time (tests, backfills); default: now.")
     dry_run: bool = Field(default=False, description="Plan and report only; change nothing.")
     force_reason: str | None = Field(
@@ -58,9 +60,8 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
     """Move, restore and expire objects by the retention policy; safe to interrupt and rerun."""
     logger = get_run_logger()
     now = params.now or datetime.now(UTC)
-    # Block.load is sync-compatible (typed as maybe-a-coroutine); in a sync flow it returns the block
-    store = cast(ObjectStore, ObjectStore.load(params.store_block))
-    policy = cast(RetentionPolicy, RetentionPolicy.load(params.policy_block))
+    store = load_block(ObjectStore, params.store_block, param="store_block")
+    policy = load_block(RetentionPolicy, params.policy_block, param="policy_block")
     done: Counter[str] = Counter()
     errors: list[str] = []
     with RequestMeter.process() as meter:

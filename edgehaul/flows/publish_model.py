@@ -13,12 +13,14 @@ Blocks: ObjectStore `store_block`. Cache policy: none (publishing is idempotent 
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.roles import StoreBlock
 from edgehaul.tasks.train import publish
 from edgehaul.training import registry
 
@@ -26,7 +28,7 @@ from edgehaul.training import registry
 class PublishModelParams(BaseModel):
     model_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
-    store_block: str = Field(default="central")
+    store_block: str = Field(default=StoreBlock.TRAINER)
     min_val_acc: float = Field(default=0.0, ge=0, le=1, description="Refuse models below this final val_acc.")
     allow_older: bool = Field(default=False, description="Publish even if trained on an older dataset version "
                               "than the published model (a rollback).")
@@ -39,7 +41,7 @@ class QualityGateFailed(RuntimeError):
 @flow(name="publish_model", log_prints=True)
 def publish_model(params: PublishModelParams) -> dict[str, Any]:
     """Publish a registered model to the edge; see the module docstring."""
-    store = cast(ObjectStore, ObjectStore.load(params.store_block))
+    store = load_block(ObjectStore, params.store_block, param="store_block")
     lineage = registry.read_lineage(store, params.model_name, params.model_id)
     if lineage is None:
         raise registry.RegistryError(f"model {params.model_name}/{params.model_id} is not registered")

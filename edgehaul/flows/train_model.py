@@ -15,7 +15,7 @@ name). Cache policy: none; training is idempotent by run_id (a registered run is
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 from uuid import UUID
 
 from prefect import flow, get_run_logger
@@ -23,6 +23,8 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore, TeamQuota
+from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.roles import DEFAULT_TEAM, StoreBlock
 from edgehaul.tasks.train import check_team_quota, publish, report_training, resolve_dataset, train_run
 from edgehaul.training.model import estimate_storage_bytes
 from edgehaul.training.placement import check_placement
@@ -30,13 +32,13 @@ from edgehaul.training.trainer import TrainConfig
 
 
 class TrainModelParams(BaseModel):
-    team: str = Field(default="default", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    team: str = Field(default=DEFAULT_TEAM, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     dataset_kind: str = Field(default="landsat_patch", min_length=1)
     dataset_version: int | None = Field(default=None, ge=0, description="Delta version; None: latest.")
     run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
                                description="Checkpoint folder / model id; None: train-<flow run id>.")
     model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
-    store_block: str = Field(default="central")
+    store_block: str = Field(default=StoreBlock.TRAINER)
     quota_block: str | None = Field(default=None, description="TeamQuota block name; None: the team name.")
     nproc_per_node: int = Field(default=1, ge=1, le=64, description="Processes (accelerators) per node.")
     nnodes: int = Field(default=1, ge=1, le=1024, description="Nodes (torchrun PET_NNODES on the job).")
@@ -69,8 +71,8 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
     p = params or TrainModelParams()
     logger = get_run_logger()
     where = check_placement(current_work_pool(), p.allow_local)
-    store = cast(ObjectStore, ObjectStore.load(p.store_block))
-    quota = cast(TeamQuota, TeamQuota.load(p.quota_block or p.team))
+    store = load_block(ObjectStore, p.store_block, param="store_block")
+    quota = load_block(TeamQuota, p.quota_block or p.team, param="quota_block")
     if quota.team != p.team:
         raise ValueError(f"quota block {p.quota_block or p.team!r} is for team {quota.team!r}, not {p.team!r}")
     uri, version = resolve_dataset(store, p.dataset_kind, p.dataset_version)

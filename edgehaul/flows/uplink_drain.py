@@ -21,19 +21,22 @@ writers, and the deployment should set a concurrency limit of 1).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
+from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.roles import DEFAULT_POLICY, EXAMPLE_NODE, node_store
 from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, publish_link_stats
 
 
 class UplinkDrainParams(BaseModel):
-    edge_node: str = Field(default="node-a", min_length=1, description="EdgeNode block name.")
-    link_profile: str = Field(default="default", min_length=1, description="LinkProfile block name.")
-    object_store: str = Field(default="node-a", min_length=1, description="ObjectStore block name (node credentials).")
+    edge_node: str = Field(default=EXAMPLE_NODE, min_length=1, description="EdgeNode block name.")
+    link_profile: str = Field(default=DEFAULT_POLICY, min_length=1, description="LinkProfile block name.")
+    object_store: str | None = Field(default=None, min_length=1, description="ObjectStore block name (node "
+                                     "credentials); None: the node's own, named after the EdgeNode block.")
     max_seconds: float = Field(default=300.0, gt=0, le=3600, description="Stop starting new bundles after this.")
     max_active: int = Field(default=2, ge=1, le=16, description="Concurrent normal transfers (plus one urgent lane).")
     orphan_age_s: float = Field(default=6 * 3600, ge=0, description="Abort multipart uploads older than this.")
@@ -47,10 +50,9 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
     """Drain one node's spool into the landing zone and publish link metrics."""
     p = params or UplinkDrainParams()
     logger = get_run_logger()
-    # Block.load is typed sync-or-async; in a sync flow it returns the block.
-    node = cast(EdgeNode, EdgeNode.load(p.edge_node))
-    profile = cast(LinkProfile, LinkProfile.load(p.link_profile))
-    store = cast(ObjectStore, ObjectStore.load(p.object_store))
+    node = load_block(EdgeNode, p.edge_node, param="edge_node")
+    profile = load_block(LinkProfile, p.link_profile, param="link_profile")
+    store = load_block(ObjectStore, p.object_store or node_store(p.edge_node), param="object_store")
     expired = expire_retries(node)
     aborted = abort_orphans(store, profile, node, p.orphan_age_s)
     metrics = drain_spool(

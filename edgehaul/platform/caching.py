@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from edgehaul.blocks.object_store import ObjectStore
 
-RESULTS_BLOCK = "edgehaul-ops-results"
+from edgehaul.platform.roles import RESULTS_BLOCK
+
+__all__ = ["RESULTS_BLOCK", "cache_key", "ensure_result_storage"]
 RESULTS_FOLDER = "prefect-results"
 
 

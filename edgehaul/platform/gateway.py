@@ -388,9 +388,11 @@ def load_secret() -> str:
         return settings.gateway_secret.get_secret_value()
     from prefect.blocks.system import Secret
 
+    from edgehaul.platform.block_loading import load_block
+
     name = settings.gateway_secret_block
     try:
-        value = Secret.load(name).get()  # type: ignore[union-attr]
+        value = load_block(Secret, name).get()
     except ValueError as e:
         raise RuntimeError(f"gateway secret: Secret block {name!r} not found ({e}); create it or set {SECRET_ENV}") from e
     if not isinstance(value, str) or not value:
@@ -404,8 +406,10 @@ def ensure_secret_block(name: str = DEFAULT_SECRET_BLOCK) -> str:
 
     from prefect.blocks.system import Secret
 
+    from edgehaul.platform.block_loading import load_block
+
     try:
-        value = Secret.load(name).get()  # type: ignore[union-attr]
+        value = load_block(Secret, name).get()
         if isinstance(value, str) and value:
             return value
     except ValueError:

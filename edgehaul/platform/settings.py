@@ -34,6 +34,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field, PositiveInt, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from edgehaul.platform.roles import GATEWAY_SECRET
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 ENV_FILE = ".env"
 
@@ -116,7 +118,7 @@ class Settings(EnvSettings):
     gateway_secret: SecretStr | None = Field(
         default=None, description="HMAC secret of the gateway; overrides the Secret block (tests, one-off runs).")
     gateway_secret_block: str = Field(
-        default="edgehaul-gateway-hmac", min_length=1, description="Prefect Secret block holding the gateway's HMAC secret.")
+        default=GATEWAY_SECRET, min_length=1, description="Prefect Secret block holding the gateway's HMAC secret.")
     # object store of ObjectStore.from_env (local stack, CI, training children)
     s3_endpoint: str | None = Field(
         default=None, description="S3 endpoint URL of `ObjectStore.from_env()` (unset: AWS's own endpoints).")
