@@ -12,6 +12,7 @@ from __future__ import annotations
 import boto3
 import pyarrow.dataset
 import pyarrow.parquet
+import torch._dynamo  # the trainer's first AdamW imports it: 4-7 s of CPU in every worker otherwise
 
 import edgehaul.edge.batch
 import edgehaul.training.checkpoints
@@ -19,8 +20,8 @@ import edgehaul.training.data
 import edgehaul.training.launch
 import edgehaul.training.trainer
 
-PRELOADED = (pyarrow.dataset, pyarrow.parquet, edgehaul.edge.batch, edgehaul.training.checkpoints, edgehaul.training.data,
-             edgehaul.training.launch, edgehaul.training.trainer)
+PRELOADED = (pyarrow.dataset, pyarrow.parquet, torch._dynamo, edgehaul.edge.batch, edgehaul.training.checkpoints,
+             edgehaul.training.data, edgehaul.training.launch, edgehaul.training.trainer)
 
 boto3.client("s3", endpoint_url="http://127.0.0.1:9", region_name="us-east-1",
              aws_access_key_id="preload", aws_secret_access_key="preload")  # a placeholder, no credential

@@ -51,7 +51,7 @@ DRILLS: dict[str, str] = {
 
 # Rough seconds per trial on an idle 2-core machine (ordering only: the longest drills start first).
 _COST = {"store_down": 3.0, "concurrent_ingest": 3.0, "ingest_commit_kill": 2.5, "uplink_kill": 2.0,
-         "trainer_checkpoint_kill": 1.8, "duplicate_delivery": 1.5, "corrupt_landed": 1.2, "edge_ingest_kill": 1.2,
+         "trainer_checkpoint_kill": 3.0, "duplicate_delivery": 1.5, "corrupt_landed": 1.2, "edge_ingest_kill": 1.2,
          "disk_full": 1.0, "link_outage": 0.3}
 
 
