@@ -96,7 +96,9 @@ def _corrupt(s3: Any, bucket: str, key: str, data: bytes, mode: str, rng: random
 
 def drill_corrupt_landed(env: DrillEnv, rng: random.Random) -> TrialResult:
     """Bytes of landed objects are corrupted (bit flip, truncation, zeroed range, another bundle's
-    bytes, garbled manifest) before the core reads them: quarantined, with every sample id."""
+    bytes, garbled manifest) before the core reads them, or after validation and before the commit
+    step: the commit step refuses changed bytes (that run fails), the next run quarantines them,
+    with every sample id, and commits the rest."""
     d, store = env.trial_dir("corrupt"), env.store("corrupt")
     s3 = env.s3
     picks = rng.sample(env.small, rng.randint(2, 6))
@@ -106,14 +108,22 @@ def drill_corrupt_landed(env: DrillEnv, rng: random.Random) -> TrialResult:
     keys = landed.complete_bundles(store, s3=s3)
     bad = rng.sample(keys, rng.randint(1, len(keys)))
     datas = {k: s3.get_object(Bucket=store.bucket("landing"), Key=k)["Body"].read() for k in keys}
+    after_validation = rng.random() < 0.5
+    passed = validate_landed(store, s3) if after_validation else {}
     for k in bad:
         other = datas[rng.choice([x for x in keys if x != k] or [k])]
         _corrupt(s3, store.bucket("landing"), k, datas[k], rng.choice(["flip", "truncate", "zeros", "swap", "manifest"]),
                  rng, other if other != datas[k] else datas[k][:-1])
+    problems = []
+    if after_validation:
+        try:
+            commit_passed(store, s3, passed)
+            problems.append(f"the commit step committed {len(bad)} bundles changed since their validation")
+        except ValueError:  # DatasetError / BundleError: this run fails, the next one validates again
+            pass
     ingest_landed(store, s3)
     a = account(store, ids_of(picks), [sp], s3)
     q = quarantined_ids(store, s3)
-    problems = []
     n_q = len({b.manifest.bundle_id for b in picks if any(q[i] for i in b.manifest.sample_ids)})
     if n_q != len(bad):
         problems.append(f"{len(bad)} bundles corrupted, {n_q} quarantined")
