@@ -93,16 +93,21 @@ def render_markdown(results: Sequence[DrillResult], trials: int, *, wall_s: floa
 
 {head}
 
-Each trial runs its own pipeline (spool, uplink, validation/quarantine, Delta commit) against a private
-SeaweedFS, injects the fault at a random point (kill offsets, outage starts, corruption modes, caps and
-policies vary with the seed), recovers the way the next scheduled run would, and then checks by sample
-id that every sample offered to an edge spool is in exactly one of: the dataset's latest version (once),
-still queued (spool / retry queue), or the edge ledger / a quarantine record with a reason.
+Each trial runs its own pipeline against a private SeaweedFS through the product's own entry points,
+the functions its flows' tasks run: the edge ingest (`edgehaul.edge.batch.ingest_batch`) and spool, the
+uplink (`Drainer`, `Uplink`, `RetryQueue`), core ingest's steps (`edgehaul.core.ingest`: manifests,
+validation, quarantine, commit) and the trainer (`edgehaul.training.launch.run`). It injects the fault
+at a random point (kill offsets, outage starts, corruption modes and moments, caps and policies vary
+with the seed), recovers the way the next scheduled run would, and then checks by sample id that every
+sample offered to an edge spool is in exactly one of: the dataset's latest version (once), still queued
+(spool / retry queue), or the edge ledger / a quarantine record with a reason. The trainer drill checks
+that the killed and the resumed attempt together read every sample of the version exactly once per
+epoch, and that the trainer's own per-epoch counts agree.
 "fault mid-operation" counts the trials in which the fault struck while the work was in flight: the
 kill found the worker still running (for the uplink: with a multipart upload open; for the commit:
-before all its bundles were committed), the store went down while the trial still had uncommitted work,
-the spool refused at least one incoming bundle (a trial whose cap only displaced older bundles counts
-as not struck), the link outage left bundles to expire.
+before all its bundles were committed; for the trainer: before it registered its model), the store went
+down while the trial still had uncommitted work, the spool refused at least one incoming bundle (a trial
+whose cap only displaced older bundles counts as not struck), the link outage left bundles to expire.
 
 {table_markdown(results)}
 {problems}
@@ -116,8 +121,9 @@ What keeps 50 trials per drill affordable without weakening the checks:
 - each trial still has its own object-store prefix and Delta table (created by its first commit), so
   per-trial accounting by sample id needs no filtering and the concurrent/duplicate drills race on a
   real table;
-- the kill -9 workers fork from a forkserver that preloaded torch, boto3 (with botocore's S3 model),
-  pyarrow and the trainer's modules, and the racers fetch their bundles before the race starts;
+- the kill -9 workers fork from a forkserver that preloaded torch (with `torch._dynamo`, which the
+  trainer's optimizer imports), boto3 (with botocore's S3 model), pyarrow, the edge ingest and the
+  trainer's modules;
 - the store-down drill stops and restarts a second private SeaweedFS, so it runs beside the others.
 """
 

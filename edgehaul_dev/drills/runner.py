@@ -36,14 +36,14 @@ log = logging.getLogger(__name__)
 DEFAULT_TRIALS = 50
 
 DRILLS: dict[str, str] = {
-    "edge_ingest_kill": "kill -9 of the edge ingest mid spool write",
+    "edge_ingest_kill": "kill -9 of the edge ingest mid batch",
     "uplink_kill": "kill -9 of the uplink mid multipart upload",
     "ingest_commit_kill": "kill -9 of the core ingest mid dataset commit",
-    "trainer_checkpoint_kill": "kill -9 of the trainer mid checkpoint",
+    "trainer_checkpoint_kill": "kill -9 of the trainer mid run (checkpoints every 1-4 steps)",
     "store_down": "object store stopped, then restarted",
     "link_outage": "link down longer than the retry queue's patience",
     "disk_full": "spool cap far below the offered data",
-    "corrupt_landed": "corrupted bytes in landed objects",
+    "corrupt_landed": "corrupted landed objects (before or after validation)",
     "duplicate_delivery": "the same bundle delivered twice",
     "concurrent_ingest": "two ingest runs committing at once",
 }
