@@ -69,11 +69,9 @@ def _full_key(store: ObjectStore, key: str) -> str:
 
 
 def _rejection(key: str, error: str) -> dict[str, Any]:
-    from edgehaul.core.quarantine import ids_from_key
+    from edgehaul.core.ingest import unreadable
 
-    node, bundle = ids_from_key(key)
-    return ValidationResult(bundle_id=bundle, node_id=node, contract="", contract_sha256="", bundle_sha256="", rows=0,
-                            success=False, reason="unreadable", error=error).to_dict()
+    return unreadable(key, error).to_dict()
 
 
 def _artifact_rows(passed: list[ValidationResult], rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:

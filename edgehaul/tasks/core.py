@@ -1,5 +1,6 @@
 """Core-side tasks: read landed manifests, validate a bundle, quarantine it, commit a dataset version,
-compact a dataset.
+compact a dataset. The ingest steps' bodies are the plain functions of `edgehaul.core.ingest` (which
+the fault drills call too); these tasks add retries and caching.
 
 Caching (issue 11), results persisted to the ops bucket by the flow (`result_storage`):
 - `validate_bundle_task` is keyed on the bundle's SHA-256 (from its manifest) + the contract file's
@@ -18,7 +19,6 @@ Retries only for transport / server-side errors, never for bad data.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -27,27 +27,16 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from edgehaul.blocks import ObjectStore
-from edgehaul.bundles import BundleManifest, read_bundle
 from edgehaul.contracts import ContractError, contract_by_id
-from edgehaul.core import compaction, datasets, landed, quarantine
-from edgehaul.core.validation import VALIDATION_VERSION, ValidationResult, expecting_validation, validate_bundle_batched
+from edgehaul.core import compaction, datasets, ingest, landed
+from edgehaul.core.ingest import BundleRejected as BundleRejected  # the flow and persisted results name it here
+from edgehaul.core.validation import VALIDATION_VERSION, ValidationResult
 from edgehaul.platform.caching import cache_key
 from edgehaul.platform.s3_errors import IO_RETRY
 
 log = logging.getLogger(__name__)
 
 CORE_CACHE_VERSION = "core-1"  # bump to invalidate every cached validation / compaction result
-
-
-class BundleRejected(Exception):
-    """A bundle failed validation; carries the result (as a dict) for quarantine. Never retried."""
-
-    def __init__(self, result: dict[str, Any]) -> None:
-        super().__init__(f"bundle {result.get('bundle_id')}: {result.get('reason')}: {str(result.get('error'))[:300]}")
-        self.result = result
-
-    def __reduce__(self) -> tuple[Any, ...]:  # results are persisted: keep the dict through pickling
-        return (BundleRejected, (self.result,))
 
 
 # ---------------------------------------------------------------- discovery
@@ -64,18 +53,7 @@ def discover_task(store: ObjectStore, prefix: str, limit: int) -> list[str]:
       cache_policy=NO_CACHE)
 def read_manifests_task(store: ObjectStore, keys: list[str]) -> dict[str, dict[str, Any] | str]:
     """key -> manifest (as a dict), or an error string for a missing or malformed manifest."""
-    s3 = store.client()
-    out: dict[str, dict[str, Any] | str] = {}
-    for key in keys:
-        mkey = quarantine.manifest_key_for(key)
-        try:
-            raw = s3.get_object(Bucket=store.bucket("landing"), Key=mkey)["Body"].read()
-            out[key] = asdict(BundleManifest.from_json(raw))
-        except s3.exceptions.NoSuchKey:
-            out[key] = f"manifest {mkey} missing"
-        except ValueError as e:  # BundleError: malformed
-            out[key] = f"{mkey}: {e}"
-    return out
+    return ingest.read_manifests(store, keys)
 
 
 # ---------------------------------------------------------------- validation
@@ -101,20 +79,7 @@ def _validate_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
 )
 def validate_bundle_task(store: ObjectStore, key: str, manifest: dict[str, Any]) -> ValidationResult:
     """Validate one landed bundle. Success returns the result (cached); failure raises BundleRejected."""
-    m = BundleManifest(**manifest)
-    # Announced before the fetch: the run's other validations (concurrent task runs in this process)
-    # wait for this one, and one Great Expectations run checks them all.
-    with expecting_validation():
-        lb = landed.fetch(store, key)
-        if lb.data is None:
-            raise BundleRejected(ValidationResult(
-                bundle_id=m.bundle_id, node_id=m.node_id, contract=m.contract, contract_sha256="",
-                bundle_sha256="", rows=m.row_count, success=False, reason="unreadable", error=lb.error,
-            ).to_dict())
-        _, result = validate_bundle_batched(lb.data, m)
-    if not result.success:
-        raise BundleRejected(result.to_dict())
-    return result
+    return ingest.validate_landed(store, key, manifest)
 
 
 # ---------------------------------------------------------------- quarantine
@@ -124,17 +89,7 @@ def validate_bundle_task(store: ObjectStore, key: str, manifest: dict[str, Any])
       cache_policy=NO_CACHE)
 def quarantine_task(store: ObjectStore, key: str, result: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
     """Move a rejected bundle to quarantine with its validation record; returns the record."""
-    m = BundleManifest(**manifest) if manifest else None
-    ids = None
-    if m is None:  # no usable manifest: account for the samples from the file itself when it parses
-        lb = landed.fetch(store, key)
-        if lb.data is not None:
-            try:
-                ids = read_bundle(lb.data).column("sample_id").to_pylist()
-            except (ValueError, KeyError):
-                ids = None
-    record = quarantine.quarantine_bundle(store, key, ValidationResult.from_dict(result), m, ids)
-    return asdict(record)
+    return ingest.quarantine_rejected(store, key, result, manifest)
 
 
 # ---------------------------------------------------------------- commit
@@ -147,19 +102,7 @@ def commit_task(
 ) -> datasets.CommitResult:
     """Fetch the validated bundles again (by reference), check they are the bytes that were validated,
     and append them to the kind's dataset in one commit."""
-    contract = contract_by_id(contract_id)
-    items = []
-    s3 = store.client()
-    for key, result in validated:
-        lb = landed.fetch(store, key, s3=s3)
-        if lb.data is None or lb.manifest is None:
-            raise datasets.DatasetError(f"validated bundle {key} vanished from landing before commit: {lb.error}")
-        # read_bundle re-checks the checksum against the manifest; the manifest must be the validated one
-        if lb.manifest.sha256 != result.bundle_sha256:
-            raise datasets.DatasetError(f"bundle {key} changed since validation ({result.bundle_sha256[:12]} -> "
-                                        f"{lb.manifest.sha256[:12]}); rerun validation")
-        items.append(datasets.ValidatedBundle(lb.manifest, read_bundle(lb.data, lb.manifest), result))
-    return datasets.commit_bundles(store, contract, items, run_id=run_id, lease_s=lease_s, s3=s3)
+    return ingest.commit_validated(store, contract_id, validated, run_id, lease_s)
 
 
 # ---------------------------------------------------------------- compaction
