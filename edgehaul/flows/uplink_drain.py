@@ -27,6 +27,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
+from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.roles import DEFAULT_POLICY, EXAMPLE_NODE, node_store
 from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, publish_link_stats
@@ -53,12 +54,13 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
     node = load_block(EdgeNode, p.edge_node, param="edge_node")
     profile = load_block(LinkProfile, p.link_profile, param="link_profile")
     store = load_block(ObjectStore, p.object_store or node_store(p.edge_node), param="object_store")
-    expired = expire_retries(node)
-    aborted = abort_orphans(store, profile, node, p.orphan_age_s)
-    metrics = drain_spool(
-        store, profile, node, max_seconds=p.max_seconds, max_active=p.max_active, simulate=p.simulate,
-        seed=p.seed, contact_wait_s=p.contact_wait_s,
-    )
+    with run_logging.for_node(node.node_id):  # the node on every domain log line of its drain
+        expired = expire_retries(node)
+        aborted = abort_orphans(store, profile, node, p.orphan_age_s)
+        metrics = drain_spool(
+            store, profile, node, max_seconds=p.max_seconds, max_active=p.max_active, simulate=p.simulate,
+            seed=p.seed, contact_wait_s=p.contact_wait_s,
+        )
     metrics["orphans_aborted"] = aborted
     metrics.update(expired)
     publish_link_stats(node.node_id, metrics)

@@ -2,8 +2,8 @@
 
 Prefect sends a logger's records to the API only for the loggers it configured or those named in
 `PREFECT_LOGGING_EXTRA_LOGGERS`; nothing set that here, so retries, orphan aborts and dataset messages
-reached the console and never the UI. `attach()` does for `edgehaul` what that setting does (it copies
-the handlers of Prefect's `prefect.extra` logger), without depending on each process's environment.
+reached the console and never the UI. `attach()` does for `edgehaul` what that setting does (Prefect's
+API log handler at Prefect's log level), without depending on each process's environment.
 `edgehaul.tasks` and `edgehaul.flows` call it on import, so every flow run gets it.
 
 Prefect's API handler already tags each record with its flow run and task run; `for_node` adds the
@@ -16,6 +16,8 @@ import contextvars
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from prefect.logging.handlers import APILogHandler
 
 DOMAIN_LOGGER = "edgehaul"
 _node: contextvars.ContextVar[str | None] = contextvars.ContextVar("edgehaul_node", default=None)
@@ -33,17 +35,32 @@ class NodeTag(logging.Filter):
         return True
 
 
+class InRun(logging.Filter):
+    """Only records made inside a flow or task run go to the API: the same loggers also run in plain
+    processes (drills, CLI, benchmarks), where Prefect's handler would warn on every line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+class DomainRunLogHandler(APILogHandler):
+    """Prefect's API log handler for the `edgehaul` logger, with the filters above."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addFilter(InRun())
+        self.addFilter(NodeTag())
+
+
 def attach(name: str = DOMAIN_LOGGER) -> logging.Logger:
-    """Give `name` Prefect's run-log handlers and level (idempotent)."""
+    """Send `name`'s records (and its children's) to the run logs, at Prefect's log level (idempotent)."""
     logger = logging.getLogger(name)
-    extra = logging.getLogger("prefect.extra")
-    for handler in extra.handlers:
-        if not any(isinstance(f, NodeTag) for f in handler.filters):
-            handler.addFilter(NodeTag())
-        if handler not in logger.handlers:
-            logger.addHandler(handler)
+    if not any(isinstance(h, DomainRunLogHandler) for h in logger.handlers):
+        logger.addHandler(DomainRunLogHandler())
     if logger.level == logging.NOTSET:
-        logger.setLevel(extra.level or logging.INFO)
+        logger.setLevel(logging.getLogger("prefect.extra").level or logging.INFO)
     return logger
 
 
