@@ -84,8 +84,8 @@ class Config:
     stream_seed: int = 0
 
 
-QUICK = Config(stream=8000, batch=500, bundle_rows=16, sample_passes=16_000, width=16, seeds=(0,))
-FULL = Config(stream=20_000, batch=1000, bundle_rows=16, sample_passes=32_000, width=32, seeds=(0, 1, 2))
+QUICK = Config(stream=6000, batch=500, bundle_rows=16, sample_passes=12_000, width=16, seeds=(0,))
+FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=32_000, width=32, seeds=(0, 1))
 
 
 # ---------------------------------------------------------------- ground truth held out by place
@@ -181,14 +181,16 @@ class ConstantScorer:
 
 
 def policy_for(name: str, cfg: Config) -> TieringPolicy:
-    per_row = 2 * 1024  # a patch (1,536 B) and its columns, uncompressed: caps a bundle near bundle_rows
-    sizes = {"flush_max_samples": cfg.bundle_rows, "flush_max_bytes": 16 * 1024 + cfg.bundle_rows * per_row,
-             "urgent_max_bytes": 16 * 1024 + cfg.bundle_rows * per_row}
+    """The product's TieringPolicy with bundles of about `bundle_rows` rows (a patch of 1,536 B and
+    its columns is under 2 KiB uncompressed), so a 2% budget still spans several bundles."""
+    cap = 16 * 1024 + cfg.bundle_rows * 2 * 1024
+    base = TieringPolicy(version=f"bench-{name}", flush_max_samples=cfg.bundle_rows, flush_max_bytes=cap,
+                         urgent_max_bytes=cap)
     if name in ("fifo", "random"):
-        return TieringPolicy(version=f"bench-{name}", high_threshold=1.0, low_threshold=0.0, **sizes)
+        return base.model_copy(update={"high_threshold": 1.0, "low_threshold": 0.0})
     if name == "tier-novelty":
-        return TieringPolicy(version="bench-novelty", scorer="novelty", **sizes)
-    return TieringPolicy(version="bench-model", scorer="model", model_uri="latest", **sizes)
+        return base
+    return base.model_copy(update={"scorer": "model", "model_uri": "latest"})
 
 
 class _Ticker:
@@ -241,8 +243,10 @@ def within(entries: list[SpoolEntry], budget: float) -> list[SpoolEntry]:
 
 
 def land_and_commit(store: ObjectStore, spool: Spool, entries: list[SpoolEntry], contract: Contract,
-                    state_dir: Path) -> int | None:
-    """Uplink, validate and commit `entries` as one dataset version of the cell's table."""
+                    state_dir: Path, quarantined: list[str]) -> int | None:
+    """Uplink, validate and commit `entries` as one dataset version of the cell's table. Bundles
+    that fail validation stay out of the dataset, as core_ingest quarantines them (their bytes were
+    spent all the same); `quarantined` gets one line per such bundle."""
     from edgehaul import landed
     from edgehaul.datasets import ValidatedBundle, commit_bundles
     from edgehaul.link import Link
@@ -255,13 +259,18 @@ def land_and_commit(store: ObjectStore, spool: Spool, entries: list[SpoolEntry],
     for e in entries:
         up.send(spool.read(e.bundle_id), e.manifest)
     fetched = [landed.fetch(store, up.key_of(e.manifest)) for e in entries]
+    if any(f.manifest is None or f.data is None for f in fetched):
+        raise RuntimeError(f"landed bundles unreadable: {[f.error for f in fetched if f.error][:3]}")
     checked = validate_bundles([(f.data or b"", f.manifest) for f in fetched if f.manifest is not None])
-    bad = [r.reason for _, r in checked if not r.success]
-    if bad or len(checked) != len(entries):
-        raise RuntimeError(f"{len(bad)} of {len(entries)} landed bundles failed validation: {bad[:3]}")
-    vbs = [ValidatedBundle(f.manifest, t, r) for f, (t, r) in zip(fetched, checked, strict=True)
-           if f.manifest is not None and t is not None]
-    return commit_bundles(store, contract, vbs).version
+    vbs = []
+    for f, (t, r) in zip(fetched, checked, strict=True):
+        if r.success and t is not None and f.manifest is not None:
+            vbs.append(ValidatedBundle(f.manifest, t, r))
+        else:
+            failed = [f"{x.expectation}({x.column})={x.observed_value}" for x in r.expectations if not x.success]
+            quarantined.append(f"{f.manifest.tier if f.manifest else '?'} bundle of {r.rows} rows: {r.reason} "
+                               f"{failed or r.error}")
+    return commit_bundles(store, contract, vbs).version if vbs else None
 
 
 def version_rows(store: ObjectStore, version: int) -> pa.Table:
@@ -327,6 +336,7 @@ class Cell:
     class_rows: dict[int, int] = field(default_factory=dict)
     runs: list[dict[str, float]] = field(default_factory=list)  # one per seed
     note: str = ""
+    quarantined: list[str] = field(default_factory=list)  # bundles landed but failing validation
 
     def mean(self, key: str) -> float:
         return float(np.mean([r[key] for r in self.runs])) if self.runs else float("nan")
@@ -340,6 +350,7 @@ def s3_store(root: Path) -> Iterator[ObjectStore]:
     """A private SeaweedFS (no Prefect server: nothing here needs one)."""
     from edgehaul import localstack
 
+    root.mkdir(parents=True, exist_ok=True)
     state = localstack.new_state(root, fixed_ports=False)
     state.save()
     try:
@@ -422,6 +433,8 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         log(f"  {cell.policy:13s} {cell.budget:4.0%}: {cell.bytes:>10,} B, {cell.rows:5d} rows "
             f"{cell.class_rows} -> macro-F1 {cell.mean('macro_f1'):.3f} rare recall {cell.mean('rare_recall'):.3f} "
             f"acc {cell.mean('accuracy'):.3f}  ({time.perf_counter() - t0:.0f} s)")
+        for q in cell.quarantined:
+            log(f"    quarantined: {q}")
 
     for budget in BUDGETS:
         for pol in ("fifo", "random", "tier-novelty"):
@@ -439,7 +452,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
                 sp, order = spools[pol, r]
                 sent = within(order, budget * raw[r])
                 cell.bytes += sum(e.manifest.nbytes for e in sent)
-                v = land_and_commit(st, sp, sent, contract, work / "uplink")
+                v = land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
                 version = v if v is not None else version
             finish(cell, st, version)
 
@@ -451,7 +464,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         sp, order = spools["tier-novelty", 0]
         sent = within(order, budget * raw[0])
         cell.bytes = sum(e.manifest.nbytes for e in sent)
-        v1 = land_and_commit(st, sp, sent, contract, work / "uplink")
+        v1 = land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
         if v1 is None:
             cell.note = "round 1 landed nothing: no model to publish"
             continue
@@ -466,7 +479,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
                                  work / f"model{round(budget * 100)}")
         sent2 = within(order2, budget * raw[1])
         cell.bytes += sum(e.manifest.nbytes for e in sent2)
-        v2 = land_and_commit(st, sp2, sent2, contract, work / "uplink")
+        v2 = land_and_commit(st, sp2, sent2, contract, work / "uplink", cell.quarantined)
         finish(cell, st, v2 if v2 is not None else v1)
         shutil.rmtree(work / f"model{round(budget * 100)}", ignore_errors=True)
 
@@ -512,11 +525,14 @@ def markdown(result: dict[str, Any]) -> str:
         "| budget | policy | bytes landed | rows | macro-F1 | rare recall | accuracy |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
+
+    def pm(c: dict[str, Any], k: str) -> str:
+        return f"{c[k + '_mean']:.3f}" + (f" ± {c[k + '_std']:.3f}" if seeds > 1 else "")
+
     for c in result["cells"]:
-        pm = (lambda k, c=c: f"{c[k + '_mean']:.3f}" + (f" ± {c[k + '_std']:.3f}" if seeds > 1 else ""))
         note = f" ({c['note']})" if c["note"] else ""
         lines.append(f"| {c['budget']:.0%} | {c['policy']}{note} | {c['bytes']:,} | {c['rows']:,} | "
-                     f"{pm('macro_f1')} | {pm('rare_recall')} | {pm('accuracy')} |")
+                     f"{pm(c, 'macro_f1')} | {pm(c, 'rare_recall')} | {pm(c, 'accuracy')} |")
     return "\n".join(lines)
 
 
