@@ -397,9 +397,9 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     present = sorted(int(c) for c in np.unique(split.test.labels))
     rare = sorted(present, key=lambda c: mix.get(c, 0))[:3]
     guard = Guard(pixel_hashes(split.test.pixels))
+    test_classes = {int(c): int(n) for c, n in zip(*np.unique(split.test.labels, return_counts=True), strict=True)}
     log(f"split: {len(split.train.labels)} train / {len(split.test.labels)} test patches in "
-        f"{len(split.test_blocks)} blocks of {cfg.block}x{cfg.block} patches; test classes "
-        f"{dict(zip(*np.unique(split.test.labels, return_counts=True), strict=True))}")
+        f"{len(split.test_blocks)} blocks of {cfg.block}x{cfg.block} patches; test classes {test_classes}")
     log(f"stream: {cfg.stream} samples in 2 rounds, class mix {mix}; rarest test classes {rare}")
 
     t0 = time.perf_counter()
@@ -485,8 +485,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
 
     return {
         "config": asdict(cfg), "raw_bytes": sum(raw), "test_patches": len(split.test.labels),
-        "test_classes": {int(c): int(n) for c, n in zip(*np.unique(split.test.labels, return_counts=True),
-                                                        strict=True)},
+        "test_classes": test_classes,
         "train_patches": len(split.train.labels), "stream_mix": mix, "rare_classes": rare,
         "guard": {"versions_checked": guard.versions, "rows_checked": guard.rows,
                   "test_hashes": len(guard.test_hashes), "leaks": 0},
@@ -530,7 +529,10 @@ def markdown(result: dict[str, Any]) -> str:
         return f"{c[k + '_mean']:.3f}" + (f" ± {c[k + '_std']:.3f}" if seeds > 1 else "")
 
     for c in result["cells"]:
-        note = f" ({c['note']})" if c["note"] else ""
+        notes = [c["note"]] if c["note"] else []
+        if c["quarantined"]:
+            notes.append(f"{len(c['quarantined'])} bundles quarantined")
+        note = f" ({'; '.join(notes)})" if notes else ""
         lines.append(f"| {c['budget']:.0%} | {c['policy']}{note} | {c['bytes']:,} | {c['rows']:,} | "
                      f"{pm(c, 'macro_f1')} | {pm(c, 'rare_recall')} | {pm(c, 'accuracy')} |")
     return "\n".join(lines)
