@@ -36,6 +36,7 @@ def dataset_dir() -> Path:
 class Patches:
     pixels: np.ndarray  # (n, h, w, c) uint8
     labels: np.ndarray  # (n,) int16, majority land-cover class
+    origins: np.ndarray  # (n, 2) int64, (row, col) of each patch's top-left pixel in the scene
 
 
 @cache
@@ -52,7 +53,7 @@ def real_patches(size: int = 16, stride: int = 16) -> Patches:
         strata = src.read(1)
     cube = np.stack(bands, axis=-1)  # (H, W, 6) float32
     h, w = strata.shape
-    pix, labels = [], []
+    pix, labels, origins = [], [], []
     for y in range(0, h - size + 1, stride):
         for x in range(0, w - size + 1, stride):
             p = cube[y : y + size, x : x + size]
@@ -64,7 +65,8 @@ def real_patches(size: int = 16, stride: int = 16) -> Patches:
                 continue
             pix.append(np.clip(p, 0, 255).astype(np.uint8))
             labels.append(np.bincount(valid).argmax())
-    return Patches(np.stack(pix), np.asarray(labels, dtype=np.int16))
+            origins.append((y, x))
+    return Patches(np.stack(pix), np.asarray(labels, dtype=np.int16), np.asarray(origins, dtype=np.int64))
 
 
 def raw_table(
@@ -110,10 +112,13 @@ def generate(
     start_seq: int = 0,
     batch_size: int = 10_000,
     start_time: datetime | None = None,
+    base: Patches | None = None,
 ) -> Iterator[pa.Table]:
     """Stream `n` raw observations in batches: real patches resampled with flips, rotations and
-    small radiometric noise. `class_weights` sets the class mix (default: the scene's own mix)."""
-    base = real_patches()
+    small radiometric noise. `class_weights` sets the class mix (default: the scene's own mix).
+    `base`: the patches to resample (default: the whole scene), e.g. only the training side of a
+    spatial hold-out, so that no copy of a held-out patch is generated."""
+    base = base if base is not None else real_patches()
     rng = np.random.default_rng(seed)
     if class_weights:
         w = np.array([class_weights.get(int(c), 0.0) for c in base.labels], dtype=np.float64)

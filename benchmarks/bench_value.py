@@ -1,0 +1,597 @@
+"""Model quality per uplinked byte: tiering against FIFO and random, on ground held out by place.
+
+The question an operator asks: "with this link budget, how good is the model the core can train?"
+(the scorer's own "value per uplinked MB" cannot answer it: selecting by a score always raises the
+mean score of what is selected).
+
+1. Ground truth: the Landsat scene is cut into spatial blocks (`block` x `block` patches); a seeded
+   choice of blocks (about a quarter of the patches, every class on both sides where the scene
+   allows) is the test set. The edge only ever sees the training blocks: their real patches plus
+   patches generated from them alone (`landsat.generate(base=...)`), so every test sample is real
+   and neither it nor an augmented copy of it is ever uplinked. The bench checks the content hash of
+   every test patch against every dataset version it trains on.
+2. The edge stream (i.i.d. shuffled, the scene's own skewed class mix) arrives in two rounds (contact
+   windows). Each round runs through the product's edge path (`edge_batch.ingest_batch`: preprocess,
+   score, tier, bundles into a `Spool`), then the link carries `budget x raw bytes` of that round,
+   where raw bytes = the bundles of every sample of the round sent in full. What is carried is a
+   prefix of the spool's own drain order (`Spool.pending()`: tier, then value, then age); bundles
+   left over expire with the round.
+3. Policies, same bytes: FIFO (every sample normal tier, drained oldest first), random (the same
+   over a shuffled copy of the round: a uniform sample), tiering with the novelty scorer, and
+   tiering with the model scorer after one closed-loop round (round 1 as novelty; a model trained
+   on round 1's dataset version is published to the edge and scores round 2).
+4. Core: landed bundles go through the product's uplink (`Uplink.send`), validation
+   (`validation.validate_bundles`, Great Expectations) and `datasets.commit_bundles` (one Delta
+   commit per round, one table per cell) on a private SeaweedFS. Training: `training.launch.run`,
+   the entry point the `train_model` flow's task calls (a flow run per cell would add the Prefect
+   server and ~1 s per run, not a different model), with a fixed number of training samples seen
+   per model (epochs = passes / rows), fixed seeds, evaluated on the held-out patches.
+
+    python -m benchmarks value          # EDGEHAUL_BENCH_QUICK=1 (or --quick) for the CI variant
+Writes benchmarks/results/bench-value{,-quick}.{md,png,json}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import SecretStr
+
+from blocks import LinkProfile, ObjectStore, TieringPolicy
+from edgehaul import landsat
+from edgehaul.contracts import Contract, load_contract
+from edgehaul.landsat import Patches
+from edgehaul.preprocess import content_hashes
+
+if TYPE_CHECKING:
+    from edgehaul.spool import Spool, SpoolEntry
+
+KIND = "landsat_patch"
+NODE = "edge-bench"
+BUDGETS = (0.02, 0.05, 0.10, 0.25, 1.0)
+POLICIES = ("fifo", "random", "tier-novelty", "tier-model")
+RESULTS = Path(__file__).parent / "results"
+PATCH = 16  # landsat.real_patches() patch size and stride
+
+
+@dataclass(frozen=True)
+class Config:
+    stream: int  # samples in the edge stream, both rounds together
+    batch: int  # rows per raw batch at the edge
+    bundle_rows: int  # rows per bundle, so that a 2% budget is several bundles
+    sample_passes: int  # training samples seen per model, whatever the dataset's size
+    width: int  # LandCoverNet width
+    seeds: tuple[int, ...]  # training seeds of the evaluated models (round-1 models: the first)
+    block: int = 4  # spatial block side, in patches
+    test_share: float = 0.25
+    split_seed: int = 0
+    stream_seed: int = 0
+
+
+QUICK = Config(stream=6000, batch=500, bundle_rows=16, sample_passes=12_000, width=16, seeds=(0,))
+FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=32_000, width=32, seeds=(0, 1))
+
+
+# ---------------------------------------------------------------- ground truth held out by place
+
+
+@dataclass(frozen=True)
+class Split:
+    train: Patches
+    test: Patches
+    test_blocks: frozenset[tuple[int, int]]
+    block: int
+
+
+def blocks_of(origins: np.ndarray, block: int) -> np.ndarray:
+    """(n, 2) block coordinates of patches: block = `block` x `block` patches of the scene."""
+    return np.asarray(origins) // (PATCH * block)
+
+
+def _subset(p: Patches, mask: np.ndarray) -> Patches:
+    return Patches(p.pixels[mask], p.labels[mask], p.origins[mask])
+
+
+def spatial_split(patches: Patches, *, block: int = 4, test_share: float = 0.25, seed: int = 0,
+                  tries: int = 400) -> Split:
+    """Whole spatial blocks go to the test side until it holds `test_share` of the patches. Of
+    `tries` seeded block orders, keep the one with the most classes on both sides, then the largest
+    smallest per-class count on either side, then the share closest to the target."""
+    b = blocks_of(patches.origins, block)
+    ids = b[:, 0] * 10_000 + b[:, 1]
+    uniq = np.unique(ids)
+    classes = np.unique(patches.labels)
+    rng = np.random.default_rng(seed)
+    best: tuple[tuple[int, int, float], np.ndarray] | None = None
+    for _ in range(tries):
+        mask = np.zeros(len(ids), dtype=bool)
+        for blk in rng.permutation(uniq):
+            if mask.mean() >= test_share:
+                break
+            mask |= ids == blk
+        both = [c for c in classes if (patches.labels[mask] == c).any() and (patches.labels[~mask] == c).any()]
+        smallest = min((min(int((patches.labels[mask] == c).sum()), int((patches.labels[~mask] == c).sum()))
+                        for c in both), default=0)
+        key = (len(both), smallest, -abs(float(mask.mean()) - test_share))
+        if best is None or key > best[0]:
+            best = (key, mask)
+    assert best is not None
+    mask = best[1]
+    test_blocks = frozenset((int(y), int(x)) for y, x in np.unique(b[mask], axis=0))
+    return Split(_subset(patches, ~mask), _subset(patches, mask), test_blocks, block)
+
+
+def pixel_array(table: pa.Table, contract: Contract) -> np.ndarray:
+    """Raw `pixels` column -> (n, h, w, c) array (a copy)."""
+    col = table.column("pixels").combine_chunks()
+    offsets = np.frombuffer(col.buffers()[1], dtype=np.int32)[col.offset : col.offset + len(col) + 1]
+    data = np.frombuffer(col.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
+    return data.reshape((len(col), *contract.shape)).copy()
+
+
+def edge_stream(split: Split, n: int, *, batch: int, seed: int, contract: Contract) -> list[pa.Table]:
+    """Raw batches of `n` observations: every real training-block patch once, the rest generated
+    from the training blocks only, shuffled (the scene's skewed class mix, i.i.d. arrival)."""
+    real = split.train
+    extra = n - len(real.labels)
+    if extra < 0:
+        raise ValueError(f"stream of {n} is smaller than the {len(real.labels)} real training patches")
+    gen = list(landsat.generate(extra, NODE, seed=seed, base=real, batch_size=max(extra, 1))) if extra else []
+    pix = np.concatenate([real.pixels, *(pixel_array(t, contract) for t in gen)])
+    labels = np.concatenate([real.labels, *(t.column("label").to_numpy() for t in gen)]).astype(np.int16)
+    order = np.random.default_rng([seed, 1]).permutation(n)
+    pix, labels = pix[order], labels[order]
+    return [landsat.raw_table(pix[a : a + batch], labels[a : a + batch], NODE, start_seq=a, contract=contract)
+            for a in range(0, n, batch)]
+
+
+def pixel_hashes(pixels: np.ndarray) -> set[str]:
+    """Content hashes exactly as preprocessing writes them (`content_sha256`)."""
+    flat = np.ascontiguousarray(pixels).reshape(len(pixels), -1)
+    return set(content_hashes(pa.array([r.tobytes() for r in flat], pa.binary())).to_pylist())
+
+
+# ---------------------------------------------------------------- the edge, one round per policy
+
+
+class ConstantScorer:
+    """Every sample worth the same: with thresholds 0/1 all are normal tier and the spool's drain
+    order (tier, value, age) becomes plain FIFO."""
+
+    version = "constant-0.5"
+
+    def score(self, table: pa.Table) -> np.ndarray:
+        return np.full(table.num_rows, 0.5, dtype=np.float32)
+
+
+def policy_for(name: str, cfg: Config) -> TieringPolicy:
+    """The product's TieringPolicy with bundles of about `bundle_rows` rows (a patch of 1,536 B and
+    its columns is under 2 KiB uncompressed), so a 2% budget still spans several bundles."""
+    cap = 16 * 1024 + cfg.bundle_rows * 2 * 1024
+    base = TieringPolicy(version=f"bench-{name}", flush_max_samples=cfg.bundle_rows, flush_max_bytes=cap,
+                         urgent_max_bytes=cap)
+    if name in ("fifo", "random"):
+        return base.model_copy(update={"high_threshold": 1.0, "low_threshold": 0.0})
+    if name == "tier-novelty":
+        return base
+    return base.model_copy(update={"scorer": "model", "model_uri": "latest"})
+
+
+class _Ticker:
+    """Spool clock: strictly increasing, so 'oldest first' is the order bundles were spooled."""
+
+    def __init__(self) -> None:
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+def edge_round(batches: list[pa.Table], contract: Contract, policy: TieringPolicy, scorer: Any,
+               spool_dir: Path) -> tuple[Spool, list[SpoolEntry]]:
+    """Run the batches through the product's edge path into a fresh spool; its drain order."""
+    from edgehaul.edge_batch import ingest_batch
+    from edgehaul.preprocess import batch_key
+    from edgehaul.spool import Spool
+
+    spool = Spool(spool_dir, cap_bytes=1 << 40, node_id=NODE, clock=_Ticker(), emit=lambda *a, **k: False)
+    for raw in batches:
+        key, hashes = batch_key(raw)
+        ingest_batch(raw, contract, policy, spool, scorer, key=key, hashes=hashes, node_id=NODE,
+                     scorer_version=scorer.version)
+    return spool, spool.pending()
+
+
+def shuffled(batches: list[pa.Table], seed: int) -> list[pa.Table]:
+    """The same observations in a uniformly random order (same sample ids: the random policy
+    sends a uniform sample of the round)."""
+    t = pa.concat_tables(batches)
+    t = t.take(pa.array(np.random.default_rng([seed, 2]).permutation(t.num_rows)))
+    size = batches[0].num_rows
+    return [t.slice(a, size) for a in range(0, t.num_rows, size)]
+
+
+def within(entries: list[SpoolEntry], budget: float) -> list[SpoolEntry]:
+    """What the link carries: the drain order's prefix that fits the byte budget."""
+    out, used = [], 0
+    for e in entries:
+        if used + e.manifest.nbytes > budget:
+            break
+        out.append(e)
+        used += e.manifest.nbytes
+    return out
+
+
+# ---------------------------------------------------------------- the core: land, validate, commit, train
+
+
+def land_and_commit(store: ObjectStore, spool: Spool, entries: list[SpoolEntry], contract: Contract,
+                    state_dir: Path, quarantined: list[str]) -> int | None:
+    """Uplink, validate and commit `entries` as one dataset version of the cell's table. Bundles
+    that fail validation stay out of the dataset, as core_ingest quarantines them (their bytes were
+    spent all the same); `quarantined` gets one line per such bundle."""
+    from edgehaul import landed
+    from edgehaul.datasets import ValidatedBundle, commit_bundles
+    from edgehaul.link import Link
+    from edgehaul.uplink import Uplink
+    from edgehaul.validation import validate_bundles
+
+    if not entries:
+        return None
+    up = Uplink(store, Link(LinkProfile(bandwidth_bps=1e10), emit_events=False), state_dir)
+    for e in entries:
+        up.send(spool.read(e.bundle_id), e.manifest)
+    fetched = [landed.fetch(store, up.key_of(e.manifest)) for e in entries]
+    if any(f.manifest is None or f.data is None for f in fetched):
+        raise RuntimeError(f"landed bundles unreadable: {[f.error for f in fetched if f.error][:3]}")
+    checked = validate_bundles([(f.data or b"", f.manifest) for f in fetched if f.manifest is not None])
+    vbs = []
+    for f, (t, r) in zip(fetched, checked, strict=True):
+        if r.success and t is not None and f.manifest is not None:
+            vbs.append(ValidatedBundle(f.manifest, t, r))
+        else:
+            failed = [f"{x.expectation}({x.column})={x.observed_value}" for x in r.expectations if not x.success]
+            quarantined.append(f"{f.manifest.tier if f.manifest else '?'} bundle of {r.rows} rows: {r.reason} "
+                               f"{failed or r.error}")
+    return commit_bundles(store, contract, vbs).version if vbs else None
+
+
+def version_rows(store: ObjectStore, version: int) -> pa.Table:
+    from edgehaul.datasets import read_version
+
+    return read_version(store, KIND, version, columns=["label", "content_sha256", "is_summary"])
+
+
+def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int, run_id: str) -> str:
+    """The trainer the train_model flow runs, on one dataset version; returns the model URI."""
+    from edgehaul.datasets import table_uri
+    from edgehaul.training.launch import run
+    from edgehaul.training.trainer import TrainConfig
+
+    tc = TrainConfig(
+        run_id=run_id, dataset_uri=table_uri(store, KIND), dataset_version=version, seed=seed,
+        epochs=max(1, math.ceil(cfg.sample_passes / max(rows, 1))), width=cfg.width, val_fraction=0.0,
+        num_threads=1, keep_checkpoints=1, emit_events=False,
+    )
+    return str(run(tc, store, 1).lineage["model_uri"])
+
+
+def evaluate(store: ObjectStore, model_uri: str, test: Patches, contract: Contract,
+             rare: list[int]) -> dict[str, float]:
+    """Macro-F1 over the classes present in the test set, mean recall of `rare`, accuracy."""
+    import torch
+
+    from edgehaul.training.model import build_model, pixels_to_tensor
+    from edgehaul.training.registry import load_model_file
+
+    f = load_model_file(store, model_uri)
+    model = build_model(dict(f["arch"]))
+    model.load_state_dict(f["state_dict"])
+    model.eval()
+    raw = landsat.raw_table(test.pixels, test.labels, "test", contract=contract)
+    with torch.no_grad():
+        pred_idx = model(pixels_to_tensor(raw.column("pixels"), contract)).argmax(1).numpy()
+    pred = np.asarray(f["label_values"])[pred_idx]
+    return scores(test.labels, pred, rare)
+
+
+def scores(truth: np.ndarray, pred: np.ndarray, rare: list[int]) -> dict[str, float]:
+    recall, f1 = {}, []
+    for c in np.unique(truth):
+        tp = int(((pred == c) & (truth == c)).sum())
+        p = tp / max(int((pred == c).sum()), 1)
+        r = tp / int((truth == c).sum())
+        recall[int(c)] = r
+        f1.append(2 * p * r / (p + r) if p + r else 0.0)
+    return {"macro_f1": float(np.mean(f1)), "rare_recall": float(np.mean([recall[c] for c in rare])),
+            "accuracy": float((truth == pred).mean())}
+
+
+# ---------------------------------------------------------------- the experiment
+
+
+@dataclass
+class Cell:
+    policy: str
+    budget: float
+    bytes: int = 0
+    rows: int = 0  # trainable (full) rows landed, both rounds
+    class_rows: dict[int, int] = field(default_factory=dict)
+    runs: list[dict[str, float]] = field(default_factory=list)  # one per seed
+    note: str = ""
+    quarantined: list[str] = field(default_factory=list)  # bundles landed but failing validation
+
+    def mean(self, key: str) -> float:
+        return float(np.mean([r[key] for r in self.runs])) if self.runs else float("nan")
+
+    def spread(self, key: str) -> float:
+        return float(np.std([r[key] for r in self.runs])) if len(self.runs) > 1 else 0.0
+
+
+@contextmanager
+def s3_store(root: Path) -> Iterator[ObjectStore]:
+    """A private SeaweedFS (no Prefect server: nothing here needs one)."""
+    from edgehaul import localstack
+
+    root.mkdir(parents=True, exist_ok=True)
+    state = localstack.new_state(root, fixed_ports=False)
+    state.save()
+    try:
+        localstack.start_s3(state)
+        cred = state.identities["admin"]
+        yield ObjectStore(endpoint_url=state.s3_endpoint, access_key_id=SecretStr(cred.access_key_id),
+                          secret_access_key=SecretStr(cred.secret_access_key), prefix="bench-value")
+    finally:
+        localstack.down(root)
+
+
+def cell_store(base: ObjectStore, name: str) -> ObjectStore:
+    return base.model_copy(update={"prefix": f"{base.prefix}-{name}-{uuid.uuid4().hex[:6]}"})
+
+
+class Guard:
+    """Every dataset version trained on is checked: no held-out patch's content hash in it."""
+
+    def __init__(self, test_hashes: set[str]) -> None:
+        self.test_hashes = test_hashes
+        self.versions = 0
+        self.rows = 0
+
+    def check(self, rows: pa.Table, where: str) -> None:
+        hit = self.test_hashes & set(rows.column("content_sha256").to_pylist())
+        if hit:
+            raise AssertionError(f"{where}: {len(hit)} held-out test patches in a training version")
+        self.versions += 1
+        self.rows += rows.num_rows
+
+
+def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print) -> dict[str, Any]:
+    from edgehaul.model_scorer import ModelScorer
+    from edgehaul.scoring import NoveltyScorer
+    from edgehaul.training.registry import publish
+
+    contract = load_contract(KIND)
+    split = spatial_split(landsat.real_patches(), block=cfg.block, test_share=cfg.test_share, seed=cfg.split_seed)
+    batches = edge_stream(split, cfg.stream, batch=cfg.batch, seed=cfg.stream_seed, contract=contract)
+    half = len(batches) // 2
+    rounds = [batches[:half], batches[half:]]
+    stream_labels = np.concatenate([b.column("label").to_numpy() for b in batches])
+    mix = {int(c): int(n) for c, n in zip(*np.unique(stream_labels, return_counts=True), strict=True)}
+    present = sorted(int(c) for c in np.unique(split.test.labels))
+    rare = sorted(present, key=lambda c: mix.get(c, 0))[:3]
+    guard = Guard(pixel_hashes(split.test.pixels))
+    test_classes = {int(c): int(n) for c, n in zip(*np.unique(split.test.labels, return_counts=True), strict=True)}
+    log(f"split: {len(split.train.labels)} train / {len(split.test.labels)} test patches in "
+        f"{len(split.test_blocks)} blocks of {cfg.block}x{cfg.block} patches; test classes {test_classes}")
+    log(f"stream: {cfg.stream} samples in 2 rounds, class mix {mix}; rarest test classes {rare}")
+
+    t0 = time.perf_counter()
+    spools: dict[tuple[str, int], tuple[Spool, list[SpoolEntry]]] = {}
+    for r, rb in enumerate(rounds):
+        spools["fifo", r] = edge_round(rb, contract, policy_for("fifo", cfg), ConstantScorer(), work / f"fifo{r}")
+        spools["random", r] = edge_round(shuffled(rb, r), contract, policy_for("random", cfg), ConstantScorer(),
+                                         work / f"random{r}")
+    novelty = NoveltyScorer(contract)  # one edge: its sketch runs on across rounds
+    for r, rb in enumerate(rounds):
+        spools["tier-novelty", r] = edge_round(rb, contract, policy_for("tier-novelty", cfg), novelty,
+                                               work / f"novelty{r}")
+    raw = [sum(e.manifest.nbytes for e in spools["fifo", r][1]) for r in (0, 1)]
+    log(f"edge: 3 policies x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}")
+
+    cells: list[Cell] = []
+
+    def finish(cell: Cell, st: ObjectStore, version: int | None) -> None:
+        if version is None:
+            cell.note = "nothing landed"
+            return
+        rows = version_rows(st, version)
+        guard.check(rows, f"{cell.policy}@{cell.budget:.0%}")
+        full = rows.filter(pc.invert(rows.column("is_summary")))
+        cell.rows = full.num_rows
+        labs, cnt = np.unique(full.column("label").to_numpy(), return_counts=True)
+        cell.class_rows = {int(c): int(n) for c, n in zip(labs, cnt, strict=True)}
+        for seed in cfg.seeds:
+            uri = train_on(st, version, cell.rows, cfg, seed, f"{cell.policy}-{round(cell.budget * 100)}-s{seed}")
+            cell.runs.append(evaluate(st, uri, split.test, contract, rare))
+        log(f"  {cell.policy:13s} {cell.budget:4.0%}: {cell.bytes:>10,} B, {cell.rows:5d} rows "
+            f"{cell.class_rows} -> macro-F1 {cell.mean('macro_f1'):.3f} rare recall {cell.mean('rare_recall'):.3f} "
+            f"acc {cell.mean('accuracy'):.3f}  ({time.perf_counter() - t0:.0f} s)")
+        for q in cell.quarantined:
+            log(f"    quarantined: {q}")
+
+    for budget in BUDGETS:
+        for pol in ("fifo", "random", "tier-novelty"):
+            cell = Cell(pol, budget)
+            cells.append(cell)
+            if pol == "random" and budget == 1.0:
+                # The same samples as FIFO at 100%, in another order: reported as FIFO's.
+                fifo = next(c for c in cells if c.policy == "fifo" and c.budget == 1.0)
+                cell.bytes, cell.rows, cell.class_rows, cell.runs = fifo.bytes, fifo.rows, fifo.class_rows, fifo.runs
+                cell.note = "same samples as FIFO"
+                continue
+            st = cell_store(store, f"{pol}-{round(budget * 100)}")
+            version = None
+            for r in (0, 1):
+                sp, order = spools[pol, r]
+                sent = within(order, budget * raw[r])
+                cell.bytes += sum(e.manifest.nbytes for e in sent)
+                v = land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
+                version = v if v is not None else version
+            finish(cell, st, version)
+
+        # Closed loop: round 1 as the novelty edge sent it; a model trained on that version is
+        # published to the edge and scores round 2.
+        cell = Cell("tier-model", budget)
+        cells.append(cell)
+        st = cell_store(store, f"model-{round(budget * 100)}")
+        sp, order = spools["tier-novelty", 0]
+        sent = within(order, budget * raw[0])
+        cell.bytes = sum(e.manifest.nbytes for e in sent)
+        v1 = land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
+        if v1 is None:
+            cell.note = "round 1 landed nothing: no model to publish"
+            continue
+        r1 = version_rows(st, v1)
+        guard.check(r1, f"tier-model@{budget:.0%} round 1")
+        n1 = r1.num_rows - int(pc.sum(r1.column("is_summary")).as_py() or 0)
+        mid = f"round1-{round(budget * 100)}"
+        train_on(st, v1, n1, cfg, cfg.seeds[0], mid)
+        publish(st, "landcover", mid)
+        scorer = ModelScorer("latest", st)
+        sp2, order2 = edge_round(rounds[1], contract, policy_for("tier-model", cfg), scorer,
+                                 work / f"model{round(budget * 100)}")
+        sent2 = within(order2, budget * raw[1])
+        cell.bytes += sum(e.manifest.nbytes for e in sent2)
+        v2 = land_and_commit(st, sp2, sent2, contract, work / "uplink", cell.quarantined)
+        finish(cell, st, v2 if v2 is not None else v1)
+        shutil.rmtree(work / f"model{round(budget * 100)}", ignore_errors=True)
+
+    return {
+        "config": asdict(cfg), "raw_bytes": sum(raw), "test_patches": len(split.test.labels),
+        "test_classes": test_classes,
+        "train_patches": len(split.train.labels), "stream_mix": mix, "rare_classes": rare,
+        "guard": {"versions_checked": guard.versions, "rows_checked": guard.rows,
+                  "test_hashes": len(guard.test_hashes), "leaks": 0},
+        "cells": [asdict(c) | {f"{k}_{s}": (c.mean(k) if s == "mean" else c.spread(k))
+                               for k in ("macro_f1", "rare_recall", "accuracy") for s in ("mean", "std")}
+                  for c in cells],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def verdicts(result: dict[str, Any]) -> list[str]:
+    """Plain statements: does tiering beat FIFO and random at each budget; the 10% target."""
+    cells = {(c["policy"], c["budget"]): c for c in result["cells"]}
+    full = cells["fifo", 1.0]["macro_f1_mean"]
+    out = []
+    for b in BUDGETS:
+        base = max(cells["fifo", b]["macro_f1_mean"], cells["random", b]["macro_f1_mean"])
+        for pol in ("tier-novelty", "tier-model"):
+            t = cells[pol, b]["macro_f1_mean"]
+            word = "beats" if t > base + 0.02 else ("ties" if abs(t - base) <= 0.02 else "loses to")
+            out.append(f"{b:4.0%} {pol}: macro-F1 {t:.3f} {word} the better of FIFO/random ({base:.3f})")
+    best10 = max(cells["tier-novelty", 0.10]["macro_f1_mean"], cells["tier-model", 0.10]["macro_f1_mean"])
+    base10 = max(cells["fifo", 0.10]["macro_f1_mean"], cells["random", 0.10]["macro_f1_mean"])
+    met = best10 >= 0.95 * full and best10 > base10 + 0.02
+    out.append(f"target at 10%: tiered macro-F1 {best10:.3f} vs 0.95 x the 100% model {0.95 * full:.3f} and "
+               f"FIFO/random {base10:.3f}: {'MET' if met else 'NOT met'}")
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    seeds = len(result["config"]["seeds"])
+    lines = [
+        "| budget | policy | bytes landed | rows | macro-F1 | rare recall | accuracy |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def pm(c: dict[str, Any], k: str) -> str:
+        return f"{c[k + '_mean']:.3f}" + (f" ± {c[k + '_std']:.3f}" if seeds > 1 else "")
+
+    for c in result["cells"]:
+        notes = [c["note"]] if c["note"] else []
+        if c["quarantined"]:
+            notes.append(f"{len(c['quarantined'])} bundles quarantined")
+        note = f" ({'; '.join(notes)})" if notes else ""
+        lines.append(f"| {c['budget']:.0%} | {c['policy']}{note} | {c['bytes']:,} | {c['rows']:,} | "
+                     f"{pm(c, 'macro_f1')} | {pm(c, 'rare_recall')} | {pm(c, 'accuracy')} |")
+    return "\n".join(lines)
+
+
+def chart(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, key, title in zip(axes, ("macro_f1", "rare_recall", "accuracy"),
+                              ("macro-F1", f"recall of rarest classes {result['rare_classes']}", "accuracy"),
+                              strict=True):
+        for pol in POLICIES:
+            cs = [c for c in result["cells"] if c["policy"] == pol]
+            ax.errorbar([c["budget"] * 100 for c in cs], [c[f"{key}_mean"] for c in cs],
+                        yerr=[c[f"{key}_std"] for c in cs], marker="o", capsize=3, label=pol)
+        ax.set_xscale("log")
+        ax.set_xticks([b * 100 for b in BUDGETS], [f"{b:.0%}" for b in BUDGETS])
+        ax.set_xlabel("link budget (share of raw bytes)")
+        ax.set_title(title)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Model quality per uplinked byte, held-out Landsat blocks ({result['test_patches']} real patches)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
+    cfg = QUICK if quick else FULL
+    for name in ("edgehaul", "deltalake", "botocore", "great_expectations"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    import torch
+
+    torch.set_num_threads(1)
+    print(f"value benchmark ({'quick' if quick else 'full'}): {cfg}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-value-") as d:
+        root = Path(d)
+        with s3_store(root / "stack") as store:
+            result = run_experiment(cfg, root / "work", store, log=lambda s: print(s, flush=True))
+    table = markdown(result)
+    lines = verdicts(result)
+    g = result["guard"]
+    print("\n" + table + "\n")
+    print("\n".join(lines))
+    print(f"split guard: {g['test_hashes']} held-out patch hashes, none in the {g['versions_checked']} training "
+          f"versions ({g['rows_checked']:,} rows) checked; {result['seconds']:.0f} s")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"bench-value{'-quick' if quick else ''}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(table + "\n\n" + "\n".join(f"- {v}" for v in lines) + "\n")
+    chart(result, stem.with_suffix(".png"))
+    print(f"wrote {stem}.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The value benchmark's ground truth: held out by place, never uplinked, not even as a generated copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from benchmarks.bench_value import (
+    Config,
+    ConstantScorer,
+    Guard,
+    Split,
+    blocks_of,
+    edge_round,
+    edge_stream,
+    land_and_commit,
+    pixel_array,
+    pixel_hashes,
+    policy_for,
+    scores,
+    spatial_split,
+    version_rows,
+    within,
+)
+from blocks import ObjectStore
+from edgehaul import landsat
+from edgehaul.contracts import load_contract
+
+C = load_contract("landsat_patch")
+CFG_ROWS = 16
+
+
+@pytest.fixture(scope="module")
+def split() -> Split:
+    return spatial_split(landsat.real_patches(), block=4, test_share=0.25, seed=0)
+
+
+def stream_pixels(batches: list[pa.Table]) -> np.ndarray:
+    return np.concatenate([pixel_array(b, C) for b in batches])
+
+
+def copies_of(stream: np.ndarray, test: np.ndarray) -> int:
+    """Stream samples that are a test patch under one of the 8 flips/rotations `generate` applies,
+    within its +-2 noise. Band means are invariant under those and move by at most 2 with the
+    noise, so only pairs with close means are compared pixel by pixel."""
+    sm, tm = stream.mean(axis=(1, 2)), test.mean(axis=(1, 2))
+    views = [np.rot90(test, k, axes=(1, 2)) for k in range(4)]
+    views += [v[:, :, ::-1] for v in views]
+    hits = 0
+    for i in range(len(stream)):
+        near = np.flatnonzero(np.abs(tm - sm[i]).max(axis=1) <= 2.0)
+        s = stream[i].astype(np.int16)
+        if any((np.abs(v[j].astype(np.int16) - s) <= 2).all() for j in near for v in views):
+            hits += 1
+    return hits
+
+
+def test_split_is_by_whole_blocks(split: Split) -> None:
+    sp = split
+    test_blocks = {tuple(b) for b in blocks_of(sp.test.origins, sp.block)}
+    train_blocks = {tuple(b) for b in blocks_of(sp.train.origins, sp.block)}
+    assert test_blocks == set(sp.test_blocks)
+    assert not test_blocks & train_blocks
+    n = len(sp.train.labels) + len(sp.test.labels)
+    assert n == len(landsat.real_patches().labels)
+    assert 0.2 <= len(sp.test.labels) / n <= 0.35
+    # Every class of the scene is learnable and measurable.
+    assert set(np.unique(sp.test.labels)) == set(np.unique(sp.train.labels))
+
+
+def test_split_is_seeded(split: Split) -> None:
+    again = spatial_split(landsat.real_patches(), block=4, test_share=0.25, seed=0)
+    assert again.test_blocks == split.test_blocks
+
+
+def test_stream_holds_no_test_patch_nor_a_generated_copy(split: Split) -> None:
+    batches = edge_stream(split, 2000, batch=500, seed=3, contract=C)
+    px = stream_pixels(batches)
+    assert len(px) == 2000
+    assert not pixel_hashes(px) & pixel_hashes(split.test.pixels)
+    assert copies_of(px, split.test.pixels) == 0
+    # Every real training patch is in the stream as it is.
+    assert pixel_hashes(split.train.pixels) <= pixel_hashes(px)
+
+
+def test_copy_check_finds_copies_when_the_whole_scene_is_generated(split: Split) -> None:
+    """The check above can fail: generating from the whole scene copies test patches."""
+    leaky = stream_pixels(list(landsat.generate(400, "x", seed=3, batch_size=400)))
+    assert copies_of(leaky, split.test.pixels) > 0
+
+
+def test_guard_refuses_a_version_holding_a_test_patch(split: Split) -> None:
+    guard = Guard(pixel_hashes(split.test.pixels))
+    clean = pa.table({"content_sha256": sorted(pixel_hashes(split.train.pixels[:5]))})
+    guard.check(clean, "clean")
+    leak = pa.table({"content_sha256": [next(iter(pixel_hashes(split.test.pixels[:1])))]})
+    with pytest.raises(AssertionError, match="held-out"):
+        guard.check(leak, "leaky")
+    assert guard.versions == 1
+
+
+def test_scores_macro_f1_and_rare_recall() -> None:
+    truth = np.array([1, 1, 1, 1, 5, 5, 6, 6])
+    pred = np.array([1, 1, 1, 5, 5, 5, 6, 1])
+    s = scores(truth, pred, rare=[6])
+    # class 1: P 3/4 R 3/4; class 5: P 2/3 R 1; class 6: P 1 R 1/2
+    f1 = [0.75, 2 * (2 / 3) / (5 / 3), 2 * 0.5 / 1.5]
+    assert s["macro_f1"] == pytest.approx(np.mean(f1))
+    assert s["rare_recall"] == pytest.approx(0.5)
+    assert s["accuracy"] == pytest.approx(6 / 8)
+
+
+@pytest.mark.integration
+def test_landed_dataset_version_holds_no_test_patch(split: Split, store: ObjectStore,
+                                                    tmp_path: Path) -> None:
+    """A round through the product's edge, uplink, validation and dataset commit: the version the
+    bench trains on holds rows, and none of them is a held-out patch."""
+    work = tmp_path
+    cfg = Config(stream=1000, batch=500, bundle_rows=CFG_ROWS, sample_passes=1, width=4, seeds=(0,))
+    batches = edge_stream(split, cfg.stream, batch=cfg.batch, seed=0, contract=C)
+    spool, order = edge_round(batches, C, policy_for("fifo", cfg), ConstantScorer(), work / "spool")
+    raw = sum(e.manifest.nbytes for e in order)
+    sent = within(order, 0.25 * raw)
+    assert 0 < sum(e.manifest.nbytes for e in sent) <= 0.25 * raw
+    quarantined: list[str] = []
+    version = land_and_commit(store, spool, sent, C, work / "uplink", quarantined)
+    assert version is not None and not quarantined
+    rows = version_rows(store, version)
+    assert rows.num_rows == sum(e.manifest.row_count for e in sent)
+    guard = Guard(pixel_hashes(split.test.pixels))
+    guard.check(rows, "fifo@25%")
+    assert set(rows.column("content_sha256").to_pylist()) <= pixel_hashes(stream_pixels(batches))
