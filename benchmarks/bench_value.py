@@ -53,14 +53,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import SecretStr
 
-from blocks import LinkProfile, ObjectStore, TieringPolicy
-from edgehaul import landsat
+from edgehaul.blocks import LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.contracts import Contract, load_contract
-from edgehaul.landsat import Patches
-from edgehaul.preprocess import content_hashes
+from edgehaul.edge import landsat
+from edgehaul.edge.landsat import Patches
+from edgehaul.edge.preprocess import content_hashes
 
 if TYPE_CHECKING:
-    from edgehaul.spool import Spool, SpoolEntry
+    from edgehaul.edge.spool import Spool, SpoolEntry
 
 KIND = "landsat_patch"
 NODE = "edge-bench"
@@ -207,9 +207,9 @@ class _Ticker:
 def edge_round(batches: list[pa.Table], contract: Contract, policy: TieringPolicy, scorer: Any,
                spool_dir: Path) -> tuple[Spool, list[SpoolEntry]]:
     """Run the batches through the product's edge path into a fresh spool; its drain order."""
-    from edgehaul.edge_batch import ingest_batch
-    from edgehaul.preprocess import batch_key
-    from edgehaul.spool import Spool
+    from edgehaul.edge.batch import ingest_batch
+    from edgehaul.edge.preprocess import batch_key
+    from edgehaul.edge.spool import Spool
 
     spool = Spool(spool_dir, cap_bytes=1 << 40, node_id=NODE, clock=_Ticker(), emit=lambda *a, **k: False)
     for raw in batches:
@@ -247,11 +247,11 @@ def land_and_commit(store: ObjectStore, spool: Spool, entries: list[SpoolEntry],
     """Uplink, validate and commit `entries` as one dataset version of the cell's table. Bundles
     that fail validation stay out of the dataset, as core_ingest quarantines them (their bytes were
     spent all the same); `quarantined` gets one line per such bundle."""
-    from edgehaul import landed
-    from edgehaul.datasets import ValidatedBundle, commit_bundles
-    from edgehaul.link import Link
-    from edgehaul.uplink import Uplink
-    from edgehaul.validation import validate_bundles
+    from edgehaul.core import landed
+    from edgehaul.core.datasets import ValidatedBundle, commit_bundles
+    from edgehaul.core.validation import validate_bundles
+    from edgehaul.uplink.link import Link
+    from edgehaul.uplink.transfer import Uplink
 
     if not entries:
         return None
@@ -274,14 +274,14 @@ def land_and_commit(store: ObjectStore, spool: Spool, entries: list[SpoolEntry],
 
 
 def version_rows(store: ObjectStore, version: int) -> pa.Table:
-    from edgehaul.datasets import read_version
+    from edgehaul.core.datasets import read_version
 
     return read_version(store, KIND, version, columns=["label", "content_sha256", "is_summary"])
 
 
 def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int, run_id: str) -> str:
     """The trainer the train_model flow runs, on one dataset version; returns the model URI."""
-    from edgehaul.datasets import table_uri
+    from edgehaul.core.datasets import table_uri
     from edgehaul.training.launch import run
     from edgehaul.training.trainer import TrainConfig
 
@@ -348,7 +348,7 @@ class Cell:
 @contextmanager
 def s3_store(root: Path) -> Iterator[ObjectStore]:
     """A private SeaweedFS (no Prefect server: nothing here needs one)."""
-    from edgehaul import localstack
+    from edgehaul_dev import localstack
 
     root.mkdir(parents=True, exist_ok=True)
     state = localstack.new_state(root, fixed_ports=False)
@@ -383,8 +383,8 @@ class Guard:
 
 
 def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print) -> dict[str, Any]:
-    from edgehaul.model_scorer import ModelScorer
-    from edgehaul.scoring import NoveltyScorer
+    from edgehaul.edge.model_scorer import ModelScorer
+    from edgehaul.edge.scoring import NoveltyScorer
     from edgehaul.training.registry import publish
 
     contract = load_contract(KIND)

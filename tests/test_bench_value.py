@@ -25,9 +25,9 @@ from benchmarks.bench_value import (
     version_rows,
     within,
 )
-from blocks import ObjectStore
-from edgehaul import landsat
+from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
+from edgehaul.edge import landsat
 
 C = load_contract("landsat_patch")
 CFG_ROWS = 16
