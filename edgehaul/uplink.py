@@ -205,6 +205,7 @@ class Uplink:
             # The landed bytes were not ours (now deleted): a later attempt sends them again.
             raise UplinkError(f"bundle {manifest.bundle_id}: landed object differs from the spooled bytes; "
                               "deleted, to be re-sent", retryable=True)
+        self.forget(manifest.bundle_id)  # proven: no resume state is needed any more
         r.manifest_nbytes = self._put_manifest(manifest, r.manifest_key, prio)
         r.seconds = time.monotonic() - t0
         r.landed_at = datetime.now(UTC).isoformat()

@@ -153,6 +153,12 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "commits": [c.to_dict() for c in commits],
         "versions": {c.kind: c.version for c in commits},
     }
-    logger.info("core_ingest: %d bundles, %d valid, %d quarantined, %d errors; versions %s", len(keys), len(passed),
-                len(quarantined), len(errors), summary["versions"])
+    deferred = sorted(b for c in commits for b in c.deferred)
+    summary["deferred"] = deferred
+    logger.info("core_ingest: %d bundles, %d valid, %d quarantined, %d errors, %d deferred; versions %s", len(keys),
+                len(passed), len(quarantined), len(errors), len(deferred), summary["versions"])
+    if deferred:
+        # Left in landing for the next run (another live run holds their claims); said, never silent.
+        logger.warning("core_ingest: %d bundles deferred (claimed by another live run, retried by the next run): %s",
+                       len(deferred), ", ".join(deferred[:20]) + (" ..." if len(deferred) > 20 else ""))
     return summary

@@ -245,8 +245,8 @@ def test_duplicate_and_racing_sends_leave_one_object(store: ObjectStore, tmp_pat
     # an urgent bundle skips the HEAD round trip; IfNoneMatch still stops the duplicate
     d3, m3 = urgent(20, seed=33)
     u1, u2 = up.send(d3, m3), up.send(d3, m3)
-    assert (u1.already_present, u1.verified_by) == (False, "put-checksum")
-    assert (u2.already_present, u2.verified_by) == (True, "head")
+    assert (u1.already_present, u1.verified_by) == (False, "etag-md5")
+    assert (u2.already_present, u2.verified_by) == (True, "etag-md5")
     keys = keys_under(store, f"{m.node_id}/")
     expect = [up.key_of(x) for x in (m, m2, m3)] + [up.key_of(x).replace(".parquet", ".manifest.json") for x in (m, m2, m3)]
     assert keys == sorted(expect)
