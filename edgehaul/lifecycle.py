@@ -174,9 +174,16 @@ def _head(s3: S3Client, bucket: str, key: str) -> dict[str, Any] | None:
     try:
         return dict(s3.head_object(Bucket=bucket, Key=key))
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        if s3compat.is_missing(e):
             return None
-        raise
+        if s3compat.status(e) != 403:
+            raise
+    # 403 is what a missing key gets on servers (and AWS identities) that hide absence without
+    # ListBucket: the listing, which the lifecycle identity may read, says whether it exists.
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1).get("Contents", [])
+    if listed and listed[0]["Key"] == key:
+        raise PermissionError(f"s3://{bucket}/{key} exists but HEAD is denied to this identity")
+    return None
 
 
 def _iso(v: str | None, default: datetime) -> datetime:

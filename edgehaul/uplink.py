@@ -206,7 +206,7 @@ class Uplink:
             raise UplinkError(f"bundle {manifest.bundle_id}: landed object differs from the spooled bytes; "
                               "deleted, to be re-sent", retryable=True)
         self.forget(manifest.bundle_id)  # proven: no resume state is needed any more
-        r.manifest_nbytes = self._put_manifest(manifest, r.manifest_key, prio)
+        r.manifest_nbytes = self._put_manifest(manifest, r.manifest_key, prio, r)
         r.seconds = time.monotonic() - t0
         r.landed_at = datetime.now(UTC).isoformat()
         return r
@@ -502,20 +502,37 @@ class Uplink:
         self.forget(m.bundle_id)
         return True
 
-    def _put_manifest(self, m: BundleManifest, manifest_key: str, prio: Priority) -> int:
-        """Write the manifest; returns the bytes sent (0 when it was already there)."""
+    def _put_manifest(self, m: BundleManifest, manifest_key: str, prio: Priority, r: Receipt) -> int:
+        """Write the manifest, proven like the bundle (its bytes cross the same link); returns the bytes
+        sent (0 when it was already there)."""
         body = m.to_json()
-        try:
-            self.client.put_object(
-                Bucket=self.bucket, Key=manifest_key, Body=self.link.body(body, prio),
-                ChecksumSHA256=_b64(hashlib.sha256(body).digest()), IfNoneMatch="*",
-                ContentType="application/json", Metadata={"bundle-id": m.bundle_id, "sha256": m.sha256},
-            )
-        except ClientError as e:
-            if error_code(e) != "PreconditionFailed":
+        md5 = hashlib.md5(body).digest()
+        checksum = _b64(hashlib.sha256(body).digest())
+
+        def put() -> int:
+            try:
+                resp = self.client.put_object(
+                    Bucket=self.bucket, Key=manifest_key, Body=self.link.body(body, prio), ChecksumSHA256=checksum,
+                    ContentMD5=_b64(md5), IfNoneMatch="*", ContentType="application/json",
+                    Metadata={"bundle-id": m.bundle_id, "sha256": m.sha256},
+                )
+            except ClientError as e:
+                if not s3compat.is_precondition_failed(e):
+                    raise
+                h = self.client.head_object(Bucket=self.bucket, Key=manifest_key)
+                etag = s3compat.unquoted(h.get("ETag")).lower()
+                if not s3compat.is_md5(etag) or etag == md5.hex():
+                    return 0
+                resp = {"ETag": etag}  # an earlier manifest landed corrupt: replaced below
+            try:
+                self._proof_of_write(resp, md5.hex(), checksum)
+            except _StoredCorrupt:
+                self.client.delete_object(Bucket=self.bucket, Key=manifest_key)
                 raise
-            return 0
-        return len(body)
+            return len(body)
+
+        sent: int = self._with_digest_resends(f"bundle {m.bundle_id} manifest", r, put)
+        return sent
 
 
 # ---------------------------------------------------------------------------------------------------

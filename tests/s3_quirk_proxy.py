@@ -119,10 +119,13 @@ class QuirkProxy:
 
     def _reply(self, h: BaseHTTPRequestHandler, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         h.send_response(status)
+        length = str(len(body))
         for k, v in headers:
-            if k.lower() not in _HOP and k.lower() != "content-length":
+            if k.lower() == "content-length" and h.command == "HEAD":
+                length = v  # a HEAD answer has no body but says the object's size
+            elif k.lower() not in _HOP and k.lower() != "content-length":
                 h.send_header(k, v)
-        h.send_header("Content-Length", str(len(body)))
+        h.send_header("Content-Length", length)
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(body)
@@ -190,11 +193,13 @@ class QuirkProxy:
             lower["content-md5"] = "Content-MD5"
             changed = True
         if changed:
+            if "content-length" in lower:
+                headers[lower["content-length"]] = str(len(body))  # signed: must be the forwarded body's
             try:
                 headers = self._resign(method, path, headers, body)
             except PermissionError as e:
                 return self._reply(h, 403, [("Content-Type", "application/xml")], _error("AccessDenied", str(e)))
-        headers["Content-Length"] = str(len(body))
+        headers = {k: v for k, v in headers.items() if k.lower() != "content-length"} | {"Content-Length": str(len(body))}
         conn = http.client.HTTPConnection(*self.backend, timeout=120)
         try:
             conn.request(method, path, body=body, headers=headers)
