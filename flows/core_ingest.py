@@ -33,7 +33,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from blocks import ObjectStore
-from edgehaul import events
+from edgehaul import events, store_probe
 from edgehaul.caching import ensure_result_storage
 from edgehaul.runners import from_environment
 from edgehaul.validation import ValidationResult
@@ -94,6 +94,10 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     p = params or CoreIngestParams()
     logger = get_run_logger()
     store = cast(ObjectStore, ObjectStore.load(p.store_block))  # sync flow: the block itself
+    store_probe.require(store, {
+        "put-if-none-match": "core_ingest (Delta commits, bundle claims)",
+        "put-if-match-quoted|put-if-match-unquoted": "core_ingest (taking over a dead run's claims)",
+    })
     run_id = str(flow_run.get_id() or uuid.uuid4())
     storage = p.result_storage or ensure_result_storage(store)
     validate = validate_bundle_task.with_options(result_storage=storage, refresh_cache=p.refresh_cache)
