@@ -24,11 +24,18 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.client
+import json
+import os
 import re
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,6 +53,7 @@ MODES: dict[str, frozenset[str]] = {
     "other-server": QUIRKS - {"ignore-content-md5"},
     "checks-nothing": frozenset({"ignore-checksums", "ignore-content-md5"}),
 }
+STATS_PATH = "/_quirk_proxy/stats"  # not a valid bucket name: never an S3 request
 _HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "expect"}
 _CRED = re.compile(r"Credential=([^/]+)/\d{8}/([^/]+)/s3/aws4_request")
 _PART_SUM = re.compile(rb"<Checksum(?:SHA256|SHA1|CRC32|CRC32C|CRC64NVME)>[^<]*</Checksum[A-Z0-9]+>")
@@ -58,7 +66,50 @@ def _error(code: str, message: str) -> bytes:
 
 
 class QuirkProxy:
-    """`QuirkProxy(backend_url, {access_key_id: secret}, quirks)`; `.url` once started; `.stats` counts what it did."""
+    """`QuirkProxy(backend_url, {access_key_id: secret}, quirks).start()`; `.url`; `.stats` counts what it did.
+
+    The server runs in a child process: an in-process proxy deadlocks with clients that keep the GIL
+    while they wait for the network (deltalake's `history()` does)."""
+
+    def __init__(self, backend_url: str, secrets: dict[str, str], quirks: Iterable[str] = ()) -> None:
+        unknown = set(quirks) - QUIRKS
+        if unknown:
+            raise ValueError(f"unknown quirks {sorted(unknown)}; known: {sorted(QUIRKS)}")
+        self.quirks = frozenset(quirks)
+        self._args = {"backend": backend_url, "secrets": dict(secrets), "quirks": sorted(self.quirks)}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def start(self) -> QuirkProxy:
+        root = Path(__file__).resolve().parents[1]
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.s3_quirk_proxy"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, cwd=root)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(self._args).encode())
+        self._proc.stdin.close()  # secrets over a pipe, never on the command line
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"quirk proxy did not start (exit {self._proc.wait()})")
+        self._port = int(line)
+        return self
+
+    @property
+    def stats(self) -> Counter[str]:
+        with urllib.request.urlopen(f"{self.url}{STATS_PATH}", timeout=10) as r:
+            return Counter(json.loads(r.read()))
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+
+
+class _Server:
+    """The proxy itself (runs in the child process)."""
 
     def __init__(self, backend_url: str, secrets: dict[str, str], quirks: Iterable[str] = ()) -> None:
         unknown = set(quirks) - QUIRKS
@@ -85,19 +136,10 @@ class QuirkProxy:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="s3-quirk-proxy", daemon=True)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def start(self) -> QuirkProxy:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    def serve(self) -> None:
+        print(self._server.server_address[1], flush=True)
+        self._server.serve_forever()
 
     def count(self, what: str) -> None:
         with self._lock:
@@ -141,6 +183,9 @@ class QuirkProxy:
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         body = self._read_body(h)
+        if h.path == STATS_PATH:
+            with self._lock:
+                return self._reply(h, 200, [("Content-Type", "application/json")], json.dumps(self.stats).encode())
         method, path = h.command, h.path
         headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
         lower = {k.lower(): k for k in headers}
@@ -215,3 +260,16 @@ class QuirkProxy:
             out = [(k, v) for k, v in out if k.lower() not in echo] + list(echo.items())
         self._reply(h, status, out, data)
         return None
+
+
+def _exit_with_parent(parent: int) -> None:
+    # A test process killed without stop() must not leave its proxy behind.
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    a = json.loads(sys.stdin.read())
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    _Server(a["backend"], a["secrets"], a["quirks"]).serve()
