@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# the development harness (local stack, demo, drills, verify): a package of the checkout, not of the wheel
+DEV := $(BIN)/python -m edgehaul_dev
 STACK_DIR ?= $(CURDIR)/.edgehaul-stack
 export EDGEHAUL_STACK_DIR := $(STACK_DIR)
 
@@ -20,20 +22,20 @@ $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 install: $(VENV)/.installed
 
 up: install
-	$(BIN)/edgehaul stack up > $(STACK_DIR).env
+	$(DEV) stack up > $(STACK_DIR).env
 
 health:
-	$(BIN)/edgehaul stack health
+	$(DEV) stack health
 
 down:
-	@if [ -x $(BIN)/edgehaul ]; then $(BIN)/edgehaul stack down; else echo "nothing to stop"; fi
+	@if [ -x $(BIN)/python ]; then $(DEV) stack down; else echo "nothing to stop"; fi
 
 demo: up
-	source $(STACK_DIR).env && $(BIN)/edgehaul demo
+	source $(STACK_DIR).env && $(DEV) demo
 
 # blocks, work pools, deployments/prefect.yaml (schedules, triggers), alert automations, workers
 deploy: up
-	source $(STACK_DIR).env && $(BIN)/edgehaul deploy
+	source $(STACK_DIR).env && $(DEV) deploy
 
 lint: install
 	$(BIN)/ruff check .
@@ -51,11 +53,11 @@ bench: install
 # Fault drills (two private SeaweedFS, not the stack): EDGEHAUL_DRILL_TRIALS per drill (default 50), 6-10 min
 # on 2 shared cores; fails on any lost/duplicated sample; writes docs/DRILLS.md. CI runs it after make test.
 drills: install
-	$(BIN)/edgehaul drills --markdown docs/DRILLS.md
+	$(DEV) drills --markdown docs/DRILLS.md
 
 # The operator's acceptance checklist against the running stack (make up && make deploy first)
 verify: install
-	$(BIN)/edgehaul verify --root $(STACK_DIR)
+	$(DEV) verify --root $(STACK_DIR)
 
 # One command for operators: up -> deploy -> demo through the deployments -> verify -> down (down also
 # on failure). VERIFY_DEMO_SAMPLES per node; EDGEHAUL_API_AUTH=1 on a fresh stack turns on Prefect API auth.
@@ -63,8 +65,8 @@ VERIFY_DEMO_SAMPLES ?= 1000
 verify-demo: install
 	@rc=0; $(MAKE) --no-print-directory deploy || rc=$$?; \
 	if [ $$rc -eq 0 ]; then \
-	  source $(STACK_DIR).env && $(BIN)/edgehaul demo --via-deployments --samples $(VERIFY_DEMO_SAMPLES) || rc=$$?; \
-	  $(BIN)/edgehaul verify --root $(STACK_DIR) || rc=$$?; \
+	  source $(STACK_DIR).env && $(DEV) demo --via-deployments --samples $(VERIFY_DEMO_SAMPLES) || rc=$$?; \
+	  $(DEV) verify --root $(STACK_DIR) || rc=$$?; \
 	fi; \
 	$(MAKE) --no-print-directory down; exit $$rc
 

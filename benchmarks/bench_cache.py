@@ -38,9 +38,9 @@ def _cached_share(flow_run_ids: list[Any]) -> tuple[int, int]:
 
 
 def _pipeline(samples: int) -> tuple[float, list[Any]]:
-    from flows.core_ingest import CoreIngestParams, core_ingest
-    from flows.edge_ingest import EdgeIngestParams, edge_ingest
-    from flows.uplink_drain import UplinkDrainParams, uplink_drain
+    from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+    from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
 
     ids = []
     t0 = time.perf_counter()
@@ -60,7 +60,7 @@ def _pipeline(samples: int) -> tuple[float, list[Any]]:
 def main() -> None:
     quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
     samples = 5_000 if quick else 20_000
-    from edgehaul import configure, localstack
+    from edgehaul_dev import configure, localstack
 
     with tempfile.TemporaryDirectory(prefix="eh-bench-cache-") as tmp:
         root = Path(tmp)

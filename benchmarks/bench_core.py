@@ -43,11 +43,11 @@ from deltalake import DeltaTable
 from deltalake.transaction import AddAction, RemoveAction
 from pydantic import SecretStr
 
-from blocks import ObjectStore
-from edgehaul import landed, localstack
+from edgehaul.blocks import ObjectStore
 from edgehaul.bundles import read_bundle, write_bundle
 from edgehaul.contracts import Contract, load_contract
-from edgehaul.datasets import (
+from edgehaul.core import landed
+from edgehaul.core.datasets import (
     CHECKPOINT_INTERVAL,
     ValidatedBundle,
     commit_bundles,
@@ -57,7 +57,8 @@ from edgehaul.datasets import (
     read_version,
     table_uri,
 )
-from edgehaul.validation import run_expectations, suite_for, validate_bundle, validate_bundles
+from edgehaul.core.validation import run_expectations, suite_for, validate_bundle, validate_bundles
+from edgehaul_dev import localstack
 from tests.builders import processed_rows
 
 HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "content-length"}

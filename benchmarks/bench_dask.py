@@ -1,11 +1,11 @@
 """Dask speed-up from 1 to 2 workers on a CPU-bound stage, and the object store's PUT rate.
 
-1. The stage: preprocess a raw Landsat batch and write it as a zstd bundle (edgehaul.preprocess +
+1. The stage: preprocess a raw Landsat batch and write it as a zstd bundle (edgehaul.edge.preprocess +
    edgehaul.bundles), one task per batch, on a local dask.distributed cluster of 1 and then 2
    single-threaded worker processes (what EDGEHAUL_TASK_RUNNER=dask starts). Results are checked
    identical; the figure is the 1-worker time over the 2-worker time.
 2. The same stage as Prefect tasks: one `@task` per batch, mapped inside a flow whose runner is
-   edgehaul.runners' DaskTaskRunner (EDGEHAUL_TASK_RUNNER=dask, EDGEHAUL_DASK_ADDRESS = a cluster of 1
+   edgehaul.platform.runners' DaskTaskRunner (EDGEHAUL_TASK_RUNNER=dask, EDGEHAUL_DASK_ADDRESS = a cluster of 1
    and then 2 workers, warmed like the plain one), against a temporary Prefect server. Results are
    checked identical to the plain run; printed side by side with it, with the flow run's wall time.
 3. Object-store request rate (for docs/CAPACITY.md): small PUTs (one bundle manifest each) against a
@@ -37,8 +37,8 @@ def stage(seed: int, rows: int) -> tuple[str, str]:
 
     from edgehaul.bundles import write_bundle
     from edgehaul.contracts import load_contract
-    from edgehaul.landsat import generate
-    from edgehaul.preprocess import preprocess
+    from edgehaul.edge.landsat import generate
+    from edgehaul.edge.preprocess import preprocess
 
     contract = load_contract("landsat_patch")
     raw = next(generate(rows, "node-a", seed=seed, start_seq=seed * rows, batch_size=rows))
@@ -87,7 +87,7 @@ def prefect_server() -> Iterator[str]:
     """A private Prefect server (SQLite) for the run; PREFECT_API_URL set for this process and its children."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from edgehaul import localstack
+    from edgehaul_dev import localstack
 
     root = Path(tempfile.mkdtemp(prefix="eh-bench-prefect-"))
     state = localstack.new_state(root, fixed_ports=False)
@@ -105,7 +105,7 @@ def run_prefect_dask(workers: int, batches: int, rows: int) -> tuple[float, floa
     """(stage seconds, flow run wall seconds, results) of stage_flow on a warmed cluster of `workers`."""
     from distributed import Client, LocalCluster
 
-    from edgehaul.runners import RunnerConfig, configured
+    from edgehaul.platform.runners import RunnerConfig, configured
 
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
@@ -118,7 +118,7 @@ def run_prefect_dask(workers: int, batches: int, rows: int) -> tuple[float, floa
 
 
 def put_rate(threads: int, n: int) -> float:
-    from edgehaul import localstack
+    from edgehaul_dev import localstack
     from tests.conftest import store_for
 
     root = Path(tempfile.mkdtemp(prefix="eh-bench-s3-"))

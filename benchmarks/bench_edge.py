@@ -35,12 +35,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from blocks import TieringPolicy
+from edgehaul.blocks import TieringPolicy
 from edgehaul.contracts import load_contract
-from edgehaul.landsat import generate, raw_table, real_patches, table_sha256
-from edgehaul.preprocess import batch_key, channel_features, content_hashes, pixel_tensor, preprocess
-from edgehaul.scoring import NoveltyScorer
-from edgehaul.tiering import Batcher, assign
+from edgehaul.edge.landsat import generate, raw_table, real_patches, table_sha256
+from edgehaul.edge.preprocess import batch_key, channel_features, content_hashes, pixel_tensor, preprocess
+from edgehaul.edge.scoring import NoveltyScorer
+from edgehaul.edge.tiering import Batcher, assign
 
 C = load_contract("landsat_patch")
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,11 +186,11 @@ import sys
 from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
-from blocks import TieringPolicy
+from edgehaul.blocks import TieringPolicy
 from edgehaul.contracts import load_contract
-from edgehaul.preprocess import batch_key, preprocess
-from edgehaul.scoring import NoveltyScorer
-from edgehaul.tiering import Batcher, assign
+from edgehaul.edge.preprocess import batch_key, preprocess
+from edgehaul.edge.scoring import NoveltyScorer
+from edgehaul.edge.tiering import Batcher, assign
 
 def hwm_mb():
     with open("/proc/self/status") as f:
@@ -263,10 +263,10 @@ def orchestration(n: int, batch: int, repeat: int = 1) -> dict[str, object]:
     from prefect.client.schemas.objects import State
     from prefect.testing.utilities import prefect_test_harness
 
-    from blocks import EdgeNode
-    from edgehaul.spool import Spool
-    from flows.edge_ingest import EdgeIngestParams, _raw_batches, edge_ingest
-    from tasks.edge import context_key, ingest_batch, scorer_key
+    from edgehaul.blocks import EdgeNode
+    from edgehaul.edge.spool import Spool
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, _raw_batches, edge_ingest
+    from edgehaul.tasks.edge import context_key, ingest_batch, scorer_key
 
     with tempfile.TemporaryDirectory() as d:
         _raw_files(Path(d) / "raw", n, batch)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from blocks import ObjectStore, RetentionPolicy, RetentionRule
-from edgehaul import lifecycle as lc
-from edgehaul import localstack
+from edgehaul.blocks import ObjectStore, RetentionPolicy, RetentionRule
+from edgehaul.ops import lifecycle as lc
+from edgehaul_dev import localstack
 
 
 def _seed(store: ObjectStore, n: int, size: int, sub: str) -> list[str]:

@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import SecretStr
 
-from blocks import ObjectStore
-from edgehaul import localstack
+from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
 from edgehaul.training.data import DatasetRef, Position, epoch_order, open_fragments, stream, trainable
 from edgehaul.training.model import LandCoverNet, labels_to_targets, pixels_to_tensor
 from edgehaul.training.trainer import TrainConfig, train
+from edgehaul_dev import localstack
 
 
 def build(store: ObjectStore, rows: int, files: int) -> str:

@@ -22,13 +22,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import SecretStr
 
-from blocks import LinkProfile, ObjectStore
-from edgehaul import localstack
+from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.landsat import generate
-from edgehaul.link import SimulatedLink
-from edgehaul.uplink import Drainer, MemorySource, Receipt, Uplink
+from edgehaul.edge.landsat import generate
+from edgehaul.uplink.link import SimulatedLink
+from edgehaul.uplink.transfer import Drainer, Receipt, Uplink
+from edgehaul_dev import localstack
+from tests.doubles import MemorySource
 
 KiB, MiB = 1024, 1024 * 1024
 

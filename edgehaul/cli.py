@@ -1,13 +1,12 @@
-"""The `edgehaul` command: one entry point for the operator tools the README and Makefile use.
+"""The `edgehaul` command: the product's operator commands, in a source checkout or a wheel install.
 
-    edgehaul stack up|down|health   the local stack: Prefect server + SeaweedFS (edgehaul.localstack)
-    edgehaul deploy [...]           blocks, pools, deployments, automations, workers (edgehaul.deploy)
-    edgehaul demo [...]             the data path end to end on the running stack (edgehaul.demo)
-    edgehaul drills [...]           fault drills, N trials each (edgehaul.drills)
-    edgehaul verify [...]           the operations guide's acceptance checklist (edgehaul.verify)
+    edgehaul settings             the effective settings (environment / .env) and where each comes from
+    edgehaul automations [...]    create or update the alert automations on the Prefect server
+    edgehaul gateway [...]        run the signed webhook gateway (ground stations -> Prefect events)
 
-`edgehaul <command> --help` shows the command's own options. Each command is the module's `main`,
-imported only when it is called, so `edgehaul --help` answers at once.
+`edgehaul <command> --help` shows the command's own options. Each command is a module's `main`,
+imported only when it is called, so `edgehaul --help` answers at once. The development commands
+(local stack, demo, drills, verify) are not part of the product: `python -m edgehaul_dev` in a checkout.
 """
 
 from __future__ import annotations
@@ -16,18 +15,18 @@ import importlib
 import sys
 
 COMMANDS = {
-    "stack": ("edgehaul.localstack", "the local stack: up | down | health"),
-    "deploy": ("edgehaul.deploy", "deploy blocks, pools, deployments, automations and workers"),
-    "demo": ("edgehaul.demo", "run the data path end to end on the running stack"),
-    "drills": ("edgehaul.drills", "fault drills with loss/duplicate accounting"),
-    "verify": ("edgehaul.verify", "the operations guide's acceptance checklist"),
+    "settings": ("edgehaul.platform.settings", "the effective settings and their sources"),
+    "automations": ("edgehaul.platform.automations", "create or update the alert automations"),
+    "gateway": ("edgehaul.platform.gateway", "run the signed webhook gateway"),
 }
+DEV_COMMANDS = ("stack", "deploy", "demo", "drills", "verify")
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name.ljust(width)}  {what}" for name, (_, what) in COMMANDS.items()]
-    return "usage: edgehaul <command> [options]\n\ncommands:\n" + "\n".join(lines)
+    return ("usage: edgehaul <command> [options]\n\ncommands:\n" + "\n".join(lines)
+            + f"\n\ndevelopment ({', '.join(DEV_COMMANDS)}): python -m edgehaul_dev <command>, in a source checkout")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(usage())
         return 0 if args else 2
+    if args[0] in DEV_COMMANDS:
+        print(f"edgehaul: {args[0]!r} is a development command: run `python -m edgehaul_dev {args[0]}` "
+              "in a source checkout", file=sys.stderr)
+        return 2
     if args[0] not in COMMANDS:
         print(f"edgehaul: unknown command {args[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2

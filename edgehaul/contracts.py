@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import yaml
 
-CONTRACTS_DIR = Path(os.environ.get("EDGEHAUL_CONTRACTS_DIR", Path(__file__).resolve().parent.parent / "data_contracts"))
+CONTRACTS_DIR = Path(os.environ.get("EDGEHAUL_CONTRACTS_DIR", Path(__file__).resolve().parent / "data_contracts"))
 
 _ARROW_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
@@ -32,7 +32,13 @@ _ARROW_TYPES: dict[str, pa.DataType] = {
     "timestamp[ms, tz=UTC]": pa.timestamp("ms", tz="UTC"),
 }
 
-TIERS = ("high", "normal", "low")
+TIERS = ("high", "normal", "low")  # the one tier order: most urgent first
+TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
+
+
+def tier_rank(tier: str) -> int:
+    """0 for the most urgent tier; an unknown tier ranks after every known one."""
+    return TIER_RANK.get(tier, len(TIERS))
 
 
 class ContractError(ValueError):

@@ -11,9 +11,9 @@ import pyarrow as pa
 
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import Contract, load_contract
-from edgehaul.landsat import generate, table_sha256
-from edgehaul.preprocess import preprocess
-from edgehaul.scoring import NoveltyScorer
+from edgehaul.edge.landsat import generate, table_sha256
+from edgehaul.edge.preprocess import preprocess
+from edgehaul.edge.scoring import NoveltyScorer
 
 
 def processed_rows(

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from blocks import ObjectStore
-from edgehaul import localstack
+from edgehaul.blocks import ObjectStore
+from edgehaul_dev import localstack
 from tests.s3_quirk_proxy import MODES, QuirkProxy
 
 

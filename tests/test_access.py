@@ -2,7 +2,7 @@
 
 1. A tiny IAM evaluator (Allow/Deny, wildcards, `${aws:username}`, StringLike on s3:prefix) proves the
    documents confine each role, and that they grant what the SeaweedFS identities of
-   `edgehaul.localstack.identities_config` grant (the two must not drift apart).
+   `edgehaul_dev.localstack.identities_config` grant (the two must not drift apart).
 2. Real requests against the session's SeaweedFS with each identity's own keys.
 3. Last: no configured secret appears in the stack's logs or in the session's Prefect artifacts/logs.
 """
@@ -21,7 +21,7 @@ from botocore.exceptions import ClientError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edgehaul import localstack
+from edgehaul_dev import localstack
 from tests.conftest import store_for
 
 IAM = Path(__file__).resolve().parents[1] / "infra" / "iam"
@@ -224,7 +224,7 @@ def test_rotate_key_command_switches_keys_and_keeps_the_spool(tmp_path: Path) ->
 
     import boto3
 
-    from edgehaul.credentials import spool_digest
+    from edgehaul_dev.credentials import spool_digest
     from tests.builders import bundle
 
     root = tmp_path / "stack"

@@ -16,8 +16,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgehaul import events
-from edgehaul.automations import L1_NAME, L2_NAME, L3_NAME, L3_RETRY_NAME, AlertPolicy, apply_automations, at_least_globs
-from edgehaul.localstack import StackState
+from edgehaul.platform.automations import (
+    L1_NAME,
+    L2_NAME,
+    L3_NAME,
+    L3_RETRY_NAME,
+    AlertPolicy,
+    apply_automations,
+    at_least_globs,
+)
+from edgehaul_dev.localstack import StackState
 
 
 @given(st.integers(0, 9999), st.integers(0, 9999))

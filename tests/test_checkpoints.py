@@ -18,10 +18,11 @@ import httpx
 import pytest
 import torch
 
-from blocks import ObjectStore
-from edgehaul import events, localstack
+from edgehaul import events
+from edgehaul.blocks import ObjectStore
 from edgehaul.training.checkpoints import MARKER, CheckpointError, CheckpointStore, IntervalController
 from edgehaul.training.launch import child_env, store_to_public
+from edgehaul_dev import localstack
 
 ROOT = Path(__file__).resolve().parent.parent
 META = {"dataset_uri": "s3://x/y", "dataset_version": 1, "world_size": 1}

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 from deltalake import CommitProperties, Transaction, write_deltalake
 
-from blocks import ObjectStore
+from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
-from edgehaul.datasets import (
+from edgehaul.core.datasets import (
     BUNDLE_ID_COLUMN,
     CHECKPOINT_INTERVAL,
     ValidatedBundle,
@@ -24,7 +24,7 @@ from edgehaul.datasets import (
     table_uri,
     txn_app_id,
 )
-from edgehaul.validation import validate_bundle
+from edgehaul.core.validation import validate_bundle
 from tests.builders import bundle
 
 CONTRACT = load_contract("landsat_patch")

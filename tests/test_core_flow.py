@@ -20,14 +20,14 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 
-from blocks import ObjectStore
+from edgehaul.blocks import ObjectStore
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.datasets import content_sha256, lineage, open_table, read_version
-from edgehaul.quarantine import read_record
-from edgehaul.validation import batching_stats
-from flows.compact_dataset import CompactDatasetParams, compact_dataset
-from flows.core_ingest import CoreIngestParams, core_ingest
+from edgehaul.core.datasets import content_sha256, lineage, open_table, read_version
+from edgehaul.core.quarantine import read_record
+from edgehaul.core.validation import batching_stats
+from edgehaul.flows.compact_dataset import CompactDatasetParams, compact_dataset
+from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
 from tests.builders import bundle, processed_rows
 
 CONTRACT = load_contract("landsat_patch")

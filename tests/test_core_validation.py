@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.validation import (
+from edgehaul.core.validation import (
     batching_stats,
     expecting_validation,
     run_expectations,
@@ -77,7 +77,7 @@ def test_property_batched_verdicts_equal_one_run_per_bundle(
     defects: list[str], n: int, seed: int, caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.clear()
-    caplog.set_level(logging.INFO, logger="edgehaul.validation")
+    caplog.set_level(logging.INFO, logger="edgehaul.core.validation")
     made: list[tuple[bytes, BundleManifest, pa.Table]] = []
     for i, d in enumerate(defects):
         made.append(_make(d, n, seed + i, made[0][2] if made else None))

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blocks import ObjectStore, PriceSheet
-from edgehaul import costs
-from edgehaul import lifecycle as lc
+from edgehaul.blocks import ObjectStore, PriceSheet
 from edgehaul.bundles import write_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.storage_classes import billable_bytes
+from edgehaul.ops import costs
+from edgehaul.ops import lifecycle as lc
+from edgehaul.ops.storage_classes import billable_bytes
 from tests.builders import processed_rows
 from tests.conftest import store_for
 
@@ -129,7 +129,7 @@ def test_report_totals_match_metered_inputs(stack: object) -> None:
 def test_cost_report_flow_writes_artifacts_parquet_and_chart(stack: object) -> None:
     from prefect.artifacts import Artifact
 
-    from flows.cost_report import CostReportParams, cost_report
+    from edgehaul.flows.cost_report import CostReportParams, cost_report
 
     store = store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")  # type: ignore[arg-type]
     now = datetime.now(UTC)

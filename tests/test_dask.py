@@ -1,8 +1,8 @@
 """The Dask path: a data-parallel stage gives the same results under Dask as under threads.
 
-The stage maps real domain functions (edgehaul.preprocess.preprocess, edgehaul.bundles.write_bundle)
+The stage maps real domain functions (edgehaul.edge.preprocess.preprocess, edgehaul.bundles.write_bundle)
 over a backlog of raw Landsat batches, one task per batch, and is run by a Prefect flow whose task
-runner comes from edgehaul.runners (EDGEHAUL_TASK_RUNNER).
+runner comes from edgehaul.platform.runners (EDGEHAUL_TASK_RUNNER).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from prefect import flow, task
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
-from edgehaul import localstack
 from edgehaul.bundles import read_bundle, write_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.landsat import generate
-from edgehaul.preprocess import preprocess
-from edgehaul.runners import RunnerConfig, RunnerConfigError, configured, task_runner
+from edgehaul.edge.landsat import generate
+from edgehaul.edge.preprocess import preprocess
+from edgehaul.platform.runners import RunnerConfig, RunnerConfigError, configured, task_runner
+from edgehaul_dev import localstack
 
 
 @task
@@ -131,8 +131,8 @@ def test_core_ingest_under_dask_commits_what_the_thread_run_commits(
     The flow is called as it is declared: it picks its runner from EDGEHAUL_TASK_RUNNER when the run starts."""
     import uuid
 
-    from edgehaul.datasets import open_table
-    from flows.core_ingest import CoreIngestParams, core_ingest
+    from edgehaul.core.datasets import open_table
+    from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
     from tests.builders import bundle
     from tests.conftest import store_for
 

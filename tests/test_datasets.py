@@ -17,12 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import ObjectStore
-from edgehaul import landed
+from edgehaul.blocks import ObjectStore
 from edgehaul.bundles import read_bundle
-from edgehaul.compaction import compact, file_set
 from edgehaul.contracts import load_contract
-from edgehaul.datasets import (
+from edgehaul.core import landed
+from edgehaul.core.compaction import compact, file_set
+from edgehaul.core.datasets import (
     BUNDLE_ID_COLUMN,
     DatasetError,
     ValidatedBundle,
@@ -35,7 +35,7 @@ from edgehaul.datasets import (
     open_table,
     read_version,
 )
-from edgehaul.validation import ValidationResult, validate_bundle
+from edgehaul.core.validation import ValidationResult, validate_bundle
 from tests.builders import bundle, processed_rows
 
 CONTRACT = load_contract("landsat_patch")
@@ -125,7 +125,7 @@ def test_claims_defer_a_live_run_and_take_over_a_dead_one(store: ObjectStore) ->
 
 @pytest.mark.integration
 def test_an_empty_claim_left_by_a_claimant_killed_mid_put_expires_like_any_other(store: ObjectStore) -> None:
-    from edgehaul.datasets import _claim_key
+    from edgehaul.core.datasets import _claim_key
 
     dt = ensure_table(store, CONTRACT)
     # some S3 servers keep a 0-byte object when the client dies after the PUT's headers
@@ -145,7 +145,7 @@ def test_a_failed_commit_releases_its_claims_so_the_next_run_commits_at_once(
     the lease (found by `make drills`, concurrent_ingest, under load)."""
     from deltalake.exceptions import DeltaError
 
-    import edgehaul.datasets as ds
+    import edgehaul.core.datasets as ds
 
     vbs = [_validated(20, "node-a", 41), _validated(20, "node-b", 42)]
     ensure_table(store, CONTRACT)

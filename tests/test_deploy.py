@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from edgehaul import deploy, localstack
-from edgehaul.gateway import signed_headers
+from edgehaul.platform.gateway import signed_headers
+from edgehaul_dev import deploy, localstack
 from tests.waiting import wait_for
 
 FLOW_POOLS = {  # docs/ARCHITECTURE.md, "Flows"
@@ -61,7 +61,7 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
 
-    from edgehaul import configure
+    from edgehaul_dev import configure
 
     spec = deploy.load_spec()
     configure.register_block_types()

@@ -1,4 +1,4 @@
-"""Fault drills (edgehaul.drills): every drill, EDGEHAUL_DRILL_TRIALS trials each (4 in the suite,
+"""Fault drills (edgehaul_dev.drills): every drill, EDGEHAUL_DRILL_TRIALS trials each (4 in the suite,
 50 in `make drills`), zero samples lost and zero duplicated by sample id. Runs against its own
 SeaweedFS (the store-down drill stops it)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edgehaul import drills
+from edgehaul_dev import drills
 
 
 def test_accounting_flags_lost_and_duplicated_samples() -> None:

@@ -1,4 +1,4 @@
-"""One batch through the edge path (edgehaul.edge_batch) and the batch content key: the key sees
+"""One batch through the edge path (edgehaul.edge.batch) and the batch content key: the key sees
 every change and no chunking, its per-sample hashes are the content hashes, rows without an id stay distinct
 across batches in the ledger, and the bundle's Parquet settings per column."""
 
@@ -15,14 +15,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import TieringPolicy
+from edgehaul.blocks import TieringPolicy
 from edgehaul.contracts import load_contract
-from edgehaul.edge_batch import ingest_batch
-from edgehaul.landsat import generate
-from edgehaul.ledger import STAGE_PREPROCESS
-from edgehaul.preprocess import MISSING_FIELD, batch_key, content_hashes, preprocess
-from edgehaul.scoring import NoveltyScorer
-from edgehaul.spool import Spool
+from edgehaul.edge.batch import ingest_batch
+from edgehaul.edge.landsat import generate
+from edgehaul.edge.ledger import STAGE_PREPROCESS
+from edgehaul.edge.preprocess import MISSING_FIELD, batch_key, content_hashes, preprocess
+from edgehaul.edge.scoring import NoveltyScorer
+from edgehaul.edge.spool import Spool
 
 C = load_contract("landsat_patch")
 

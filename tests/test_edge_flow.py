@@ -23,14 +23,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from blocks import ObjectStore, TieringPolicy
-from edgehaul import events, localstack
-from edgehaul.caching import RESULTS_FOLDER, ensure_result_storage
+from edgehaul import events
+from edgehaul.blocks import ObjectStore, TieringPolicy
 from edgehaul.contracts import load_contract
-from edgehaul.landsat import generate
-from edgehaul.preprocess import preprocess
-from edgehaul.spool import Spool
-from flows.edge_ingest import EdgeIngestParams, edge_ingest
+from edgehaul.edge.landsat import generate
+from edgehaul.edge.preprocess import preprocess
+from edgehaul.edge.spool import Spool
+from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+from edgehaul.platform.caching import RESULTS_FOLDER, ensure_result_storage
+from edgehaul_dev import localstack
 from tests.builders import bundle
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +165,7 @@ def test_edge_ingest_with_the_model_scorer_values_samples_by_model_uncertainty(
     stack: localstack.StackState, store: ObjectStore, tmp_path: Path
 ) -> None:
     from edgehaul.bundles import read_bundle
-    from edgehaul.model_scorer import ModelScorer
+    from edgehaul.edge.model_scorer import ModelScorer
 
     tag = uuid.uuid4().hex[:8]
     node_id = f"node-m{tag}"

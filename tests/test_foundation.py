@@ -10,10 +10,10 @@ import pytest
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
-from blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
-from edgehaul import localstack
+from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.contracts import ContractError, contract_by_id, load_contract
-from edgehaul.landsat import generate, real_patches, table_sha256
+from edgehaul.edge.landsat import generate, real_patches, table_sha256
+from edgehaul_dev import localstack
 from tests.conftest import store_for
 
 

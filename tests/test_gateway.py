@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edgehaul import localstack
-from edgehaul.gateway import HOOKS, ReplayGuard, sign, signed_headers
+from edgehaul.platform.gateway import HOOKS, ReplayGuard, sign, signed_headers
+from edgehaul_dev import localstack
 
 
 def test_signature_covers_timestamp_and_body() -> None:
@@ -272,7 +272,7 @@ def test_gateway_emits_with_prefect_api_auth_on(tmp_path: Path) -> None:
 def test_alert_sink_needs_its_token_and_appends_json_lines(tmp_path: Path) -> None:
     from starlette.testclient import TestClient
 
-    from edgehaul.gateway import GatewayConfig, alert_token, create_app
+    from edgehaul.platform.gateway import GatewayConfig, alert_token, create_app
 
     log = tmp_path / "alerts.jsonl"
     with TestClient(create_app(GatewayConfig("s3cret", alert_log=str(log)))) as client:

@@ -58,7 +58,7 @@ def test_every_pool_the_deployments_use_has_a_template_and_workers() -> None:
     """prefect.yaml, the pool creation commands of infra/README.md, k8s/workers.yaml and the compose
     file name the same pools; the example edge node's worker serves its own queue of its group's pool,
     and every edge deployment names its node for the edge template."""
-    from edgehaul import deploy
+    from edgehaul_dev import deploy
 
     spec = deploy.load_spec()
     pools = set(deploy.pools_of(spec))

@@ -13,15 +13,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blocks import ObjectStore, RetentionPolicy, RetentionRule
-from edgehaul import lifecycle as lc
-from edgehaul.lifecycle_config import apply_configuration, lifecycle_configuration
-from edgehaul.storage_classes import BELOW_MIN_SIZE, CLASSES, check_delete, check_move
+from edgehaul.blocks import ObjectStore, RetentionPolicy, RetentionRule
+from edgehaul.ops import lifecycle as lc
+from edgehaul.ops.lifecycle_config import apply_configuration, lifecycle_configuration
+from edgehaul.ops.storage_classes import BELOW_MIN_SIZE, CLASSES, check_delete, check_move
 from tests.builders import processed_rows
 from tests.conftest import store_for
 
 KiB = 1024
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by a test hook to stop a batch between two steps."""
 
 
 # ------------------------------------------------------------------------------------ unit: rules
@@ -146,14 +150,14 @@ def test_interrupted_move_leaves_one_authoritative_copy_and_rerun_finishes(stack
         def hook(step: str, a: lc.Action, crash_at: int = crash_at, calls: list = calls) -> None:
             calls.append(step)
             if len(calls) == crash_at:
-                raise lc.SimulatedCrash(f"crash after {step} of {a.src_key}")
+                raise SimulatedCrash(f"crash after {step} of {a.src_key}")
 
         p = lc.plan(store, RAW_POLICY, now)
         assert p.counts() == {"move": n}
         try:
             for batch in p.batches(2):
                 lc.run_batch(store, batch, now, hook=hook)
-        except lc.SimulatedCrash:
+        except SimulatedCrash:
             pass
         for key, sha in want.items():  # mid-way: readable, identical, in one authoritative place
             assert 1 <= len(_places(store, key)) <= 2
@@ -290,9 +294,9 @@ def test_referenced_dataset_versions_read_identically_after_lifecycle(stack: obj
                       "STANDARD_IA", "features", late.isoformat(), "planned when v3 was not referenced")
 
     def crash(step: str, a: lc.Action) -> None:
-        raise lc.SimulatedCrash(step)
+        raise SimulatedCrash(step)
 
-    with pytest.raises(lc.SimulatedCrash):
+    with pytest.raises(SimulatedCrash):
         lc.run_batch(store, [stale], late, hook=crash)
     _finish(store, policy, late)
     assert lc._head(s3, store.bucket("cold"), stale.dst_key) is None  # redundant copy dropped
@@ -328,8 +332,8 @@ def test_generated_lifecycle_configuration_round_trips_through_the_server(stack:
 
 @pytest.mark.integration
 def test_lifecycle_flow_dry_run_then_moves_and_meters_its_requests(stack: object) -> None:
-    from edgehaul.costs import usage_records
-    from flows.lifecycle_moves import LifecycleParams, lifecycle_moves
+    from edgehaul.flows.lifecycle_moves import LifecycleParams, lifecycle_moves
+    from edgehaul.ops.costs import usage_records
 
     store = _fresh_store(stack, "lifecycle")
     want = _put_raw(store, 3)

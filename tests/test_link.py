@@ -11,9 +11,9 @@ from botocore.exceptions import ClientError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import LinkProfile
-from edgehaul.link import Link, LinkDown, Shaper, SimulatedLink, TokenBucket, priority_key
-from edgehaul.uplink import UplinkError, is_retryable
+from edgehaul.blocks import LinkProfile
+from edgehaul.uplink.link import Link, LinkDown, Shaper, SimulatedLink, TokenBucket, priority_key
+from edgehaul.uplink.transfer import UplinkError, is_retryable
 
 KiB = 1024
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from edgehaul import localstack
+from edgehaul_dev import localstack
 from tests.conftest import store_for
 
 pytestmark = pytest.mark.integration
@@ -84,8 +84,8 @@ def test_core_ingest_runs_on_a_postgres_backed_prefect_server(pg_prefect: locals
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from edgehaul.bundles import BundleManifest
-    from edgehaul.datasets import open_table
-    from flows.core_ingest import CoreIngestParams, core_ingest
+    from edgehaul.core.datasets import open_table
+    from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
     from tests.builders import bundle
 
     store = store_for(pg_prefect, "admin", prefix=f"pg-{uuid.uuid4().hex[:8]}")

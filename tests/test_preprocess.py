@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgehaul import preprocess as pp
 from edgehaul.contracts import load_contract
-from edgehaul.landsat import generate
+from edgehaul.edge import preprocess as pp
+from edgehaul.edge.landsat import generate
 
 C = load_contract("landsat_patch")
 
@@ -94,7 +94,7 @@ def test_nan_beyond_contract_fraction_is_rejected_for_float_tensors(tmp_path: Pa
     px = rng.random((4, 16, 16, 6), dtype=np.float32)
     px[1].reshape(-1)[: int(0.05 * 1536)] = np.nan  # 5%: allowed
     px[2].reshape(-1)[: int(0.5 * 1536)] = np.nan  # 50%: rejected
-    from edgehaul.landsat import raw_table
+    from edgehaul.edge.landsat import raw_table
 
     t = raw_table(px, np.array([1, 2, 3, 4], np.int16), "node-a", contract=fc)
     r = pp.preprocess(t, fc)

@@ -20,16 +20,16 @@ import pytest
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
-from edgehaul import localstack
-from edgehaul.runners import EnvironmentTaskRunner, RunnerConfigError, from_environment
+from edgehaul.platform.runners import EnvironmentTaskRunner, RunnerConfigError, from_environment
+from edgehaul_dev import localstack
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_deployable_data_parallel_flows_declare_the_environment_runner() -> None:
-    from flows.compact_dataset import compact_dataset
-    from flows.core_ingest import core_ingest
-    from flows.edge_ingest import edge_ingest
+    from edgehaul.flows.compact_dataset import compact_dataset
+    from edgehaul.flows.core_ingest import core_ingest
+    from edgehaul.flows.edge_ingest import edge_ingest
 
     for f in (core_ingest, compact_dataset, edge_ingest):
         assert isinstance(f.task_runner, EnvironmentTaskRunner), f.name
@@ -58,8 +58,8 @@ def test_runner_is_resolved_when_a_run_starts(monkeypatch: pytest.MonkeyPatch) -
 def test_a_flow_loaded_from_its_file_is_shipped_by_value() -> None:
     from prefect.utilities.importtools import load_script_as_module
 
-    from edgehaul.runners_dask import ship_flow_module_by_value
-    from flows.core_ingest import core_ingest
+    from edgehaul.flows.core_ingest import core_ingest
+    from edgehaul.platform.runners_dask import ship_flow_module_by_value
 
     assert ship_flow_module_by_value(core_ingest) is None  # flows.core_ingest: workers import it themselves
     loaded = load_script_as_module(str(REPO / "flows" / "core_ingest.py"))  # what a deployment run does
@@ -74,8 +74,8 @@ def test_deployed_core_ingest_run_with_dask_env_runs_its_tasks_on_the_cluster(st
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.deployments.runner import RunnerDeployment
 
-    from edgehaul.datasets import open_table
-    from flows.core_ingest import core_ingest
+    from edgehaul.core.datasets import open_table
+    from edgehaul.flows.core_ingest import core_ingest
     from tests.builders import bundle
     from tests.conftest import store_for
 

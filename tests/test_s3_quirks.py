@@ -17,16 +17,18 @@ import pytest
 from botocore.exceptions import ClientError
 from pydantic import SecretStr
 
-from blocks import LinkProfile, ObjectStore
-from edgehaul import localstack, s3compat
+from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import read_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.datasets import claim_bundles, ensure_table
-from edgehaul.lifecycle import Action, run_batch
-from edgehaul.link import Link, SimulatedLink
+from edgehaul.core.datasets import claim_bundles, ensure_table
+from edgehaul.ops.lifecycle import Action, run_batch
+from edgehaul.platform import s3compat
 from edgehaul.training import registry
-from edgehaul.uplink import PROOFS, Drainer, MemorySource, Uplink
+from edgehaul.uplink.link import Link, SimulatedLink
+from edgehaul.uplink.transfer import PROOFS, Drainer, Uplink
+from edgehaul_dev import localstack
 from tests.builders import bundle
+from tests.doubles import MemorySource
 from tests.s3_quirk_proxy import MODES, QuirkProxy
 
 MiB = 1024 * 1024

@@ -8,11 +8,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from blocks import TieringPolicy
+from edgehaul.blocks import TieringPolicy
 from edgehaul.contracts import load_contract
-from edgehaul.landsat import generate, table_sha256
-from edgehaul.preprocess import preprocess
-from edgehaul.scoring import NoveltyScorer, NoveltyState, Scorer, get_scorer, scorer_cache_version
+from edgehaul.edge.landsat import generate, table_sha256
+from edgehaul.edge.preprocess import preprocess
+from edgehaul.edge.scoring import NoveltyScorer, NoveltyState, Scorer, get_scorer, scorer_cache_version
 
 C = load_contract("landsat_patch")
 

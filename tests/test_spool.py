@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blocks import EdgeNode
-from edgehaul import ledger
+from edgehaul.blocks import EdgeNode
 from edgehaul.bundles import BundleManifest, read_bundle
-from edgehaul.ledger import Ledger
-from edgehaul.spool import STAGE_RAW, Spool, SpoolError
+from edgehaul.edge import ledger
+from edgehaul.edge.ledger import Ledger
+from edgehaul.edge.spool import STAGE_RAW, Spool, SpoolError
 from tests.builders import processed_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,7 +229,7 @@ WRITER = r"""
 import sys
 from pathlib import Path
 from edgehaul.bundles import BundleManifest
-from edgehaul.spool import Spool
+from edgehaul.edge.spool import Spool
 root, src, start = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 s = Spool(root, cap_bytes=10**9, node_id="node-a", emit=lambda *a, **k: True)
 print("ready", flush=True)

@@ -7,9 +7,10 @@ import uuid
 import pytest
 from pydantic import SecretStr
 
-from blocks import ObjectStore, RetentionPolicy
-from blocks.policies import RetentionRule
-from edgehaul import localstack, store_probe
+from edgehaul.blocks import ObjectStore, RetentionPolicy
+from edgehaul.blocks.policies import RetentionRule
+from edgehaul.ops import store_probe
+from edgehaul_dev import localstack
 from tests.s3_quirk_proxy import MODES, QuirkProxy
 
 

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import TieringPolicy
+from edgehaul.blocks import TieringPolicy
 from edgehaul.bundles import read_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.landsat import generate, table_sha256
-from edgehaul.preprocess import preprocess
-from edgehaul.scoring import NoveltyScorer
-from edgehaul.tiering import Batcher, assign, route
+from edgehaul.edge.landsat import generate, table_sha256
+from edgehaul.edge.preprocess import preprocess
+from edgehaul.edge.scoring import NoveltyScorer
+from edgehaul.edge.tiering import Batcher, assign, route
 
 C = load_contract("landsat_patch")
 

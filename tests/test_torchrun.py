@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from blocks import ObjectStore, TeamQuota
+from edgehaul.blocks import ObjectStore, TeamQuota
+from edgehaul.flows.train_model import TrainModelParams, train_model
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointStore
-from flows.train_model import TrainModelParams, train_model
 from tests.train_support import make_dataset
 
 

@@ -13,12 +13,12 @@ from typing import cast
 
 import pytest
 
-from blocks import ObjectStore, TeamQuota
-from edgehaul import localstack
+from edgehaul.blocks import ObjectStore, TeamQuota
+from edgehaul.flows.train_model import TrainModelParams, train_model
 from edgehaul.training import registry
 from edgehaul.training.placement import PlacementError
 from edgehaul.training.quota import QuotaExceeded
-from flows.train_model import TrainModelParams, train_model
+from edgehaul_dev import localstack
 from tests.train_support import make_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ def test_train_model_refuses_over_quota_and_outside_a_pool(store: ObjectStore) -
 
 @pytest.mark.integration
 def test_local_run_trains_and_publish_model_swaps_the_edge_pointer(store: ObjectStore) -> None:
-    from flows.publish_model import PublishModelParams, QualityGateFailed, publish_model
+    from edgehaul.flows.publish_model import PublishModelParams, QualityGateFailed, publish_model
 
     make_dataset(store, [200])
     store_block, quota_block = _blocks(store)
@@ -131,7 +131,7 @@ def test_local_run_trains_and_publish_model_swaps_the_edge_pointer(store: Object
 
 @pytest.mark.integration
 def test_a_model_of_an_older_dataset_version_does_not_replace_a_newer_one(store: ObjectStore) -> None:
-    from flows.publish_model import PublishModelParams, publish_model
+    from edgehaul.flows.publish_model import PublishModelParams, publish_model
 
     store_block, _ = _blocks(store)
     name, uri = "stale-check", "s3://curated/tables/stale-check"

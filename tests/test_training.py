@@ -22,8 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocks import ObjectStore, TeamQuota
-from edgehaul import localstack
+from edgehaul.blocks import ObjectStore, TeamQuota
 from edgehaul.contracts import load_contract
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointStore, DataVersionMismatch, next_interval
@@ -33,6 +32,7 @@ from edgehaul.training.model import LandCoverNet, labels_to_targets, pixels_to_t
 from edgehaul.training.placement import PlacementError, check_placement
 from edgehaul.training.quota import QuotaExceeded, Usage, check_quota, usage_from_lineage
 from edgehaul.training.trainer import TrainConfig, TrainResult, train
+from edgehaul_dev import localstack
 from tests.builders import processed_rows
 from tests.conftest import store_for
 from tests.train_support import make_dataset, with_unusable_rows
@@ -225,7 +225,7 @@ def test_kill_9_mid_training_then_resume_matches_the_uninterrupted_run(trained: 
 
 @pytest.mark.integration
 def test_edge_scorer_loads_the_published_model(trained: Trained) -> None:
-    from edgehaul.model_scorer import ModelScorer
+    from edgehaul.edge.model_scorer import ModelScorer
 
     with pytest.raises(registry.RegistryError, match="no published landcover model"):
         ModelScorer("latest", trained.store)

@@ -18,7 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from edgehaul import events, localstack
+from edgehaul import events
+from edgehaul_dev import localstack
+from tests.waiting import run_log_lines
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = [
@@ -49,7 +51,7 @@ _SERVED = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from prefect import flow
     from prefect.events import DeploymentEventTrigger
-    from edgehaul.reporting import summary_table
+    from edgehaul.platform.reporting import summary_table
 
     @flow(name="ui-triggered-{uid}")
     def on_contact(node: str) -> str:
@@ -75,13 +77,24 @@ def _artifacts(api: str, key: str) -> list[dict[str, Any]]:
 
 @pytest.mark.integration
 def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackState, tmp_path: Path) -> None:
-    from prefect import flow
+    from botocore.exceptions import ClientError
+    from prefect import flow, task
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
-    from edgehaul.reporting import Progress, summary_table
+    import edgehaul.tasks  # noqa: F401  (the product's tasks attach the domain loggers to the run logs)
+    from edgehaul.platform.reporting import Progress, summary_table
+    from edgehaul.platform.s3_errors import IO_RETRY
 
     uid = uuid.uuid4().hex[:8]
+    puts: list[int] = []
+
+    @task(name=f"put-bundle-{uid}", **{**IO_RETRY, "retry_delay_seconds": 0})
+    def put_bundle() -> None:  # throttled once, as a busy store does: the retry is a domain log line
+        puts.append(1)
+        if len(puts) == 1:
+            raise ClientError({"Error": {"Code": "SlowDown", "Message": "slow down"},  # type: ignore[typeddict-item]
+                               "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
     api, ui = stack.prefect_api_url, stack.prefect_ui_url
 
     # A triggered run: a served deployment whose trigger matches a contact-window event.
@@ -97,6 +110,7 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
             with Progress(f"ui-demo-{uid}-progress", total=3, description="bundles validated") as p:
                 for _ in range(3):
                     p.advance()
+            put_bundle()
             summary_table(f"ui-demo-{uid}", [{"bundle": f"b-{uid}", "rows": 512, "status": "committed"}], "demo run")
             return str(flow_run.id)
 
@@ -132,8 +146,11 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
         table = _artifacts(api, f"ui-demo-{uid}")[0]
         assert _artifacts(api, f"ui-triggered-{uid}")[0]["flow_run_id"] == str(triggered.id)
 
+        run_log_lines(demo_id, f"retrying put-bundle-{uid}")  # shipped to the API before the page loads
         page = browse(f"{ui}/runs/flow-run/{demo_id}", tmp_path)
         assert demo_name in page and f"ui-demo-{uid}" in page and "Completed" in page, page[:1500]
+        # the run's Logs tab shows the product's own log line (edgehaul.platform.s3_errors), not only Prefect's
+        assert f"retrying put-bundle-{uid} after SlowDown" in page, page[:3000]
 
         page = browse(f"{ui}/artifacts/artifact/{table['id']}", tmp_path)
         assert f"ui-demo-{uid}" in page and f"b-{uid}" in page and "committed" in page, page[:1500]
@@ -154,7 +171,7 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
 
 
 def test_reporting_helpers_are_noops_outside_a_run() -> None:
-    from edgehaul.reporting import Progress, artifact_key, summary_table
+    from edgehaul.platform.reporting import Progress, artifact_key, summary_table
 
     assert artifact_key("Core Ingest: node_A/2026") == "core-ingest-node-a-2026"
     assert artifact_key("***") == "edgehaul"

@@ -20,18 +20,19 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
-from blocks import LinkProfile, ObjectStore
-from edgehaul import localstack
+from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.ledger import Ledger
-from edgehaul.link import Link, SimulatedLink
-from edgehaul.retry_queue import RETRY_EXPIRED, RETRY_OVERFLOW, STAGE_UPLINK, RetryQueue
-from edgehaul.spool import Spool
-from edgehaul.uplink import Drainer, MemorySource, Uplink, UplinkError
-from tasks.uplink import spool_discard
+from edgehaul.edge.ledger import Ledger
+from edgehaul.edge.spool import Spool
+from edgehaul.tasks.uplink import spool_discard
+from edgehaul.uplink.link import Link, SimulatedLink
+from edgehaul.uplink.retry_queue import RETRY_EXPIRED, RETRY_OVERFLOW, STAGE_UPLINK, RetryQueue
+from edgehaul.uplink.transfer import Drainer, Uplink, UplinkError
+from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
 from tests.conftest import store_for
+from tests.doubles import MemorySource
 
 MiB = 1024 * 1024
 KiB = 1024
@@ -166,10 +167,10 @@ _CHILD = """
 import json, sys
 from pathlib import Path
 from pydantic import SecretStr
-from blocks import LinkProfile, ObjectStore
+from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import BundleManifest
-from edgehaul.link import SimulatedLink
-from edgehaul.uplink import Uplink
+from edgehaul.uplink.link import SimulatedLink
+from edgehaul.uplink.transfer import Uplink
 a = json.loads(sys.argv[1])
 store = ObjectStore(endpoint_url=a["endpoint"], access_key_id=SecretStr(a["key"]), secret_access_key=SecretStr(a["secret"]),
                     prefix=a["prefix"])

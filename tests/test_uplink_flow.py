@@ -10,12 +10,13 @@ from typing import Any
 import httpx
 import pytest
 
-from blocks import EdgeNode, LinkProfile, ObjectStore
-from edgehaul import events, localstack
+from edgehaul import events
+from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
 from edgehaul.bundles import write_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.spool import Spool
-from flows.uplink_drain import UplinkDrainParams, uplink_drain
+from edgehaul.edge.spool import Spool
+from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
+from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
 
 MiB = 1024 * 1024
@@ -83,19 +84,27 @@ def test_task_retries_only_safe_errors(stack: localstack.StackState) -> None:
     from botocore.exceptions import ClientError
     from prefect import task
 
-    from tasks.uplink import retry_on_safe_errors
+    from edgehaul.platform.s3_errors import CLIENT_MAX_ATTEMPTS, TASK_RETRIES, retry_condition
 
     calls: dict[str, int] = {}
 
-    @task(retries=2, retry_delay_seconds=0, retry_condition_fn=retry_on_safe_errors)
+    def s3_error(code: str, status: int, client_retries: int) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": "no"},  # type: ignore[typeddict-item]
+                            "ResponseMetadata": {"HTTPStatusCode": status, "RetryAttempts": client_retries}}, "PutObject")
+
+    @task(retries=TASK_RETRIES, retry_delay_seconds=0, retry_condition_fn=retry_condition)
     def flaky(kind: str) -> None:
         calls[kind] = calls.get(kind, 0) + 1
         if kind == "denied":
-            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"},  # type: ignore[typeddict-item]
-                               "ResponseMetadata": {"HTTPStatusCode": 403}}, "PutObject")
+            raise s3_error("AccessDenied", 403, 0)
+        if kind == "throttled":
+            raise s3_error("SlowDown", 503, 0)
+        if kind == "throttled-client-exhausted":  # the client already made its attempts: no more
+            raise s3_error("SlowDown", 503, CLIENT_MAX_ATTEMPTS - 1)
         raise ConnectionResetError("link dropped")
 
-    for kind in ("denied", "reset"):
+    for kind in ("denied", "reset", "throttled", "throttled-client-exhausted"):
         with pytest.raises((ClientError, ConnectionResetError)):
             flaky(kind)
-    assert calls == {"denied": 1, "reset": 3}
+    assert calls == {"denied": 1, "reset": 1 + TASK_RETRIES, "throttled": 1 + TASK_RETRIES,
+                     "throttled-client-exhausted": 1}

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
-from edgehaul.validation import ValidationResult, suite_for, validate_bundle
+from edgehaul.core.validation import ValidationResult, suite_for, validate_bundle
 from tests.builders import bundle, processed_rows
 
 CONTRACT = load_contract("landsat_patch")

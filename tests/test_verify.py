@@ -1,4 +1,4 @@
-"""`make verify` checks (edgehaul.verify) against the session stack.
+"""`make verify` checks (edgehaul_dev.verify) against the session stack.
 
 high_value, resume, alert_l2 and quota must PASS here. control_plane needs a worker on every pool
 (`make deploy`), so on the session stack it is exercised for its FAIL path. placement is checked on
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from blocks import EdgeNode, LinkProfile, TeamQuota
-from edgehaul import deploy, localstack, verify
+from edgehaul.blocks import EdgeNode, LinkProfile, TeamQuota
+from edgehaul_dev import deploy, localstack, verify
 from tests.conftest import store_for
 from tests.waiting import wait_for
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from blocks import ObjectStore
+from edgehaul.blocks import ObjectStore
 from tests.builders import processed_rows
 
 

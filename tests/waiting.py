@@ -18,3 +18,20 @@ def wait_for(pred: Callable[[], T], timeout: float, what: str) -> T:
             return got
         time.sleep(1)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def run_log_lines(flow_run_id: object, needle: str, timeout: float = 90) -> list[str]:
+    """The flow run's log lines (`logger: message`) once one contains `needle` (the API handler ships
+    logs in the background every ~2 s); fails the test if none does within `timeout`."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    def lines() -> list[str]:
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(str(flow_run_id))])))
+        out = [f"{lg.name}: {lg.message}" for lg in logs]
+        return out if any(needle in line for line in out) else []
+
+    return wait_for(lines, timeout, f"a log line with {needle!r} in flow run {flow_run_id}")

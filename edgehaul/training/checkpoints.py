@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from botocore.exceptions import BotoCoreError, ClientError
 
-from blocks import ObjectStore
 from edgehaul import events
+from edgehaul.blocks import ObjectStore
 
 log = logging.getLogger(__name__)
 

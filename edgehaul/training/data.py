@@ -19,11 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pds
 
+from edgehaul.core.datasets import DatasetError, open_uri
+
 COLUMNS = ["sample_id", "label", "pixels", "is_summary"]
-
-
-class DatasetError(ValueError):
-    """The dataset (version) cannot be read for training."""
 
 
 @dataclass(frozen=True)
@@ -48,26 +46,12 @@ class Position:
 
 
 def latest_version(uri: str, storage_options: dict[str, str]) -> int:
-    from deltalake import DeltaTable
-    from deltalake.exceptions import TableNotFoundError
-
-    try:
-        return int(DeltaTable(uri, storage_options=storage_options).version())
-    except TableNotFoundError as e:
-        raise DatasetError(f"no Delta table at {uri}: {e}") from e
+    return int(open_uri(uri, storage_options).version())
 
 
 def open_fragments(ref: DatasetRef) -> list[pds.ParquetFileFragment]:
     """The version's data files, sorted by path (the order every rank agrees on)."""
-    from deltalake import DeltaTable
-    from deltalake.exceptions import DeltaError, TableNotFoundError
-
-    try:
-        dt = DeltaTable(ref.uri, version=ref.version, storage_options=ref.storage_options)
-    except TableNotFoundError as e:
-        raise DatasetError(f"no Delta table at {ref.uri}: {e}") from e
-    except DeltaError as e:
-        raise DatasetError(f"cannot open {ref.uri} at version {ref.version}: {e}") from e
+    dt = open_uri(ref.uri, ref.storage_options, ref.version)
     ds = dt.to_pyarrow_dataset()
     missing = [c for c in COLUMNS if c not in ds.schema.names]
     if missing:

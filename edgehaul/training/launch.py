@@ -17,14 +17,17 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from blocks import ObjectStore
+from edgehaul.blocks import ObjectStore
 from edgehaul.training.trainer import TrainConfig, TrainResult, train
 
 SECRET_FIELDS = ("access_key_id", "secret_access_key")
 
 
 class LaunchError(RuntimeError):
-    """The training processes failed; the message carries the tail of their output."""
+    """The training processes failed; the message carries the tail of their output. A re-run resumes
+    from the last committed checkpoint, so it is worth a retry (`s3_errors.is_retryable` reads this)."""
+
+    retryable = True
 
 
 def store_to_public(store: ObjectStore) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from blocks import TeamQuota
+from edgehaul.blocks import TeamQuota
 
 
 class QuotaExceeded(RuntimeError):

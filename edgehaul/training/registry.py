@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from botocore.exceptions import ClientError
 
-from blocks import ObjectStore
-from edgehaul import s3compat
+from edgehaul.blocks import ObjectStore
+from edgehaul.platform import s3compat
 
 
 class RegistryError(RuntimeError):
@@ -110,20 +110,39 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-def read_json(store: ObjectStore, uri: str) -> tuple[dict[str, Any], str]:
-    """JSON object at `uri` and its ETag."""
+def _get_object(store: ObjectStore, uri: str, what: str) -> Any:
+    """GetObject of `uri`; a missing key is a RegistryError naming `what`."""
     bucket, key = parse_s3_uri(uri)
     try:
-        r = store.client().get_object(Bucket=bucket, Key=key)
+        return store.client().get_object(Bucket=bucket, Key=key)
     except ClientError as e:
         if _code(e) in ("NoSuchKey", "404"):
-            raise RegistryError(f"{uri} does not exist") from e
+            raise RegistryError(f"{what} does not exist") from e
         raise
+
+
+def read_json(store: ObjectStore, uri: str) -> tuple[dict[str, Any], str]:
+    """JSON object at `uri` and its ETag."""
+    r = _get_object(store, uri, uri)
     return json.loads(r["Body"].read()), str(r["ETag"])
 
 
 def latest_uri(store: ObjectStore, name: str = "landcover") -> str:
     return store.uri("models", f"{name}/latest.json")
+
+
+def resolve_model_uri(store: ObjectStore, model_uri: str | None) -> str:
+    """The model a scorer or reader means: `latest` / `latest:<name>` / None is the published model of
+    that name (default `landcover`, through its `latest.json` pointer); anything else is a model URI."""
+    model_uri = model_uri or "latest"
+    if model_uri != "latest" and not model_uri.startswith("latest:"):
+        return model_uri
+    name = model_uri.split(":", 1)[1] if ":" in model_uri else "landcover"
+    try:
+        pointer, _ = read_json(store, latest_uri(store, name))
+    except RegistryError as e:
+        raise RegistryError(f"no published {name} model yet ({e}); run the publish_model flow") from e
+    return str(pointer["model_uri"])
 
 
 class StaleModel(RegistryError):
@@ -184,13 +203,7 @@ def publish(store: ObjectStore, name: str, model_id: str, allow_older: bool = Fa
 
 
 def load_model_file(store: ObjectStore, model_uri: str) -> dict[str, Any]:
-    bucket, key = parse_s3_uri(model_uri)
-    try:
-        r = store.client().get_object(Bucket=bucket, Key=key)
-    except ClientError as e:
-        if _code(e) in ("NoSuchKey", "404"):
-            raise RegistryError(f"model {model_uri} does not exist") from e
-        raise
+    r = _get_object(store, model_uri, f"model {model_uri}")
     data = r["Body"].read()
     want = r.get("Metadata", {}).get("sha256")
     if want and hashlib.sha256(data).hexdigest() != want:

@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
 
-from blocks import ObjectStore
 from edgehaul import events
+from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointError, CheckpointStore, IntervalController, check_resumable

@@ -3,4 +3,4 @@
 #   infra/local/rotate_key.sh node-a [--root .edgehaul-stack] [--spool /path/to/node-a/spool]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-exec .venv/bin/python -m edgehaul.credentials "$@"
+exec .venv/bin/python -m edgehaul_dev.credentials "$@"

@@ -1,0 +1,123 @@
+"""Quarantine: a bundle that failed validation leaves the landing zone for `quarantine/<node>/<bundle>/`.
+
+The bundle and its manifest are copied server-side (no download), `validation.json` is written beside
+them with the reason and every sample id the bundle carried (the accounting of those samples), and
+only then are the landing objects removed, manifest first so the bundle stops counting as complete.
+Repeating a quarantine after a crash is safe: missing landing objects are skipped, the record is
+rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from botocore.exceptions import ClientError
+
+from edgehaul import events
+from edgehaul.bundles import BundleManifest
+from edgehaul.core.validation import ValidationResult
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+    from edgehaul.blocks import ObjectStore
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = "validation.json"
+
+
+@dataclass(frozen=True)
+class QuarantineRecord:
+    bundle_id: str
+    node_id: str
+    reason: str
+    error: str
+    landing_key: str
+    quarantine_prefix: str
+    objects: list[str]
+    sample_ids: list[str]
+    sample_ids_known: bool
+    validation: dict[str, Any]
+    quarantined_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+
+def manifest_key_for(data_key: str) -> str:
+    return data_key.removesuffix(".parquet") + ".manifest.json"
+
+
+def ids_from_key(data_key: str) -> tuple[str, str]:
+    """(node_id, bundle_id) from a landing key `[prefix/]<node>/<day>/<bundle>.parquet`."""
+    parts = data_key.split("/")
+    bundle = parts[-1].removesuffix(".parquet").removesuffix(".manifest.json")
+    node = parts[-3] if len(parts) >= 3 else "unknown-node"
+    return node, bundle
+
+
+def _exists(s3: S3Client, bucket: str, key: str) -> bool:
+    try:
+        s3.head_object(Bucket=bucket, Key=key)
+        return True
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return False
+        raise
+
+
+def quarantine_bundle(
+    store: ObjectStore,
+    data_key: str,
+    result: ValidationResult,
+    manifest: BundleManifest | None,
+    sample_ids: list[str] | None = None,
+    *,
+    s3: S3Client | None = None,
+    emit_event: bool = True,
+) -> QuarantineRecord:
+    """Move a failed bundle (landing key of its Parquet object) to quarantine with its result.
+
+    `sample_ids` defaults to the manifest's; pass the file's own ids when the manifest is unreadable.
+    """
+    s3 = s3 or store.client()
+    src_bucket, dst_bucket = store.bucket("landing"), store.bucket("quarantine")
+    node, bundle = (manifest.node_id, manifest.bundle_id) if manifest else ids_from_key(data_key)
+    prefix = store.key("quarantine", f"{node}/{bundle}/")
+    moved = []
+    for src in (data_key, manifest_key_for(data_key)):
+        name = src.rsplit("/", 1)[-1]
+        if not _exists(s3, src_bucket, src):
+            continue
+        s3.copy_object(Bucket=dst_bucket, Key=prefix + name, CopySource={"Bucket": src_bucket, "Key": src})
+        moved.append(prefix + name)
+    ids = sample_ids if sample_ids is not None else (list(manifest.sample_ids) if manifest else [])
+    record = QuarantineRecord(
+        bundle_id=bundle, node_id=node, reason=result.reason, error=result.error, landing_key=data_key,
+        quarantine_prefix=prefix, objects=moved, sample_ids=ids,
+        sample_ids_known=sample_ids is not None or manifest is not None, validation=result.to_dict(),
+    )
+    s3.put_object(Bucket=dst_bucket, Key=prefix + RECORD_NAME, Body=record.to_json(), ContentType="application/json")
+    # The record is durable; now the landing copy can go (manifest first: the bundle is no longer complete).
+    for src in (manifest_key_for(data_key), data_key):
+        s3.delete_object(Bucket=src_bucket, Key=src)
+    log.warning("quarantined bundle %s from %s: %s (%d samples)", bundle[:12], node, result.reason, len(ids))
+    if emit_event:
+        events.emit(
+            events.BUNDLE_QUARANTINED, f"edgehaul.bundle.{bundle}",
+            {"reason": result.reason, "error": result.error[:500], "samples": len(ids), "prefix": prefix},
+            **{"edgehaul.node": node},
+        )
+    return record
+
+
+def read_record(store: ObjectStore, node_id: str, bundle_id: str, *, s3: S3Client | None = None) -> QuarantineRecord:
+    s3 = s3 or store.client()
+    key = store.key("quarantine", f"{node_id}/{bundle_id}/{RECORD_NAME}")
+    doc = json.loads(s3.get_object(Bucket=store.bucket("quarantine"), Key=key)["Body"].read())
+    return QuarantineRecord(**doc)

@@ -1,0 +1,193 @@
+"""Scorers: give each preprocessed sample a value in [0, 1]; a TieringPolicy maps value to tier.
+
+A scorer is anything with `version: str` and `score(table) -> np.ndarray` (float32 in [0, 1], one
+per row). Shipped here: `NoveltyScorer` (no model). The model scorer lives in
+`edgehaul.edge.model_scorer.ModelScorer` (training side) and is loaded lazily by `get_scorer`.
+
+NoveltyScorer = 1 - (1 - rarity) * (1 - novelty) (either signal alone can make a sample valuable),
+with rarity = 1 - p(class) / p(commonest class) and novelty from the diagonal Mahalanobis distance
+of the sample's band statistics, both against a running sketch:
+per-batch sketches (label counts, feature sums and sums of squares) kept in fold order in a small
+JSON state file, keyed by batch content hash. A batch is scored against itself plus the batches
+folded BEFORE it: all of them for a new batch, the prefix up to its own position for a batch
+already folded. So rescoring a batch (a rerun) sees exactly the context it saw the first time,
+which keeps the score/tier cache valid while the sketch keeps learning from new batches.
+`cache_version(batch_key)` names that context (it is part of the score/tier cache key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+import pyarrow as pa
+
+from edgehaul.contracts import Contract
+
+if TYPE_CHECKING:
+    from edgehaul.blocks.object_store import ObjectStore
+    from edgehaul.blocks.policies import TieringPolicy
+
+NOVELTY_VERSION = "novelty-1"
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    @property
+    def version(self) -> str: ...
+
+    def score(self, table: pa.Table) -> np.ndarray: ...
+
+
+@dataclass
+class BatchSketch:
+    n: int
+    label_counts: dict[int, int]
+    fsum: list[float]
+    fsumsq: list[float]
+
+    @classmethod
+    def of(cls, table: pa.Table, contract: Contract) -> BatchSketch:
+        feats = _features(table, contract)
+        labels = table.column(contract.label_column).to_numpy(zero_copy_only=False)
+        labels = labels[~np.isnan(labels.astype(np.float64))] if labels.dtype.kind == "f" else labels
+        vals, cnts = np.unique(np.asarray(labels, dtype=np.int64), return_counts=True)
+        return cls(
+            n=int(table.num_rows),
+            label_counts={int(v): int(c) for v, c in zip(vals, cnts, strict=True)},
+            fsum=feats.sum(axis=0, dtype=np.float64).tolist(),
+            fsumsq=(feats.astype(np.float64) ** 2).sum(axis=0).tolist(),
+        )
+
+
+@dataclass
+class NoveltyState:
+    """Per-batch sketches, oldest first, bounded to `max_batches` (the 'running' window)."""
+
+    batches: OrderedDict[str, BatchSketch] = field(default_factory=OrderedDict)
+    max_batches: int = 512
+
+    def context(self, batch_key: str | None) -> list[str]:
+        """Keys a batch is scored against (besides itself): those folded before it."""
+        keys = list(self.batches)
+        return keys[: keys.index(batch_key)] if batch_key is not None and batch_key in self.batches else keys
+
+    def digest(self, keys: list[str] | None = None) -> str:
+        h = hashlib.sha256(NOVELTY_VERSION.encode())
+        for key in self.batches if keys is None else keys:
+            h.update(key.encode())
+        return h.hexdigest()[:16]
+
+    def fold(self, key: str, sketch: BatchSketch) -> None:
+        if key in self.batches:
+            return
+        self.batches[key] = sketch
+        while len(self.batches) > self.max_batches:
+            self.batches.popitem(last=False)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"max_batches": self.max_batches,
+                           "batches": [[k, s.__dict__] for k, s in self.batches.items()]}).encode()
+
+    @classmethod
+    def load(cls, path: Path | None) -> NoveltyState:
+        if path is None or not path.exists():
+            return cls()
+        doc = json.loads(path.read_bytes())
+        batches: OrderedDict[str, BatchSketch] = OrderedDict()
+        for key, s in doc["batches"]:
+            s["label_counts"] = {int(k): int(v) for k, v in s["label_counts"].items()}
+            batches[key] = BatchSketch(**s)
+        return cls(batches=batches, max_batches=int(doc.get("max_batches", 512)))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(self.to_json())
+        os.replace(tmp, path)
+
+
+def _features(table: pa.Table, contract: Contract) -> np.ndarray:
+    if table.num_rows == 0:
+        return np.empty((0, len(contract.feature_columns)), np.float32)
+    return np.column_stack([table.column(c).to_numpy(zero_copy_only=False) for c in contract.feature_columns]).astype(
+        np.float32
+    )
+
+
+class NoveltyScorer:
+    """Class rarity + spectral novelty against the running sketch (no model)."""
+
+    def __init__(self, contract: Contract, state: NoveltyState | None = None) -> None:
+        self.contract = contract
+        self.state = state or NoveltyState()
+
+    @property
+    def version(self) -> str:
+        return f"{NOVELTY_VERSION}+{self.state.digest()}"
+
+    def cache_version(self, batch_key: str) -> str:
+        """What the scores of batch `batch_key` depend on besides the batch itself."""
+        return f"{NOVELTY_VERSION}/{self.state.digest(self.state.context(batch_key))}"
+
+    def score(self, table: pa.Table, batch_key: str | None = None) -> np.ndarray:
+        own = BatchSketch.of(table, self.contract)
+        ctx = [self.state.batches[k] for k in self.state.context(batch_key)] + [own]
+        n = sum(s.n for s in ctx)
+        if table.num_rows == 0 or n == 0:
+            return np.zeros(table.num_rows, np.float32)
+        counts: dict[int, int] = {}
+        for s in ctx:
+            for lab, c in s.label_counts.items():
+                counts[lab] = counts.get(lab, 0) + c
+        # Rarity relative to the commonest class (+1 smoothing): 0 for it, -> 1 for a first sighting.
+        top = max(counts.values(), default=0) + 1
+        lut = {lab: 1.0 - (counts.get(lab, 0) + 1) / top for lab in self.contract.label_values}
+        labels = table.column(self.contract.label_column).to_numpy(zero_copy_only=False)
+        label_arr = np.asarray(labels, dtype=np.float64)
+        rarity = np.full(table.num_rows, 0.5)  # unlabelled: unknown rarity
+        for lab, r in lut.items():
+            rarity[label_arr == lab] = r
+        # Spectral novelty: diagonal Mahalanobis distance of the feature vector from the sketch.
+        fsum = np.sum([s.fsum for s in ctx], axis=0)
+        fsq = np.sum([s.fsumsq for s in ctx], axis=0)
+        mean = fsum / n
+        var = np.maximum(fsq / n - mean**2, 1e-8)
+        feats = _features(table, self.contract).astype(np.float64)
+        d2 = (((feats - mean) ** 2) / var).mean(axis=1)
+        novelty = 1.0 - np.exp(-np.maximum(d2 - 1.0, 0.0) / 2.0)
+        value = 1.0 - (1.0 - rarity) * (1.0 - novelty)
+        return np.clip(value, 0.0, 1.0).astype(np.float32)
+
+    def fold(self, table: pa.Table, batch_key: str) -> None:
+        """Add a batch to the running sketch (idempotent per batch key)."""
+        self.state.fold(batch_key, BatchSketch.of(table, self.contract))
+
+
+def get_scorer(
+    policy: TieringPolicy, store: ObjectStore | None, *, contract: Contract | None = None, state_path: Path | None = None
+) -> Scorer:
+    """The scorer the policy names. 'model' imports the training side's ModelScorer lazily, so the
+    edge does not import torch unless it uses a model."""
+    if policy.scorer == "novelty":
+        from edgehaul.contracts import load_contract
+
+        return NoveltyScorer(contract or load_contract("landsat_patch"), NoveltyState.load(state_path))
+    if policy.scorer == "model":
+        from edgehaul.edge.model_scorer import ModelScorer  # type: ignore[import-not-found, unused-ignore]
+
+        scorer: Scorer = ModelScorer(policy.model_uri, store)
+        return scorer
+    raise ValueError(f"tiering policy {policy.version}: unknown scorer {policy.scorer!r}")
+
+
+def scorer_cache_version(scorer: Scorer, batch_key: str) -> str:
+    """Cache-key part for scoring one batch: a scorer's `cache_version` if it has one, else `version`."""
+    fn = getattr(scorer, "cache_version", None)
+    return str(fn(batch_key)) if callable(fn) else scorer.version

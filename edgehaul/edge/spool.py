@@ -1,0 +1,491 @@
+"""The durable edge spool: bundles wait here, on local disk, until the core confirms receipt.
+
+Layout under the spool root:
+    bundles/<bundle_id>.parquet          bundle bytes (high/normal tier), waiting for uplink
+    bundles/<bundle_id>.manifest.json    its manifest (BundleManifest.to_json()), written LAST
+    raw/<bundle_id>.parquet + .manifest.json
+                                         the local raw store: full low-tier rows (pixels kept) whose
+                                         summary rows went up in normal bundles; never uplinked, removed
+                                         by retention (`raw_ttl_seconds`) or clean-up, counted in the cap
+    staging/                             derived intermediates (preprocessed batches for the cache),
+                                         counted in the cap, pruned after `staging_ttl_seconds`
+    ledger.sqlite                        edgehaul.edge.ledger.Ledger (not counted in the cap; small)
+    spool.sqlite                         acknowledgements (bundle_id, remote key, sha256)
+
+The directory is the index: an entry exists iff its manifest sidecar exists. Writes go to a temp
+file, fsync, rename, fsync of the directory, bundle first and sidecar last, so a kill -9 at any
+point leaves either a complete entry or leftovers that `Spool(...)` removes when it opens. The
+sidecar's mtime is the spooling time (from the injectable clock), which drives TTL and ordering.
+Mutations hold an exclusive `flock` on `<root>/.lock`, so the ingest flow and the uplink drain
+can share a spool from separate processes.
+
+Cap and watermarks (operations guide): a write is admitted only if it fits under the cap after
+clean-up, so the spool never exceeds its cap. At >= cleanup_watermark, clean-up removes expired
+entries, stale staging files, then raw-store entries lowest value first, until the spool is back
+under the clean-up watermark (bundles waiting for uplink are not touched by clean-up). At
+>= alert_watermark after a write, `edgehaul.spool.watermark` (level 2) is emitted once per
+upward crossing. When a write would still not fit: `reject-new` refuses it; `drop-lowest-value`
+drops waiting bundles of lower value (tier first, then max_value, oldest first) if that frees
+enough, else refuses. Every refused, dropped, evicted or expired sample goes to the ledger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgehaul import events
+from edgehaul.bundles import BundleError, BundleManifest
+from edgehaul.contracts import tier_rank
+from edgehaul.edge import ledger
+from edgehaul.edge.ledger import Ledger
+
+if TYPE_CHECKING:
+    from edgehaul.blocks.policies import EdgeNode
+
+log = logging.getLogger(__name__)
+
+FULL_POLICIES = ("reject-new", "drop-lowest-value")
+STAGE_RAW = "spool-raw"  # ledger stage of the raw store (low-tier pixels; their summaries were kept)
+_SIDECAR = ".manifest.json"
+_TMP = ".tmp"
+
+
+class SpoolError(RuntimeError):
+    """A spool operation cannot be done as asked (bad input, unknown bundle, checksum mismatch)."""
+
+
+@dataclass(frozen=True)
+class SpoolEntry:
+    bundle_id: str
+    tier: str
+    max_value: float
+    created_at: float
+    path: Path
+    manifest: BundleManifest
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SpoolUsage:
+    used_bytes: int
+    cap_bytes: int
+    fraction: float
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes, *, mtime: float | None = None) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if mtime is not None:
+        os.utime(tmp, ns=(int(mtime * 1e9), int(mtime * 1e9)))
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _value_key(e: SpoolEntry) -> tuple[int, float, float]:
+    """Lower sorts first = cheaper to lose: low tier, then smaller max_value, then oldest."""
+    return (-tier_rank(e.tier), e.max_value, e.created_at)
+
+
+class Spool:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        cap_bytes: int,
+        cleanup_watermark: float = 0.80,
+        alert_watermark: float = 0.85,
+        full_policy: str = "drop-lowest-value",
+        ttl_seconds: float = 7 * 86400,
+        node_id: str = "",
+        clock: Callable[[], float] = time.time,
+        raw_ttl_seconds: float | None = None,
+        staging_ttl_seconds: float = 86400,
+        emit: Callable[..., bool] | None = None,
+    ) -> None:
+        if cap_bytes <= 0:
+            raise SpoolError(f"cap_bytes must be > 0, got {cap_bytes}")
+        if not 0 < cleanup_watermark < alert_watermark <= 1:
+            raise SpoolError(f"watermarks must satisfy 0 < cleanup ({cleanup_watermark}) < alert ({alert_watermark}) <= 1")
+        if full_policy not in FULL_POLICIES:
+            raise SpoolError(f"full_policy {full_policy!r} is not one of {FULL_POLICIES}")
+        self.root = Path(root)
+        self.cap_bytes = int(cap_bytes)
+        self.cleanup_watermark = cleanup_watermark
+        self.alert_watermark = alert_watermark
+        self.full_policy = full_policy
+        self.ttl_seconds = float(ttl_seconds)
+        self.raw_ttl_seconds = float(raw_ttl_seconds if raw_ttl_seconds is not None else ttl_seconds)
+        self.staging_ttl_seconds = float(staging_ttl_seconds)
+        self.node_id = node_id
+        self.clock = clock
+        # How alerts leave: edgehaul.events.emit (Prefect events) unless a test passes a recorder.
+        self._emit = emit or events.emit
+        self.bundles_dir = self.root / "bundles"
+        self.raw_dir = self.root / "raw"
+        self.staging_dir = self.root / "staging"
+        for d in (self.bundles_dir, self.raw_dir, self.staging_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.ledger = Ledger(self.root / "ledger.sqlite", clock=clock)
+        self._acks = sqlite3.connect(self.root / "spool.sqlite", timeout=30.0, check_same_thread=False, isolation_level=None)
+        self._acks.execute("PRAGMA journal_mode=WAL")
+        self._acks.execute("PRAGMA synchronous=FULL")
+        self._acks.execute(
+            "CREATE TABLE IF NOT EXISTS acks (bundle_id TEXT PRIMARY KEY, remote_key TEXT, sha256 TEXT, at REAL)"
+        )
+        self._tlock = threading.RLock()
+        self._cache: dict[Path, tuple[int, int, SpoolEntry]] = {}
+        self._alerted = False
+        self.alerts: list[dict[str, float | int | str]] = []  # watermark alerts emitted by this instance
+        with self._locked():
+            self.recovered = self._recover()
+
+    @classmethod
+    def from_block(cls, node: EdgeNode, clock: Callable[[], float] = time.time) -> Spool:
+        return cls(
+            Path(node.spool_dir),
+            cap_bytes=node.spool_cap_bytes,
+            cleanup_watermark=node.cleanup_watermark,
+            alert_watermark=node.alert_watermark,
+            full_policy=node.full_policy,
+            ttl_seconds=node.bundle_ttl_seconds,
+            node_id=node.node_id,
+            clock=clock,
+        )
+
+    # ---- locking and recovery -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._tlock:
+            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+    def _recover(self) -> int:
+        """Remove what a crash can leave: temp files, bundles without sidecar, entries whose bytes
+        do not match the manifest's size. Returns how many files were removed."""
+        removed = 0
+        for d in (self.bundles_dir, self.raw_dir, self.staging_dir):
+            for p in d.iterdir():
+                if p.name.endswith(_TMP):
+                    p.unlink(missing_ok=True)
+                    removed += 1
+            if d is self.staging_dir:
+                continue
+            for p in d.glob("*.parquet"):
+                if not self._sidecar(p).exists():
+                    p.unlink(missing_ok=True)
+                    removed += 1
+            for side in d.glob(f"*{_SIDECAR}"):
+                data = side.with_name(side.name.removesuffix(_SIDECAR) + ".parquet")
+                try:
+                    manifest = BundleManifest.from_json(side.read_bytes())
+                except BundleError:
+                    manifest = None
+                if manifest is None or not data.exists() or data.stat().st_size != manifest.nbytes:
+                    if manifest is not None:
+                        self.ledger.record(manifest.sample_ids, stage=ledger.STAGE_SPOOL, reason=ledger.CORRUPT,
+                                           bundle_id=manifest.bundle_id, detail="found incomplete at open")
+                    side.unlink(missing_ok=True)
+                    data.unlink(missing_ok=True)
+                    removed += 1
+            _fsync_dir(d)
+        if removed:
+            log.info("spool %s: removed %d leftover files at open", self.root, removed)
+        return removed
+
+    # ---- listing ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _sidecar(data_path: Path) -> Path:
+        return data_path.with_name(data_path.name.removesuffix(".parquet") + _SIDECAR)
+
+    def _load(self, side: Path) -> SpoolEntry | None:
+        try:
+            st = side.stat()
+        except FileNotFoundError:
+            return None
+        hit = self._cache.get(side)
+        if hit and hit[0] == st.st_mtime_ns and hit[1] == st.st_size:
+            return hit[2]
+        try:
+            manifest = BundleManifest.from_json(side.read_bytes())
+        except (BundleError, FileNotFoundError):
+            return None
+        path = side.with_name(side.name.removesuffix(_SIDECAR) + ".parquet")
+        entry = SpoolEntry(
+            bundle_id=manifest.bundle_id, tier=manifest.tier, max_value=manifest.max_value,
+            created_at=st.st_mtime_ns / 1e9, path=path, manifest=manifest, nbytes=manifest.nbytes + st.st_size,
+        )
+        self._cache[side] = (st.st_mtime_ns, st.st_size, entry)
+        return entry
+
+    def _entries(self, d: Path) -> list[SpoolEntry]:
+        out = []
+        for side in d.glob(f"*{_SIDECAR}"):
+            e = self._load(side)
+            if e is not None:
+                out.append(e)
+        return out
+
+    def pending(self) -> list[SpoolEntry]:
+        """Bundles waiting for uplink: high tier first, then max_value desc, then oldest."""
+        with self._tlock:
+            entries = self._entries(self.bundles_dir)
+            return sorted(entries, key=lambda e: (tier_rank(e.tier), -e.max_value, e.created_at))
+
+    def raw_entries(self) -> list[SpoolEntry]:
+        """The local raw store (low-tier rows with pixels), oldest first."""
+        with self._tlock:
+            return sorted(self._entries(self.raw_dir), key=lambda e: e.created_at)
+
+    def get(self, bundle_id: str) -> SpoolEntry | None:
+        with self._tlock:
+            for d in (self.bundles_dir, self.raw_dir):
+                e = self._load(d / f"{bundle_id}{_SIDECAR}")
+                if e is not None:
+                    return e
+            return None
+
+    def read(self, bundle_id: str) -> bytes:
+        """The bundle's bytes, checked against its manifest's SHA-256."""
+        e = self.get(bundle_id)
+        if e is None:
+            raise SpoolError(f"spool {self.root}: no bundle {bundle_id}")
+        data = e.path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != e.manifest.sha256:
+            raise SpoolError(f"spool {self.root}: bundle {bundle_id} corrupt on disk (sha256 {digest[:12]}, "
+                             f"manifest {e.manifest.sha256[:12]})")
+        return data
+
+    def usage(self) -> SpoolUsage:
+        used = 0
+        for d in (self.bundles_dir, self.raw_dir, self.staging_dir):
+            with os.scandir(d) as it:
+                for f in it:
+                    with contextlib.suppress(FileNotFoundError):
+                        used += f.stat().st_size
+        return SpoolUsage(used, self.cap_bytes, used / self.cap_bytes)
+
+    def is_acked(self, bundle_id: str) -> bool:
+        with self._tlock:
+            return self._acks.execute("SELECT 1 FROM acks WHERE bundle_id=?", (bundle_id,)).fetchone() is not None
+
+    # ---- writes -----------------------------------------------------------------------------
+
+    def put(self, data: bytes, manifest: BundleManifest) -> SpoolEntry | None:
+        """Spool a bundle (tier low goes to the raw store). Idempotent on bundle_id; returns None
+        when refused (the ledger says why) or when that bundle was already acknowledged."""
+        if len(data) != manifest.nbytes or hashlib.sha256(data).hexdigest() != manifest.sha256:
+            raise SpoolError(f"bundle {manifest.bundle_id}: bytes do not match the manifest "
+                             f"({len(data)} bytes, manifest {manifest.nbytes})")
+        side_bytes = manifest.to_json()
+        need = len(data) + len(side_bytes)
+        d = self.raw_dir if manifest.tier == "low" else self.bundles_dir
+        with self._locked():
+            existing = self._load(d / f"{manifest.bundle_id}{_SIDECAR}")
+            if existing is not None:
+                return existing
+            if d is self.bundles_dir and self.is_acked(manifest.bundle_id):
+                log.info("bundle %s already acknowledged; not spooled again", manifest.bundle_id)
+                return None
+            if need > self.cap_bytes:
+                self._refuse(manifest, ledger.TOO_LARGE, f"{need} bytes > cap {self.cap_bytes}")
+                return None
+            if not self._make_room(need, manifest):
+                used = self.usage().used_bytes
+                self._refuse(manifest, ledger.FULL_REJECTED,
+                             f"policy {self.full_policy}: {need} bytes do not fit ({used}/{self.cap_bytes} used)")
+                return None
+            now = self.clock()
+            path = d / f"{manifest.bundle_id}.parquet"
+            _atomic_write(path, data)
+            _atomic_write(self._sidecar(path), side_bytes, mtime=now)
+            entry = self._load(self._sidecar(path))
+            usage = self.usage()
+        self._check_alert(usage)
+        return entry
+
+    def write_staging(self, name: str, data: bytes) -> Path:
+        """Atomically write a derived intermediate under staging/ (counted in the cap, pruned by TTL)."""
+        if "/" in name or name.startswith("."):
+            raise SpoolError(f"bad staging name {name!r}")
+        with self._locked():
+            used = self.usage().used_bytes
+            if used + len(data) >= self.cleanup_watermark * self.cap_bytes:
+                self._cleanup(int(self.cleanup_watermark * self.cap_bytes) - len(data))
+                used = self.usage().used_bytes
+            if used + len(data) > self.cap_bytes:
+                raise SpoolError(f"spool {self.root}: no room for {len(data)} staging bytes ({used}/{self.cap_bytes})")
+            path = self.staging_dir / name
+            _atomic_write(path, data, mtime=self.clock())
+            usage = self.usage()
+        self._check_alert(usage)
+        return path
+
+    def _refuse(self, manifest: BundleManifest, reason: str, detail: str) -> None:
+        stage = STAGE_RAW if manifest.tier == "low" else ledger.STAGE_SPOOL
+        n = self.ledger.record(manifest.sample_ids, stage=stage, reason=reason, bundle_id=manifest.bundle_id, detail=detail)
+        log.warning("spool %s: refused bundle %s (%d samples): %s", self.node_id or self.root, manifest.bundle_id, n, reason)
+
+    def _remove(self, e: SpoolEntry) -> None:
+        """Sidecar first (the entry stops existing), then the bytes."""
+        side = self._sidecar(e.path)
+        side.unlink(missing_ok=True)
+        e.path.unlink(missing_ok=True)
+        self._cache.pop(side, None)
+        _fsync_dir(e.path.parent)
+
+    def _drop(self, e: SpoolEntry, stage: str, reason: str, detail: str = "") -> None:
+        # Ledger first: a crash between the two re-drops the same entry, and the ledger ignores repeats.
+        self.ledger.record(e.manifest.sample_ids, stage=stage, reason=reason, bundle_id=e.bundle_id, detail=detail)
+        self._remove(e)
+
+    def _make_room(self, need: int, incoming: BundleManifest) -> bool:
+        used = self.usage().used_bytes
+        if used + need >= self.cleanup_watermark * self.cap_bytes:
+            self._cleanup(int(self.cleanup_watermark * self.cap_bytes) - need)
+            used = self.usage().used_bytes
+        if used + need <= self.cap_bytes:
+            return True
+        if self.full_policy == "reject-new" or incoming.tier == "low":
+            return False
+        rank_in = (-tier_rank(incoming.tier), incoming.max_value)
+        cheaper = [e for e in sorted(self._entries(self.bundles_dir), key=_value_key) if _value_key(e)[:2] < rank_in]
+        plan, freed = [], 0
+        for e in cheaper:
+            if used + need - freed <= self.cap_bytes:
+                break
+            plan.append(e)
+            freed += e.nbytes
+        if used + need - freed > self.cap_bytes:
+            return False
+        why = f"spool full: displaced by {incoming.tier} bundle {incoming.bundle_id} (max_value {incoming.max_value:.3f})"
+        for e in plan:
+            self._drop(e, ledger.STAGE_SPOOL, ledger.FULL_DROPPED, why)
+        log.warning("spool %s full: dropped %d bundles (%d samples) for %s", self.node_id or self.root, len(plan),
+                    sum(e.manifest.row_count for e in plan), incoming.bundle_id)
+        return True
+
+    def _cleanup(self, target_bytes: int) -> None:
+        """Expired entries and stale staging, then raw-store entries lowest value first."""
+        self._expire_locked()
+        used = self.usage().used_bytes
+        for e in sorted(self._entries(self.raw_dir), key=_value_key):
+            if used <= target_bytes:
+                break
+            self._drop(e, STAGE_RAW, ledger.RAW_EVICTED, "clean-up above the clean-up watermark")
+            used -= e.nbytes
+
+    def _check_alert(self, usage: SpoolUsage) -> None:
+        if usage.fraction < self.alert_watermark:
+            self._alerted = False
+            return
+        if self._alerted:
+            return
+        self._alerted = True
+        payload: dict[str, float | int | str] = {
+            "level": 2, "used_fraction": round(usage.fraction, 4), "node_id": self.node_id,
+            "used_bytes": usage.used_bytes, "cap_bytes": usage.cap_bytes,
+        }
+        self.alerts.append(payload)
+        log.warning("spool %s at %.1f%% of cap: alert", self.node_id or self.root, 100 * usage.fraction)
+        self._emit(events.SPOOL_WATERMARK, f"edgehaul.spool.{self.node_id or 'local'}", dict(payload),
+                    **{"edgehaul.node": self.node_id})
+
+    def check_watermarks(self) -> SpoolUsage:
+        """Re-evaluate the alert (e.g. at the end of a flow run); returns current usage."""
+        usage = self.usage()
+        self._check_alert(usage)
+        return usage
+
+    def ack(self, bundle_id: str, *, remote_key: str, sha256: str) -> None:
+        """The core confirmed receipt of this exact content: forget the bundle. Idempotent."""
+        with self._locked():
+            e = self._load(self.bundles_dir / f"{bundle_id}{_SIDECAR}")
+            if e is None:
+                row = self._acks.execute("SELECT sha256 FROM acks WHERE bundle_id=?", (bundle_id,)).fetchone()
+                if row and row[0] == sha256:
+                    return
+                raise SpoolError(f"spool {self.root}: ack for unknown bundle {bundle_id}")
+            if sha256 != e.manifest.sha256:
+                raise SpoolError(f"bundle {bundle_id}: receipt sha256 {sha256[:12]} does not match spooled "
+                                 f"{e.manifest.sha256[:12]}; not acknowledged")
+            self._acks.execute("INSERT OR REPLACE INTO acks VALUES (?,?,?,?)", (bundle_id, remote_key, sha256, self.clock()))
+            self._remove(e)
+        self._check_alert(self.usage())
+
+    def discard(self, bundle_id: str) -> bool:
+        """Remove a waiting bundle whose samples the caller already recorded in the ledger (e.g. the
+        uplink retry queue gave up on it). Returns whether it was there."""
+        with self._locked():
+            e = self._load(self.bundles_dir / f"{bundle_id}{_SIDECAR}")
+            if e is None:
+                return False
+            self._remove(e)
+        self._check_alert(self.usage())
+        return True
+
+    def expire(self) -> list[SpoolEntry]:
+        """TTL expiry of bundles (ledger reason ttl-expired), raw-store retention, stale staging."""
+        with self._locked():
+            out = self._expire_locked()
+            usage = self.usage()
+        self._check_alert(usage)
+        return out
+
+    def _expire_locked(self) -> list[SpoolEntry]:
+        now = self.clock()
+        out = []
+        for e in self._entries(self.bundles_dir):
+            if e.created_at + self.ttl_seconds <= now:
+                self._drop(e, ledger.STAGE_SPOOL, ledger.TTL_EXPIRED, f"not uplinked within {self.ttl_seconds:.0f} s")
+                out.append(e)
+        for e in self._entries(self.raw_dir):
+            if e.created_at + self.raw_ttl_seconds <= now:
+                self._drop(e, STAGE_RAW, ledger.RAW_RETENTION, f"raw kept {self.raw_ttl_seconds:.0f} s")
+                out.append(e)
+        for p in self.staging_dir.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if p.stat().st_mtime + self.staging_ttl_seconds <= now:
+                    p.unlink()
+        if out:
+            log.info("spool %s: expired %d entries (%d samples)", self.node_id or self.root, len(out),
+                     sum(e.manifest.row_count for e in out))
+        return out
+
+    def close(self) -> None:
+        self.ledger.close()
+        self._acks.close()

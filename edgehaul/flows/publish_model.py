@@ -1,0 +1,57 @@
+"""publish_model: make a registered model the one edge nodes score with.
+
+Reads the model's lineage.json, applies a quality gate (final validation accuracy), then swaps
+`models/<name>/latest.json` with a conditional write (create-if-absent or If-Match on the old
+ETag), so two publishers never overwrite each other silently. Edges load it through
+`edgehaul.edge.model_scorer.ModelScorer("latest")`. A model trained on an older version of the published
+model's dataset is not published (trainings can finish out of version order) unless `allow_older`. Triggered by MODEL_READY
+(`{{ event.payload.model_id }}`) or run by hand.
+
+Blocks: ObjectStore `store_block`. Cache policy: none (publishing is idempotent per model id).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, Field
+
+from edgehaul.blocks import ObjectStore
+from edgehaul.ops import store_probe
+from edgehaul.tasks.train import publish
+from edgehaul.training import registry
+
+
+class PublishModelParams(BaseModel):
+    model_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    store_block: str = Field(default="central")
+    min_val_acc: float = Field(default=0.0, ge=0, le=1, description="Refuse models below this final val_acc.")
+    allow_older: bool = Field(default=False, description="Publish even if trained on an older dataset version "
+                              "than the published model (a rollback).")
+
+
+class QualityGateFailed(RuntimeError):
+    """The model's validation accuracy is below the publish gate."""
+
+
+@flow(name="publish_model", log_prints=True)
+def publish_model(params: PublishModelParams) -> dict[str, Any]:
+    """Publish a registered model to the edge; see the module docstring."""
+    store = cast(ObjectStore, ObjectStore.load(params.store_block))
+    store_probe.require(store, {"put-if-match-quoted|put-if-match-unquoted": "publish_model (swapping latest.json)"})
+    lineage = registry.read_lineage(store, params.model_name, params.model_id)
+    if lineage is None:
+        raise registry.RegistryError(f"model {params.model_name}/{params.model_id} is not registered")
+    acc = float(lineage.get("final", {}).get("val_acc", math.nan))
+    if params.min_val_acc > 0 and not acc >= params.min_val_acc:
+        raise QualityGateFailed(
+            f"model {params.model_id}: final val_acc {acc:.3f} below the publish gate {params.min_val_acc:.3f}"
+        )
+    pointer = publish(store, params.model_name, params.model_id, allow_older=params.allow_older)
+    if pointer.get("published") is not False:  # a stale model was refused by the task, which logged why
+        get_run_logger().info("edge model %s is now %s (was %s)", params.model_name, params.model_id,
+                              pointer.get("previous"))
+    return pointer

@@ -1,0 +1,105 @@
+"""train_model: train the land-cover model on a dataset version, on the central work pool.
+
+Checks placement (refuses edge-* pools; a call outside a deployment needs allow_local), resolves
+the dataset version (default: latest Delta version of the kind), refuses when the team's
+TeamQuota would be exceeded (accelerators x max_hours, storage), then trains in this process or as
+`torchrun` processes (nproc_per_node > 1 or PET_* rendezvous variables from the job, e.g. a
+Kubernetes GPU pool), with checkpoints to the checkpoints zone. A retried run (same run_id, by
+default derived from the flow run id) resumes from the last committed checkpoint. Outputs: metrics
+table and plot artifacts, the model and lineage.json in the models zone, a MODEL_READY event, and
+optionally the model published to the edge (publish=True).
+
+Blocks: ObjectStore `store_block` (trainer credentials), TeamQuota `quota_block` (default: the team
+name). Cache policy: none; training is idempotent by run_id (a registered run is not retrained).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from edgehaul.blocks import ObjectStore, TeamQuota
+from edgehaul.tasks.train import check_team_quota, publish, report_training, resolve_dataset, train_run
+from edgehaul.training.model import estimate_storage_bytes
+from edgehaul.training.placement import check_placement
+from edgehaul.training.trainer import TrainConfig
+
+
+class TrainModelParams(BaseModel):
+    team: str = Field(default="default", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    dataset_kind: str = Field(default="landsat_patch", min_length=1)
+    dataset_version: int | None = Field(default=None, ge=0, description="Delta version; None: latest.")
+    run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                               description="Checkpoint folder / model id; None: train-<flow run id>.")
+    model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    store_block: str = Field(default="central")
+    quota_block: str | None = Field(default=None, description="TeamQuota block name; None: the team name.")
+    nproc_per_node: int = Field(default=1, ge=1, le=64, description="Processes (accelerators) per node.")
+    nnodes: int = Field(default=1, ge=1, le=1024, description="Nodes (torchrun PET_NNODES on the job).")
+    max_hours: float = Field(default=1.0, gt=0, le=720, description="Wall-clock limit; the quota request.")
+    epochs: int = Field(default=3, ge=1, le=10_000)
+    batch_size: int = Field(default=64, ge=1, le=65_536)
+    lr: float = Field(default=2e-3, gt=0, le=1)
+    seed: int = Field(default=0, ge=0)
+    width: int = Field(default=32, ge=4, le=512)
+    val_fraction: float = Field(default=0.1, ge=0, lt=1)
+    checkpoint_every_steps: int | None = Field(default=None, ge=1, description="None: adapt to a 5% cost.")
+    num_threads: int | None = Field(default=None, ge=1, le=256)
+    allow_local: bool = Field(default=False, description="Allow a run outside any work pool (local call).")
+    publish: bool = Field(default=False, description="Publish the model to the edge when done.")
+
+
+def current_work_pool() -> str | None:
+    run_id = flow_run.id
+    if not run_id:
+        return None
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(UUID(run_id)).work_pool_name
+
+
+@flow(name="train_model", log_prints=True)
+def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
+    """Train the land-cover model on the central GPU pool; see the module docstring."""
+    p = params or TrainModelParams()
+    logger = get_run_logger()
+    where = check_placement(current_work_pool(), p.allow_local)
+    store = cast(ObjectStore, ObjectStore.load(p.store_block))
+    quota = cast(TeamQuota, TeamQuota.load(p.quota_block or p.team))
+    if quota.team != p.team:
+        raise ValueError(f"quota block {p.quota_block or p.team!r} is for team {quota.team!r}, not {p.team!r}")
+    uri, version = resolve_dataset(store, p.dataset_kind, p.dataset_version)
+    accelerators = p.nproc_per_node * p.nnodes
+    run_id = p.run_id or f"train-{flow_run.id or 'local'}"
+    cfg = TrainConfig(
+        run_id=run_id, dataset_uri=uri, dataset_version=version, team=p.team, model_name=p.model_name,
+        seed=p.seed, epochs=p.epochs, batch_size=p.batch_size, lr=p.lr, width=p.width, val_fraction=p.val_fraction,
+        checkpoint_every_steps=p.checkpoint_every_steps, num_threads=p.num_threads, flow_run_id=flow_run.id,
+    )
+    arch = {"in_channels": 6, "n_classes": 7, "width": p.width}
+    usage = check_team_quota(store, quota, accelerators, p.max_hours,
+                             estimate_storage_bytes(arch, cfg.keep_checkpoints))
+    logger.info("team %s: %.3g accelerator-h used in %s; training %s on %s v%d in %s", p.team,
+                usage["accelerator_hours"], usage["month"], run_id, uri, version, where)
+    result = train_run.with_options(timeout_seconds=p.max_hours * 3600)(cfg, store, p.nproc_per_node)
+    links = report_training(store, result, p.model_name)
+    published = publish(store, p.model_name, result["model_id"]) if p.publish else None
+    final = result["history"][-1] if result["history"] else {}
+    logger.info("model %s: %d steps, final %s, checkpoint share %s", result["model_id"], result["steps"], final,
+                result["checkpoint"])
+    return {
+        "run_id": run_id, "model_id": result["model_id"], "work_pool": where, "dataset_uri": uri,
+        "dataset_version": version, "history": result["history"], "checkpoint": result["checkpoint"],
+        "resumed_from_step": result["resumed_from_step"], "world_size": result["world_size"],
+        "rank_files": result["rank_files"],
+        "model_uri": result["lineage"].get("model_uri"), "plot_uri": links["plot_uri"], "published": published,
+    }
+
+
+if __name__ == "__main__":
+    train_model(TrainModelParams(allow_local=True))

@@ -1,0 +1,108 @@
+"""Run observability in the Prefect UI: a progress artifact for long work and a summary table per run.
+
+Both are no-ops outside a flow or task run (plain function calls, unit tests) and never fail the
+data path: a UI artifact is worth less than the data it describes.
+
+    with Progress("core-ingest-progress", total=len(keys), description="bundles validated") as p:
+        for k in keys:
+            ...
+            p.advance()
+    summary_table("core-ingest-summary", rows, "bundles of this run")
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import TracebackType
+from typing import Any
+from uuid import UUID
+
+log = logging.getLogger(__name__)
+
+
+def artifact_key(text: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    key = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    return re.sub(r"-{2,}", "-", key)[:100] or "edgehaul"
+
+
+def _in_run() -> bool:
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+class Progress:
+    """A progress artifact (0-100 %) updated at most every `min_step` percent, to spare the API."""
+
+    def __init__(self, key: str, total: int, description: str = "", min_step: float = 1.0) -> None:
+        self.key, self.total, self.description, self.min_step = artifact_key(key), max(total, 1), description, min_step
+        self.done = 0
+        self._shown = -1.0
+        self._id: UUID | None = None
+
+    @property
+    def percent(self) -> float:
+        return min(100.0, 100.0 * self.done / self.total)
+
+    def __enter__(self) -> Progress:
+        if _in_run():
+            try:
+                from prefect.artifacts import create_progress_artifact
+
+                self._id = create_progress_artifact(0.0, key=self.key, description=self.description)  # type: ignore[assignment]
+                self._shown = 0.0
+            except Exception as e:
+                log.warning("progress artifact %s not created: %s", self.key, e)
+        return self
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        pct = self.percent
+        if self._id is not None and (pct - self._shown >= self.min_step or pct >= 100.0):
+            try:
+                from prefect.artifacts import update_progress_artifact
+
+                update_progress_artifact(self._id, pct)
+                self._shown = pct
+            except Exception as e:
+                log.warning("progress artifact %s not updated: %s", self.key, e)
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if et is None and self.done < self.total:
+            self.done = self.total  # finished early (e.g. nothing left): show completion
+            self.advance(0)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': byte counts as a person reads them (binary units, 3 significant digits)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.3g} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cell(column: str, value: Any) -> Any:
+    # every column that counts bytes is shown in units; the run's return value keeps the raw numbers
+    if "bytes" in column.lower() and isinstance(value, int | float) and not isinstance(value, bool):
+        return human_bytes(value)
+    return value
+
+
+def summary_table(key: str, rows: list[dict[str, Any]], description: str = "") -> UUID | None:
+    """A table artifact of the run (one dict per row, same keys; byte columns in human units);
+    returns its id, None outside a run. The one way the product writes table artifacts."""
+    if not _in_run():
+        return None
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        table = [{c: _cell(c, r.get(c, "")) for c in cols} for r in rows]
+        return create_table_artifact(table, key=artifact_key(key), description=description)  # type: ignore[return-value]
+    except Exception as e:
+        log.warning("table artifact %s not created: %s", key, e)
+        return None

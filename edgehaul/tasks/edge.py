@@ -1,0 +1,176 @@
+"""Edge task: one cached task run per raw batch (preprocess, score, tier, bundle, spool).
+
+One task per batch, not two: staging the preprocessed rows between a preprocess task and a tier
+task (an Arrow file written, fsynced, read back and checksummed twice) cost more than the
+preprocessing it let a policy change skip (benchmarks/bench_edge.py), so a new policy or scorer
+re-runs the whole batch.
+
+Caching (issue 11), results persisted to the ops bucket by the flow (`result_storage`):
+- `ingest_batch` is keyed on the raw batch's content key (`edgehaul.edge.preprocess.batch_key`, computed
+  by the caller) + contract sha256 + preprocess code version + scorer cache version + policy
+  fingerprint + node. Its value lists the bundles it spooled (ids, sizes, checksums), the reject
+  counts and the tier report, never the data; a cache hit writes nothing.
+- The task leaves a small receipt in the spool's staging area (`<cache key>.receipt.json`, pruned
+  with staging after a day, like the cache entry). A cached value whose receipt is gone (spool
+  wiped or replaced, receipt pruned) is recomputed by the flow: puts are idempotent on bundle id
+  and skip acknowledged bundles, so a recompute never duplicates.
+- Exceptions are never cached (Prefect caches only Completed states); retries only for OSError
+  (disk), never for bad data or a full spool (which is not an error: the ledger records it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from prefect import task
+from prefect.context import TaskRunContext
+
+from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
+from edgehaul.contracts import Contract, contract_by_id
+from edgehaul.edge.batch import ingest_batch as run_batch
+from edgehaul.edge.preprocess import CODE_VERSION
+from edgehaul.edge.scoring import NoveltyScorer, NoveltyState, Scorer, get_scorer, scorer_cache_version
+from edgehaul.edge.spool import Spool, SpoolError
+from edgehaul.edge.tiering import TierReport
+from edgehaul.platform.caching import cache_key
+
+BATCH_CACHE_VERSION = "edge-batch-1"  # bump to invalidate every cached edge batch result
+NOVELTY_STATE = Path("scorer") / "novelty-state.json"
+RECEIPT_SUFFIX = ".receipt.json"
+
+
+def retry_on_disk_errors(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry only I/O errors of the local disk; bad data, full spool, checksum errors fail at once."""
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception as e:
+        exc = e
+    return isinstance(exc, OSError) and not isinstance(exc, SpoolError)
+
+
+def open_spool(node: EdgeNode) -> Spool:
+    return Spool.from_block(node)
+
+
+def novelty_state_path(node: EdgeNode) -> Path:
+    return Path(node.spool_dir) / NOVELTY_STATE
+
+
+@dataclass(frozen=True)
+class EdgeBatch:
+    key: str  # cache key of this batch's result (also names its receipt)
+    receipt: str  # path of the receipt in the node's spool
+    n_input: int
+    accepted: int
+    scorer_version: str
+    bundles: list[dict[str, Any]]  # bundle_id, tier, rows, nbytes, sha256, reason, spooled
+    report: dict[str, Any]
+    reject_counts: dict[str, int] = field(default_factory=dict)
+
+    def is_intact(self) -> bool:
+        """The spool that holds this batch's bundles still has its receipt (else: recompute)."""
+        return Path(self.receipt).is_file()
+
+
+def context_key(raw_key: str, contract: Contract, node_id: str) -> str:
+    """What the novelty sketch files a batch under: its content at this contract, code and node."""
+    return cache_key("edge-pre", CODE_VERSION, raw_key, contract.sha256, node_id)
+
+
+def batch_cache_key(raw_key: str, contract: Contract, scorer_version: str, policy: TieringPolicy, node_id: str) -> str:
+    return cache_key("edge-batch", BATCH_CACHE_VERSION, CODE_VERSION, raw_key, contract.sha256, scorer_version,
+                     policy.fingerprint, node_id)
+
+
+def _batch_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
+    return batch_cache_key(params["raw_key"], contract_by_id(params["contract_id"]), params["scorer_version"],
+                           params["policy"], params["node"].node_id)
+
+
+_scorers: dict[tuple[str, str], Scorer] = {}
+_scorers_lock = threading.Lock()
+
+
+def model_scorer(policy: TieringPolicy, store: ObjectStore | None, contract: Contract | None = None) -> Scorer:
+    """The policy's (non-novelty) scorer, loaded once per process and model: a task per batch must
+    not download the model again. 'latest' is re-resolved on every call (a new model re-scores)."""
+    from edgehaul.training.registry import resolve_model_uri
+
+    store = store or ObjectStore.from_env()
+    store_id = store.model_dump_json()
+    uri = resolve_model_uri(store, policy.model_uri)
+    with _scorers_lock:
+        s = _scorers.get((uri, store_id))
+        if s is None:
+            s = _scorers[(uri, store_id)] = get_scorer(policy.model_copy(update={"model_uri": uri}), store,
+                                                       contract=contract)
+        return s
+
+
+def scorer_key(policy: TieringPolicy, node: EdgeNode, ctx_key: str, store: ObjectStore | None = None,
+               contract: Contract | None = None) -> str:
+    """What a batch's scores depend on besides the batch (part of the batch cache key)."""
+    if policy.scorer == "novelty":
+        state = NoveltyState.load(novelty_state_path(node))
+        return scorer_cache_version(NoveltyScorer(contract or contract_by_id("landsat_patch.v1"), state), ctx_key)
+    return model_scorer(policy, store, contract).version
+
+
+@task(
+    name="edge-ingest-batch", cache_key_fn=_batch_cache_key, cache_expiration=timedelta(days=1), persist_result=True,
+    retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=retry_on_disk_errors,
+)
+def ingest_batch(
+    raw: pa.Table, raw_key: str, contract_id: str, policy: TieringPolicy, node: EdgeNode, scorer_version: str,
+    store: ObjectStore | None = None, hashes: pa.Array | None = None,
+) -> EdgeBatch:
+    """Preprocess, score, tier and spool one raw batch. `raw_key`, `hashes`: the caller's
+    `batch_key(raw)`; `scorer_version`: the caller's `scorer_key(...)`."""
+    contract = contract_by_id(contract_id)
+    ctx = context_key(raw_key, contract, node.node_id)
+    state_path = novelty_state_path(node)
+    scorer: Scorer | NoveltyScorer
+    if policy.scorer == "novelty":
+        scorer = NoveltyScorer(contract, NoveltyState.load(state_path))
+    else:
+        scorer = model_scorer(policy, store, contract)
+    spool = open_spool(node)
+    try:
+        res = run_batch(raw, contract, policy, spool, scorer, key=raw_key, hashes=hashes, context_key=ctx,
+                        node_id=node.node_id, scorer_version=scorer_version, team=node.team)
+        if isinstance(scorer, NoveltyScorer):
+            scorer.state.save(state_path)
+        key = batch_cache_key(raw_key, contract, scorer_version, policy, node.node_id)
+        receipt = spool.write_staging(f"{key}{RECEIPT_SUFFIX}", json.dumps(
+            {"raw_key": raw_key, "bundles": [b["bundle_id"] for b in res.bundles]}).encode())
+    finally:
+        spool.close()
+    return EdgeBatch(key=key, receipt=str(receipt), n_input=res.n_input, accepted=res.accepted,
+                     scorer_version=scorer_version, bundles=res.bundles, report=report_dict(res.report),
+                     reject_counts=res.reject_counts)
+
+
+def report_dict(r: TierReport) -> dict[str, Any]:
+    return {"samples": dict(r.samples), "uplink_bytes": dict(r.uplink_bytes), "raw_store_bytes": r.raw_store_bytes,
+            "bundles": dict(r.bundles), "value_sent": r.value_sent, "value_total": r.value_total}
+
+
+def merge_reports(parts: list[dict[str, Any]]) -> TierReport:
+    total = TierReport()
+    for p in parts:
+        for k, v in p["samples"].items():
+            total.samples[k] = total.samples.get(k, 0) + v
+        for k, v in p["uplink_bytes"].items():
+            total.uplink_bytes[k] = total.uplink_bytes.get(k, 0) + v
+        for k, v in p["bundles"].items():
+            total.bundles[k] = total.bundles.get(k, 0) + v
+        total.raw_store_bytes += p["raw_store_bytes"]
+        total.value_sent += p["value_sent"]
+        total.value_total += p["value_total"]
+    return total

@@ -1,0 +1,123 @@
+"""Uplink tasks: thin wrappers over edgehaul.uplink.transfer / link / retry_queue.
+
+Retries are for I/O only, when `edgehaul.platform.s3_errors.retry_condition` says the error is safe to retry
+(connection errors, link down, 5xx, throttling); AccessDenied, NoSuchBucket or a checksum that keeps
+failing fail at once. Nothing here is cached: every run moves bytes and must really happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from edgehaul import events
+from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
+from edgehaul.edge.spool import Spool
+from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.s3_errors import TASK_RETRIES, TASK_RETRY_DELAYS_S, retry_condition
+from edgehaul.uplink.link import Link, SimulatedLink
+from edgehaul.uplink.retry_queue import RetryQueue
+from edgehaul.uplink.transfer import Drainer, Uplink
+
+log = logging.getLogger(__name__)
+
+
+def make_link(profile: LinkProfile, *, simulate: bool, seed: int = 0, node_id: str = "") -> Link:
+    rid = f"edgehaul.link.{node_id or 'local'}"
+    if simulate:
+        return SimulatedLink(profile, seed=seed, resource_id=rid)
+    return Link(profile, resource_id=rid)
+
+
+def spool_discard(spool: Spool, bundle_id: str) -> None:
+    """Remove a bundle's bytes from the spool after the retry queue gave up on it (its samples are
+    already in the ledger)."""
+    spool.discard(bundle_id)
+
+
+def open_retry_queue(spool: Spool, node: EdgeNode, *, emit_events: bool = True) -> RetryQueue:
+    return RetryQueue(
+        Path(spool.root) / "retry_queue.sqlite", cap=node.retry_queue_cap, expiry_seconds=node.retry_expiry_seconds,
+        ledger=spool.ledger, discard=lambda b: spool_discard(spool, b),
+        resource_id=f"edgehaul.uplink.{node.node_id}.retry", emit_events=emit_events,
+    )
+
+
+@task(name="expire-retry-queue", cache_policy=NO_CACHE)
+def expire_retries(node: EdgeNode) -> dict[str, int]:
+    """Expire old retry-queue entries and spool TTLs; every drop lands in the ledger."""
+    spool = Spool.from_block(node)
+    try:
+        q = open_retry_queue(spool, node)
+        expired = q.expire()
+        ttl = spool.expire()
+        return {"retry_expired": len(expired), "ttl_expired": len(ttl), "retry_queue": len(q)}
+    finally:
+        spool.close()
+
+
+@task(name="abort-orphaned-uploads", retries=TASK_RETRIES, retry_delay_seconds=TASK_RETRY_DELAYS_S,
+      retry_condition_fn=retry_condition, cache_policy=NO_CACHE)
+def abort_orphans(store: ObjectStore, profile: LinkProfile, node: EdgeNode, older_than_s: float) -> int:
+    spool = Spool.from_block(node)
+    try:
+        live = {e.bundle_id for e in spool.pending()}
+    finally:
+        spool.close()
+    up = Uplink(store, Link(profile), Path(node.spool_dir) / "uplink")
+    return len(up.abort_orphans(node.node_id, older_than_s=older_than_s, live_bundles=live))
+
+
+@task(name="drain-spool", retries=TASK_RETRIES, retry_delay_seconds=[5, 30],  # link outages: longer waits
+      retry_condition_fn=retry_condition, cache_policy=NO_CACHE)
+def drain_spool(
+    store: ObjectStore, profile: LinkProfile, node: EdgeNode, *, max_seconds: float, max_active: int,
+    simulate: bool = False, seed: int = 0, contact_wait_s: float = 0.0,
+) -> dict[str, Any]:
+    """Drain the node's spool for up to max_seconds; returns the link metrics of the run.
+
+    Per-bundle failures are retried inside the drain and then parked in the retry queue, so this
+    task only fails (and retries) when the whole drain cannot run (e.g. the store is unreachable)."""
+    spool = Spool.from_block(node)
+    try:
+        link = make_link(profile, simulate=simulate, seed=seed, node_id=node.node_id)
+        up = Uplink(store, link, Path(node.spool_dir) / "uplink", contact_wait_s=contact_wait_s)
+        queue = open_retry_queue(spool, node)
+        rep = Drainer(up, spool, max_active=max_active, retry_queue=queue).run(max_seconds=max_seconds)
+        metrics = rep.metrics(link.cap_bytes_per_s)
+        metrics["queue_lengths"] = {t: n for t, n in metrics["queue_lengths"].items()}
+        metrics["retry_queue"] = len(queue)
+        metrics["link"] = rep.link
+        metrics["landed_keys"] = [r.key for r in rep.landed]
+        metrics["failed"] = rep.failed
+        log.info("drained %d bundles (%d bytes) in %.1fs, %d failed, %d in retry queue",
+                 len(rep.landed), rep.bytes_landed, rep.seconds, len(rep.failed), len(queue))
+        queue.close()
+        return metrics
+    finally:
+        with contextlib.suppress(Exception):
+            spool.close()
+
+
+@task(name="publish-link-stats", cache_policy=NO_CACHE)
+def publish_link_stats(node_id: str, metrics: dict[str, Any]) -> bool:
+    """LINK_STATS event (retransmission rate is level 1) and a table artifact of the run."""
+    payload = {
+        "level": 1,
+        "retransmission_rate": metrics.get("retransmission_rate", 0.0),
+        "goodput_bps": metrics.get("goodput_bps", 0.0),
+        "rate_cap_use": metrics.get("rate_cap_use", 0.0),
+        "queue_lengths": metrics.get("queue_lengths", {}),
+        "retry_queue": metrics.get("retry_queue", 0),
+        "bundles_landed": metrics.get("bundles_landed", 0),
+        "capture_to_landed_p99_s": metrics.get("capture_to_landed_p99_s", {}),
+    }
+    ok = events.emit(events.LINK_STATS, f"edgehaul.link.{node_id}", payload, **{"edgehaul.node": node_id})
+    rows = [{"metric": k, "value": str(v)} for k, v in payload.items()]
+    summary_table(f"uplink-{node_id}", rows, f"Uplink metrics of node {node_id}")
+    return ok

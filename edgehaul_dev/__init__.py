@@ -1,0 +1,11 @@
+"""The development harness: everything that runs the product locally or checks it, never shipped.
+
+- `localstack`: the local stack (Prefect server, SeaweedFS, webhook gateway) on free or configured ports;
+- `configure`, `credentials`: block documents and identities of a local stack;
+- `deploy`: work pools, `prefect deploy`, automations and workers against a Prefect server;
+- `demo`: the data path end to end; `verify`: the operations guide's section-5 checklist;
+- `drills`: fault drills that drive the product's own entry points and account for every sample.
+
+Run as `python -m edgehaul_dev <command>` (the Makefile does). It may import anything of `edgehaul`;
+`edgehaul` never imports it.
+"""

@@ -1,0 +1,119 @@
+"""Save the block documents the flows load, for the local stack (demo, deploy, verify).
+
+Each role gets its own ObjectStore block with its own least-privilege identity: `node-a`,
+`node-b` (own landing prefix), `ingest`, `trainer`, `lifecycle`, and `central` (operator/admin,
+used by the cost report and by hand). Credentials come from the stack's state file and are stored
+as SecretStr in Prefect (encrypted at rest), never in code or config files.
+
+    python -m edgehaul_dev.configure          # against $PREFECT_API_URL, stack in $EDGEHAUL_STACK_DIR
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from edgehaul.blocks import (
+    EdgeNode,
+    LinkProfile,
+    ObjectStore,
+    PriceSheet,
+    RetentionPolicy,
+    RetentionRule,
+    TeamQuota,
+    TieringPolicy,
+)
+from edgehaul.platform.caching import RESULTS_BLOCK, ensure_result_storage
+from edgehaul_dev import localstack
+
+log = logging.getLogger(__name__)
+
+# role block name -> stack identity
+STORE_BLOCKS = {
+    "central": "admin",
+    "ingest": "ingest",
+    "trainer": "trainer",
+    "lifecycle": "lifecycle",
+}
+
+
+def register_block_types() -> None:
+    """`prefect block register -m edgehaul.blocks`: makes the block types visible in the UI."""
+    subprocess.run(
+        [str(Path(sys.executable).parent / "prefect"), "block", "register", "-m", "edgehaul.blocks"],
+        check=True, capture_output=True, text=True,
+    )
+
+
+def store_block(state: localstack.StackState, identity: str) -> ObjectStore:
+    c = state.identities[identity]
+    return ObjectStore(
+        endpoint_url=state.s3_endpoint,
+        access_key_id=SecretStr(c.access_key_id),
+        secret_access_key=SecretStr(c.secret_access_key),
+    )
+
+
+def save_blocks(state: localstack.StackState, *, team: str = "geo") -> dict[str, list[str]]:
+    """Create or overwrite every block document the flows' defaults name."""
+    saved: dict[str, list[str]] = {}
+
+    def save(block: object, name: str) -> None:
+        block.save(name, overwrite=True)  # type: ignore[attr-defined]
+        saved.setdefault(type(block).__name__, []).append(name)
+
+    for name, identity in STORE_BLOCKS.items():
+        save(store_block(state, identity), name)
+    # Cached task results live in the ops bucket under an identity that can touch nothing else.
+    ensure_result_storage(store_block(state, "results"))
+    saved.setdefault("S3Bucket", []).append(RESULTS_BLOCK)
+    nodes = [k for k in state.identities if k not in localstack.ROLES]
+    root = Path(state.root)
+    for node in nodes:
+        save(store_block(state, node), node)
+        save(
+            EdgeNode(node_id=node, team=team, node_group="edge-default", spool_dir=str(root / "edge" / node / "spool"),
+                     spool_cap_bytes=512 * 1024**2),
+            node,
+        )
+    # A LEO-like downlink scaled down so the demo finishes in seconds: 200 Mbit/s, 1% loss.
+    save(LinkProfile(bandwidth_bps=200e6, latency_ms=20, loss_rate=0.01), "default")
+    save(TieringPolicy(version="1", flush_max_samples=5_000, flush_max_bytes=8 * 1024**2), "default")
+    save(
+        RetentionPolicy(
+            rules=[
+                RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365),
+                RetentionRule(data_class="features", cold_after_days=90, cold_if_unused_days=60),
+                RetentionRule(data_class="model_weights", cold_after_days=180, cold_storage_class="GLACIER_IR"),
+                RetentionRule(data_class="logs", cold_after_days=30, expire_after_days=400),
+                RetentionRule(data_class="checkpoints", cold_after_days=30, expire_after_days=120),
+                RetentionRule(data_class="reports", cold_after_days=60),
+            ],
+            keep_latest_versions=3,
+        ),
+        "default",
+    )
+    save(TeamQuota(team=team, accelerator_hours_per_month=100, storage_bytes=5 * 1024**4), team)
+    save(TeamQuota(team="default", accelerator_hours_per_month=10, storage_bytes=1024**4), "default")
+    save(PriceSheet(), "default")
+    return saved
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    state = localstack.StackState.load(localstack.DEFAULT_ROOT)
+    if state is None:
+        print(f"no stack state in {localstack.DEFAULT_ROOT}; run 'make up' first", file=sys.stderr)
+        return 1
+    register_block_types()
+    saved = save_blocks(state)
+    print("blocks saved: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in saved.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

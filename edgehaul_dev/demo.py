@@ -1,0 +1,301 @@
+"""`make demo`: the end-to-end pipeline on the local stack, on real Landsat patches.
+
+edge_ingest (two nodes) -> uplink_drain (simulated link) -> core_ingest (GE validation, Delta
+commit) -> train_model (checkpoints) -> publish_model -> lifecycle_moves (dry run) -> cost_report.
+Every step is a Prefect flow run visible in the UI; the summary printed at the end has samples per
+tier, bytes uplinked, the dataset version, model metrics and the UI address.
+
+With --via-deployments (after `make deploy`) the same pipeline runs through the deployments, so the
+workers of the right pools execute it: edge_ingest and uplink_drain per node on `edge-default` (queue
+per node), then the event chain bundle landed -> core_ingest -> dataset committed -> train_model (on
+`central-gpu`) -> model ready -> publish_model (core_ingest and publish_model on `central`), and
+lifecycle_moves (dry run) / cost_report on `ops`. The summary then lists every flow run with its pool
+and final state; any run not Completed fails the demo.
+
+    python -m edgehaul_dev.demo [--samples N] [--epochs E] [--via-deployments [--timeout S]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, cast
+from uuid import UUID
+
+from edgehaul_dev import configure, localstack
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+
+log = logging.getLogger("edgehaul_dev.demo")
+
+
+def run(samples: int, epochs: int, nodes: list[str]) -> dict[str, Any]:
+    from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
+    from edgehaul.flows.cost_report import CostReportParams, cost_report
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+    from edgehaul.flows.lifecycle_moves import LifecycleParams, lifecycle_moves
+    from edgehaul.flows.publish_model import PublishModelParams, publish_model
+    from edgehaul.flows.train_model import TrainModelParams, train_model
+    from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
+
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"edge": {}, "uplink": {}}
+    # Rare land-cover classes are over-represented on node-b, as a site seeing something unusual would.
+    mixes: list[dict[int, float] | None] = [None, {2: 3.0, 4: 3.0, 6: 3.0, 1: 1.0, 3: 1.0, 5: 1.0}]
+    for i, node in enumerate(nodes):
+        out["edge"][node] = edge_ingest(EdgeIngestParams(
+            edge_node=node, tiering_policy="default", n_samples=samples, batch_size=min(20_000, samples),
+            seed=i, class_weights=mixes[i % len(mixes)],
+        ))
+    for i, node in enumerate(nodes):
+        out["uplink"][node] = uplink_drain(UplinkDrainParams(
+            edge_node=node, link_profile="default", object_store=node, simulate=True, seed=i, max_seconds=600,
+        ))
+    out["core"] = core_ingest(CoreIngestParams(store_block="ingest"))
+    version = out["core"]["versions"].get("landsat_patch")
+    out["train"] = train_model(TrainModelParams(
+        team="geo", store_block="trainer", dataset_version=version, epochs=epochs, allow_local=True, max_hours=0.5,
+    ))
+    model_id = out["train"].get("model_id")
+    if model_id:
+        out["publish"] = publish_model(PublishModelParams(model_id=model_id, store_block="trainer"))
+    out["lifecycle"] = lifecycle_moves(LifecycleParams(store_block="lifecycle", dry_run=True))
+    out["cost"] = cost_report(CostReportParams(store_block="central"))
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------ via deployments
+
+# Flows started by the event chain rather than by this script (deployment names in deployments/prefect.yaml).
+CHAIN = ("core_ingest/on-bundle-landed", "train_model/on-dataset-committed", "publish_model/on-model-ready")
+
+
+def _count_events(api: str, name: str, since: datetime, auth: str | None) -> int:
+    import httpx
+
+    body = {"filter": {"event": {"name": [name]}, "occurred": {"since": since.isoformat()}}, "limit": 1}
+    r = httpx.post(f"{api}/events/filter", json=body, timeout=30, auth=tuple(auth.split(":", 1)) if auth else None)  # type: ignore[arg-type]
+    r.raise_for_status()
+    return int(r.json().get("total", 0))
+
+
+def _await_runs(ids: list[UUID], timeout: float, what: str) -> list[Any]:
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as c:
+        while True:
+            runs = [c.read_flow_run(i) for i in ids]
+            if all(r.state and r.state.is_final() for r in runs):
+                return runs
+            if time.monotonic() > deadline:
+                left = [f"{r.name}:{r.state_name}" for r in runs if not (r.state and r.state.is_final())]
+                raise TimeoutError(f"{what}: runs not finished after {timeout:.0f} s: {left}")
+            time.sleep(2)
+
+
+def _start(name: str, params: dict[str, Any]) -> UUID:
+    from prefect.deployments import run_deployment
+
+    fr = run_deployment(name, parameters={"params": params}, timeout=0, as_subflow=False, tags=["edgehaul-demo"])
+    return cast("FlowRun", fr).id
+
+
+def _run_all(starts: dict[str, tuple[str, dict[str, Any]]], timeout: float, say: Callable[[str], None]) -> dict[str, Any]:
+    """Start deployment runs at once and wait for all; a run cancelled by the deployment's CANCEL_NEW
+    concurrency limit (a scheduled run of the same deployment was active) is started again."""
+    ids = {key: _start(dep, params) for key, (dep, params) in starts.items()}
+    deadline = time.monotonic() + timeout
+    for _attempt in range(5):
+        runs = dict(zip(ids, _await_runs(list(ids.values()), max(1.0, deadline - time.monotonic()), "demo"), strict=True))
+        again = {k for k, r in runs.items() if r.state and r.state.is_cancelled()}
+        if not again:
+            return runs
+        say(f"{len(again)} run(s) cancelled by a concurrency limit, starting them again: {sorted(again)}")
+        time.sleep(3)
+        ids.update({k: _start(*starts[k]) for k in again})
+    return runs
+
+
+def _chain_runs(since: datetime) -> list[tuple[str, Any]]:
+    """(deployment name, flow run) of the chain's runs expected to start after `since`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterExpectedStartTime,
+    )
+
+    with get_client(sync_client=True) as c:
+        dep = {c.read_deployment_by_name(n).id: n for n in CHAIN}
+        runs = c.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=list(dep))),
+            flow_run_filter=FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(after_=since)),  # type: ignore[arg-type]
+            limit=200,
+        )
+        return [(dep[r.deployment_id], r) for r in runs if r.deployment_id in dep]
+
+
+def _flow_of(c: Any, run: Any, names: dict[UUID, str]) -> str:
+    if run.flow_id not in names:
+        names[run.flow_id] = c.read_flow(run.flow_id).name
+    return names[run.flow_id]
+
+
+def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: localstack.StackState,
+                        timeout: float = 1800.0, say: Callable[[str], None] = log.info) -> dict[str, Any]:
+    """The pipeline through the deployments of `make deploy`; returns the flow runs and what they made."""
+    from prefect.client.orchestration import get_client
+
+    t0, since = time.monotonic(), datetime.now(UTC) - timedelta(seconds=5)
+    deadline = t0 + timeout
+    mixes: list[dict[int, float] | None] = [None, {2: 3.0, 4: 3.0, 6: 3.0, 1: 1.0, 3: 1.0, 5: 1.0}]
+    runs: list[Any] = []
+    edge = _run_all({f"edge_ingest/{n}": (f"edge_ingest/{n}", {
+        "edge_node": n, "tiering_policy": "default", "n_samples": samples, "batch_size": max(100, min(20_000, samples)),
+        "seed": i, "class_weights": mixes[i % len(mixes)]}) for i, n in enumerate(nodes)}, timeout, say)
+    runs += edge.values()
+    say(f"edge_ingest: {[f'{k} {r.state_name}' for k, r in edge.items()]}")
+    up = _run_all({f"uplink_drain/{n}": (f"uplink_drain/{n}", {
+        "edge_node": n, "object_store": n, "link_profile": "default", "simulate": True, "seed": i, "max_seconds": 600})
+        for i, n in enumerate(nodes)}, max(1.0, deadline - time.monotonic()), say)
+    runs += up.values()
+    say(f"uplink_drain: {[f'{k} {r.state_name}' for k, r in up.items()]}")
+    # The event chain: one core_ingest run per landed bundle; each commit triggers training (one at a
+    # time; a commit during a run is covered by a later run), a trained model triggers publishing.
+    say("waiting for the event chain core_ingest -> train_model -> publish_model")
+    chain: list[Any] = []
+    landed = 0
+    quiet_since: tuple[float, int] | None = None  # (when the chain was last seen done, its run count then)
+    while time.monotonic() < deadline:
+        # Events reach the server asynchronously and triggers fire a moment later: count again each
+        # time, and call the chain done only when it has stayed done for 10 s.
+        landed = _count_events(state.prefect_api_url, "edgehaul.bundle.landed", since, state.api_auth_string)
+        named = _chain_runs(since)
+        chain = [r for _, r in named]
+        ok = {n: [r for d, r in named if d == n and r.state and r.state.is_completed()] for n in CHAIN}
+        ingests = [r for d, r in named if d == CHAIN[0]]
+        settled = all(r.state and r.state.is_final() for r in chain)
+        if settled and len(ingests) >= landed and ok[CHAIN[1]] and len(ok[CHAIN[2]]) >= len(ok[CHAIN[1]]):
+            if quiet_since is None or quiet_since[1] != len(chain):
+                quiet_since = (time.monotonic(), len(chain))
+            elif time.monotonic() - quiet_since[0] >= 10:
+                break
+        else:
+            quiet_since = None
+        time.sleep(3)
+    else:
+        pending = [f"{r.name}:{r.state_name}" for r in chain if not (r.state and r.state.is_final())]
+        raise TimeoutError(f"event chain not finished after {timeout:.0f} s ({len(chain)} runs; pending {pending})")
+    runs += chain
+    ops = _run_all({"lifecycle_moves/daily": ("lifecycle_moves/daily", {"store_block": "lifecycle", "dry_run": True}),
+                    "cost_report/monthly": ("cost_report/monthly", {"store_block": "central"})},
+                   max(1.0, deadline - time.monotonic()), say)
+    runs += ops.values()
+    names: dict[UUID, str] = {}
+    with get_client(sync_client=True) as c:
+        rows = [{"flow": _flow_of(c, r, names), "run": r.name, "pool": r.work_pool_name, "queue": r.work_queue_name,
+                 "state": r.state_name, "seconds": round(r.total_run_time.total_seconds(), 1),
+                 "by": r.created_by.type if r.created_by else "", "parameters": r.parameters.get("params", {}),
+                 "message": (r.state.message or "") if r.state else ""}
+                for r in runs]
+    return {"runs": rows, "bundles_landed": landed, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def run_ok(row: dict[str, Any]) -> bool:
+    """Completed, or cancelled on purpose by a deployment's CANCEL_NEW concurrency limit (training: a
+    commit during a run is covered by a later commit's run)."""
+    return row["state"] == "Completed" or (row["state"] == "Cancelled" and "concurrency limit" in row["message"])
+
+
+def deployment_summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
+    lines = ["", "edgehaul demo through deployments — flow runs", "=" * 60]
+    for r in out["runs"]:
+        p = r["parameters"]
+        what = p.get("edge_node") or p.get("dataset_version") or p.get("model_id") or p.get("bundle_keys") or ""
+        lines.append(f"{r['state']:<10} {r['flow']:<16} {r['pool'] or '-':<13} {r['queue'] or '':<8} "
+                     f"{r['seconds']:>6.1f} s  {r['by'] or 'API':<10} {what}")
+    bad = [r for r in out["runs"] if not run_ok(r)]
+    skipped = sum(1 for r in out["runs"] if r["state"] == "Cancelled" and run_ok(r))
+    lines.append(f"{len(out['runs'])} flow runs, {len(bad)} failed, {skipped} skipped by a concurrency limit; "
+                 f"{out['bundles_landed']} bundles landed; "
+                 f"wall time {out['wall_s']} s")
+    lines.append(f"Prefect UI: {ui_url}  (flow runs, artifacts, events)")
+    return lines
+
+
+def summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
+    lines = ["", "edgehaul demo — summary", "=" * 60]
+    for node, e in out["edge"].items():
+        tiers = e.get("samples", {})
+        lines.append(
+            f"{node}: {e.get('samples_in', 0)} samples in, {sum(e.get('rejected', {}).values())} rejected; "
+            f"tiers {json.dumps(tiers)}; {e.get('bundles', 0)} bundles"
+        )
+    for node, u in out["uplink"].items():
+        lines.append(
+            f"{node} uplink: {u.get('bundles_landed', 0)} bundles, {u.get('bytes_landed', 0) / 1e6:.1f} MB, "
+            f"goodput {u.get('goodput_bps', 0) / 1e6:.1f} Mbit/s ({100 * u.get('rate_cap_use', 0):.0f}% of cap)"
+        )
+    core = out.get("core", {})
+    lines.append(
+        f"dataset: versions {json.dumps(core.get('versions', {}))} ({core.get('valid', 0)} bundles valid, "
+        f"{len(core.get('quarantined', []))} quarantined, {len(core.get('errors', []))} errors)"
+    )
+    tr = out.get("train", {})
+    last = (tr.get("history") or [{}])[-1]
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}
+    lines.append(f"model: {tr.get('model_id')} on dataset v{tr.get('dataset_version')}, last epoch {json.dumps(shown)}")
+    cost = out.get("cost", {})
+    lines.append(f"cost report: total {cost.get('total')} {cost.get('currency', '')}".rstrip())
+    lines.append(f"wall time {out.get('wall_s')} s")
+    lines.append(f"Prefect UI: {ui_url}  (flow runs, artifacts, events)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="edgehaul_dev.demo")
+    ap.add_argument("--samples", type=int, default=int(os.environ.get("EDGEHAUL_DEMO_SAMPLES", 20_000)))
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--nodes", nargs="+", default=["node-a", "node-b"])
+    ap.add_argument("--via-deployments", action="store_true", help="run through the deployments (after make deploy)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="(--via-deployments) give up after this many seconds")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    state = localstack.StackState.load(localstack.DEFAULT_ROOT)
+    if state is None:
+        print("no local stack; run 'make up' (make demo does it)", file=sys.stderr)
+        return 1
+    os.environ.update(state.env())
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    # Settings were read when prefect was imported: set the stack's API (and its auth, if on) here.
+    with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url,
+                                     PREFECT_API_AUTH_STRING: state.api_auth_string}):
+        return _main(args, state)
+
+
+def _main(args: argparse.Namespace, state: localstack.StackState) -> int:
+    if args.via_deployments:
+        out = run_via_deployments(args.samples, args.epochs, args.nodes, state, args.timeout, say=log.info)
+        print("\n".join(deployment_summary_lines(out, state.prefect_ui_url)))
+        return 0 if all(run_ok(r) for r in out["runs"]) else 1
+    configure.register_block_types()
+    configure.save_blocks(state)
+    out = run(args.samples, args.epochs, args.nodes)
+    print("\n".join(summary_lines(out, state.prefect_ui_url)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

