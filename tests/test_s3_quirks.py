@@ -7,6 +7,7 @@ dataset, registry and lifecycle files also run through one mode with `EDGEHAUL_T
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -198,3 +199,41 @@ def test_lifecycle_moves_name_the_refused_class_and_never_copy_a_changed_source(
     res = run_batch(store, [_move(store, key + "2", s3compat.unquoted(r1["ETag"]), 1000, "STANDARD")], now)
     assert res.done["skipped: changed since planned"] == 1 and not res.errors, (res.done, res.errors)
     assert s3.get_object(Bucket=bucket, Key=key + "2")["Body"].read() == b"c" * 1000
+
+
+@pytest.mark.integration
+def test_a_source_rewritten_while_it_moves_never_leaves_a_stale_cold_copy(
+    quirky: tuple[QuirkProxy, ObjectStore],
+) -> None:
+    # A writer keeps rewriting the sources while the mover copies them; on a server that ignores
+    # CopySourceIfMatch only the check after the copy stands between a changed source and the cold tier.
+    _, store = quirky
+    s3, writer = store.client(), store.client()
+    bucket = store.bucket("landing")
+    keys = [store.key("landing", f"node-a/2026-01-01/r{i}.parquet") for i in range(12)]
+    planned = {k: s3compat.unquoted(s3.put_object(Bucket=bucket, Key=k, Body=b"v1" * 600)["ETag"]) for k in keys}
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        n = 0
+        while not stop.is_set():
+            for k in keys:
+                writer.put_object(Bucket=bucket, Key=k, Body=f"v2-{n:04d}".encode() * 120)
+                n += 1
+
+    t = threading.Thread(target=rewrite)
+    t.start()
+    try:
+        res = run_batch(store, [_move(store, k, planned[k], 1200, "STANDARD") for k in keys], datetime.now(UTC))
+    finally:
+        stop.set()
+        t.join()
+    assert not res.errors and sum(res.done.values()) == len(keys), (res.done, res.errors)
+    for k in keys:
+        a = _move(store, k, planned[k], 1200, "STANDARD")
+        try:
+            got = s3.get_object(Bucket=a.dst_bucket, Key=a.dst_key)["Body"].read()
+        except ClientError as e:
+            assert s3compat.is_missing(e)
+            continue
+        assert got == b"v1" * 600  # a cold copy is always of the planned version
