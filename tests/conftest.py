@@ -3,7 +3,8 @@
 Unit tests need neither; integration tests take the `stack` / `store` fixtures. The stack runs
 on free ports in a temporary folder, so a developer's `make demo` stack is never touched.
 
-`EDGEHAUL_TEST_S3_QUIRKS=<mode>` (a key of `tests.s3_quirk_proxy.MODES`, e.g. `other-server`) puts the
+`EDGEHAUL_TEST_S3_QUIRKS=<mode>` (a key of `tests.s3_quirk_proxy.MODES`, e.g. `other-server`, or a comma-separated
+list of quirks from `tests.s3_quirk_proxy.QUIRKS`) puts the
 quirk proxy in front of SeaweedFS for the whole session: every client, flow and Delta reader of the
 tests then talks to a server that behaves like another S3 implementation.
 """
@@ -35,7 +36,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.Stack
     proxy = None
     if mode:
         proxy = QuirkProxy(state.s3_endpoint, {c.access_key_id: c.secret_access_key for c in state.identities.values()},
-                           MODES[mode]).start()
+                           MODES.get(mode) or mode.split(",")).start()
         state.s3_port = int(proxy.url.rsplit(":", 1)[1])  # in memory only: `down` reads the saved state
     with localstack.environ(state.env()):
         from prefect.settings import PREFECT_API_URL, temporary_settings
