@@ -1,6 +1,7 @@
 """The `edgehaul` command: the product's operator commands, in a source checkout or a wheel install.
 
     edgehaul settings             the effective settings (environment / .env) and where each comes from
+    edgehaul store check <block>  probe an S3 endpoint for every feature the product uses; record it
     edgehaul automations [...]    create or update the alert automations on the Prefect server
     edgehaul gateway [...]        run the signed webhook gateway (ground stations -> Prefect events)
 
@@ -16,6 +17,7 @@ import sys
 
 COMMANDS = {
     "settings": ("edgehaul.platform.settings", "the effective settings and their sources"),
+    "store": ("edgehaul.ops.store_probe", "check <block>: probe the store's S3 features, print and record them"),
     "automations": ("edgehaul.platform.automations", "create or update the alert automations"),
     "gateway": ("edgehaul.platform.gateway", "run the signed webhook gateway"),
 }
@@ -41,8 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] not in COMMANDS:
         print(f"edgehaul: unknown command {args[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    rest = args[1:]
+    if args[0] == "store":  # `store check <block>`: the one store verb so far
+        if not rest or rest[0] != "check":
+            print("usage: edgehaul store check [block] [--endpoint URL] [--no-record] [--no-lifecycle] [--json]",
+                  file=sys.stderr)
+            return 2
+        rest = rest[1:]
     module = importlib.import_module(COMMANDS[args[0]][0])
-    return int(module.main(args[1:]) or 0)
+    return int(module.main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,16 @@
 
 Unit tests need neither; integration tests take the `stack` / `store` fixtures. The stack runs
 on free ports in a temporary folder, so a developer's `make demo` stack is never touched.
+
+`EDGEHAUL_TEST_S3_QUIRKS=<mode>` (a key of `tests.s3_quirk_proxy.MODES`, e.g. `other-server`, or a comma-separated
+list of quirks from `tests.s3_quirk_proxy.QUIRKS`) puts the
+quirk proxy in front of SeaweedFS for the whole session: every client, flow and Delta reader of the
+tests then talks to a server that behaves like another S3 implementation.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +21,7 @@ from pydantic import SecretStr
 
 from edgehaul.blocks import ObjectStore
 from edgehaul_dev import localstack
+from tests.s3_quirk_proxy import MODES, QuirkProxy
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +32,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.Stack
     except BaseException:
         localstack.down(root)  # a start-up timeout must not leave its servers running
         raise
+    mode = os.environ.get("EDGEHAUL_TEST_S3_QUIRKS", "")
+    proxy = None
+    if mode:
+        proxy = QuirkProxy(state.s3_endpoint, {c.access_key_id: c.secret_access_key for c in state.identities.values()},
+                           MODES.get(mode) or mode.split(",")).start()
+        state.s3_port = int(proxy.url.rsplit(":", 1)[1])  # in memory only: `down` reads the saved state
     with localstack.environ(state.env()):
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -32,6 +45,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.Stack
             with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
                 yield state
         finally:
+            if proxy is not None:
+                proxy.stop()
             localstack.down(root)
 
 

@@ -39,6 +39,24 @@ def test_unknown_command_is_refused_with_its_name(capsys: pytest.CaptureFixture[
     assert "unknown command 'trian'" in capsys.readouterr().err
 
 
+def test_store_check_probes_the_stack_store_and_a_missing_block_is_named(
+    stack: localstack.StackState, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from edgehaul.platform.block_loading import BlockNotFoundError
+
+    assert cli.main(["store"]) == 2 and "edgehaul store check" in capsys.readouterr().err
+    env = {"AWS_ACCESS_KEY_ID": stack.identities["admin"].access_key_id,
+           "AWS_SECRET_ACCESS_KEY": stack.identities["admin"].secret_access_key}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        assert cli.main(["store", "check", "--endpoint", stack.s3_endpoint, "--no-record", "--no-lifecycle"]) == 0
+    out = capsys.readouterr().out
+    assert "put-if-none-match" in out and "content-md5" in out, out
+    with pytest.raises(BlockNotFoundError, match="no-such-store"):
+        cli.main(["store", "check", "no-such-store", "--no-record"])
+
+
 def test_a_development_command_on_the_product_cli_says_where_it_lives(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["drills"]) == 2
     assert "python -m edgehaul_dev drills" in capsys.readouterr().err

@@ -246,8 +246,8 @@ def test_duplicate_and_racing_sends_leave_one_object(store: ObjectStore, tmp_pat
     # an urgent bundle skips the HEAD round trip; IfNoneMatch still stops the duplicate
     d3, m3 = urgent(20, seed=33)
     u1, u2 = up.send(d3, m3), up.send(d3, m3)
-    assert (u1.already_present, u1.verified_by) == (False, "put-checksum")
-    assert (u2.already_present, u2.verified_by) == (True, "head")
+    assert (u1.already_present, u1.verified_by) == (False, "etag-md5")
+    assert (u2.already_present, u2.verified_by) == (True, "etag-md5")
     keys = keys_under(store, f"{m.node_id}/")
     expect = [up.key_of(x) for x in (m, m2, m3)] + [up.key_of(x).replace(".parquet", ".manifest.json") for x in (m, m2, m3)]
     assert keys == sorted(expect)
@@ -315,7 +315,8 @@ def test_access_denied_is_not_retried_and_goes_to_the_retry_queue(stack: localst
     q = RetryQueue(tmp_path / "retry.sqlite", cap=10, expiry_seconds=3600, ledger=ledger, emit_events=False)
     rep = Drainer(Uplink(node_b, Link(prof(2 * MiB)), tmp_path / "s"), src, attempts=3, backoff_s=(0.1,),
                   retry_queue=q, emit_events=False).run(max_seconds=30)
-    assert rep.attempts == 1 and m.bundle_id in rep.failed and "403" in rep.failed[m.bundle_id]
+    # HEAD of a key outside its prefix is 403 (treated as absent); the conditional PUT is then denied
+    assert rep.attempts == 1 and m.bundle_id in rep.failed and "AccessDenied" in rep.failed[m.bundle_id]
     assert [e.bundle_id for e in q.entries()] == [m.bundle_id] and len(src) == 1  # still in the source, not lost
 
 

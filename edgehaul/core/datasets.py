@@ -45,6 +45,7 @@ from deltalake.exceptions import DeltaError, TableNotFoundError
 from edgehaul.bundles import BundleManifest
 from edgehaul.contracts import Contract
 from edgehaul.core.validation import ValidationResult
+from edgehaul.platform import s3compat
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -326,11 +327,25 @@ def claim_bundles(
         elif time.time() - float(doc.get("at", 0)) < lease_s:
             out.deferred.append(b)
         else:
-            try:  # stale claim (its run died before committing): take it over, conditionally
-                s3.put_object(Bucket=bucket, Key=key, Body=body, IfMatch=held["ETag"])
+            # Stale claim (its run died before committing): take it over, conditionally, with If-Match
+            # in the ETag form this server honours (some answer 412 to the quoted form boto3 returns).
+            def take_over(etag: str, key: str = key, body: bytes = body) -> Any:
+                return s3.put_object(Bucket=bucket, Key=key, Body=body, IfMatch=etag)
+
+            try:
+                s3compat.if_match(store.endpoint_url, held["ETag"], take_over)
                 out.claimed.append(b)
-            except ClientError:
-                out.deferred.append(b)
+            except ClientError as e:
+                if not s3compat.is_precondition_failed(e):
+                    raise
+                now = s3.head_object(Bucket=bucket, Key=key)
+                if s3compat.unquoted(now.get("ETag")) == s3compat.unquoted(held["ETag"]):
+                    # Unchanged, yet every If-Match form was refused: waiting cannot help, say so.
+                    raise DatasetError(
+                        f"dataset {kind}: the store at {store.endpoint_url or 'AWS'} refuses If-Match on an unchanged "
+                        f"object, so the stale claim on bundle {b} can never be taken over; the product needs "
+                        "conditional PUT with If-Match (see docs/STORAGE.md, `edgehaul store check`)") from e
+                out.deferred.append(b)  # another run took it over first
     return out
 
 

@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.core.validation import ValidationResult
+from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.caching import ensure_result_storage
 from edgehaul.platform.reporting import summary_table
@@ -95,6 +96,10 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     p = params or CoreIngestParams()
     logger = get_run_logger()
     store = load_block(ObjectStore, p.store_block, param="store_block")
+    store_probe.require(store, {
+        "put-if-none-match": "core_ingest (Delta commits, bundle claims)",
+        "put-if-match-quoted|put-if-match-unquoted": "core_ingest (taking over a dead run's claims)",
+    })
     run_id = str(flow_run.get_id() or uuid.uuid4())
     storage = p.result_storage or ensure_result_storage(store)
     validate = validate_bundle_task.with_options(result_storage=storage, refresh_cache=p.refresh_cache)
@@ -154,6 +159,12 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "commits": [c.to_dict() for c in commits],
         "versions": {c.kind: c.version for c in commits},
     }
-    logger.info("core_ingest: %d bundles, %d valid, %d quarantined, %d errors; versions %s", len(keys), len(passed),
-                len(quarantined), len(errors), summary["versions"])
+    deferred = sorted(b for c in commits for b in c.deferred)
+    summary["deferred"] = deferred
+    logger.info("core_ingest: %d bundles, %d valid, %d quarantined, %d errors, %d deferred; versions %s", len(keys),
+                len(passed), len(quarantined), len(errors), len(deferred), summary["versions"])
+    if deferred:
+        # Left in landing for the next run (another live run holds their claims); said, never silent.
+        logger.warning("core_ingest: %d bundles deferred (claimed by another live run, retried by the next run): %s",
+                       len(deferred), ", ".join(deferred[:20]) + (" ..." if len(deferred) > 20 else ""))
     return summary

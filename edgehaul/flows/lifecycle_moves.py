@@ -28,6 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, field_validator
 
 from edgehaul.blocks import ObjectStore, RetentionPolicy
+from edgehaul.ops import store_probe
 from edgehaul.ops.costs import RequestMeter, UsageRecord, record_usage
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
@@ -62,6 +63,8 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
     now = params.now or datetime.now(UTC)
     store = load_block(ObjectStore, params.store_block, param="store_block")
     policy = load_block(RetentionPolicy, params.policy_block, param="policy_block")
+    # A class the store does not have fails every move of every run: refuse the policy now, naming it.
+    store_probe.check_policy(store, policy)
     done: Counter[str] = Counter()
     errors: list[str] = []
     with RequestMeter.process() as meter:
@@ -89,7 +92,12 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
         if params.apply_store_lifecycle and not params.dry_run:
             for r in apply_config_task(store, policy):
                 config.append({"bucket": r.bucket, "applied": [x["ID"] for x in r.applied], "refused": r.refused,
-                               "round_trip_ok": r.round_trip_ok, "notes": r.notes})
+                               "round_trip_ok": r.round_trip_ok, "changed_by_server": r.changed_rules,
+                               "notes": r.notes})
+                if r.changed_rules:
+                    logger.warning("lifecycle: the store at %s changed rules %s of bucket %s when storing them "
+                                   "(e.g. dropped a size filter); they do not do what the policy says",
+                                   store.endpoint_url or "AWS", ", ".join(r.changed_rules), r.bucket)
     if not params.dry_run:
         record_usage(store, UsageRecord(at=now, meter="requests", quantity=meter.count, source="lifecycle_moves",
                                         team="shared"))
@@ -111,4 +119,11 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
     create_markdown_artifact("\n".join(md), key="lifecycle-moves", description="lifecycle_moves summary")
     logger.info("lifecycle: planned %s, done %s, skipped %d, errors %d", plan.counts(), dict(done),
                 sum(plan.skipped.values()), len(errors))
+    if errors:
+        # The batch stays journalled for the next run, but this run did not do its job: say so in its state.
+        raise LifecycleMovesFailed(f"{len(errors)} lifecycle action(s) failed; first: " + "; ".join(errors[:3]))
     return summary
+
+
+class LifecycleMovesFailed(RuntimeError):
+    """Some moves failed (each error names the object and the storage class)."""

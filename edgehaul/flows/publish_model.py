@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.tasks.train import publish
@@ -42,6 +43,7 @@ class QualityGateFailed(RuntimeError):
 def publish_model(params: PublishModelParams) -> dict[str, Any]:
     """Publish a registered model to the edge; see the module docstring."""
     store = load_block(ObjectStore, params.store_block, param="store_block")
+    store_probe.require(store, {"put-if-match-quoted|put-if-match-unquoted": "publish_model (swapping latest.json)"})
     lineage = registry.read_lineage(store, params.model_name, params.model_id)
     if lineage is None:
         raise registry.RegistryError(f"model {params.model_name}/{params.model_id} is not registered")

@@ -64,6 +64,7 @@ from botocore.exceptions import ClientError
 
 from edgehaul.core.datasets import open_uri
 from edgehaul.ops.storage_classes import CLASSES, check_delete, check_move, storage_class
+from edgehaul.platform import s3compat
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -170,9 +171,16 @@ def _head(s3: S3Client, bucket: str, key: str) -> dict[str, Any] | None:
     try:
         return dict(s3.head_object(Bucket=bucket, Key=key))
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        if s3compat.is_missing(e):
             return None
-        raise
+        if s3compat.status(e) != 403:
+            raise
+    # 403 is what a missing key gets on servers (and AWS identities) that hide absence without
+    # ListBucket: the listing, which the lifecycle identity may read, says whether it exists.
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1).get("Contents", [])
+    if listed and listed[0]["Key"] == key:
+        raise PermissionError(f"s3://{bucket}/{key} exists but HEAD is denied to this identity")
+    return None
 
 
 def _iso(v: str | None, default: datetime) -> datetime:
@@ -550,12 +558,15 @@ def _copy(
     s3: S3Client, a: Action, meta: dict[str, str], content_type: str, *, multipart_threshold: int, part_bytes: int
 ) -> None:
     src = {"Bucket": a.src_bucket, "Key": a.src_key}
+    endpoint = s3.meta.endpoint_url
     if a.size <= multipart_threshold:
-        s3.copy_object(
-            Bucket=a.dst_bucket, Key=a.dst_key, CopySource=src, CopySourceIfMatch=f'"{a.etag}"',  # type: ignore[typeddict-item]
+        # CopySourceIfMatch in the ETag form this server honours; servers that ignore it are covered
+        # by the check after the copy (`_transfer`).
+        s3compat.if_match(endpoint, a.etag, lambda etag: s3.copy_object(
+            Bucket=a.dst_bucket, Key=a.dst_key, CopySource=src, CopySourceIfMatch=etag,  # type: ignore[typeddict-item]
             MetadataDirective="REPLACE", Metadata=meta, ContentType=content_type,
             StorageClass=a.storage_class,  # type: ignore[arg-type]
-        )
+        ), op="copy")
         return
     up = s3.create_multipart_upload(
         Bucket=a.dst_bucket, Key=a.dst_key, Metadata=meta, ContentType=content_type,
@@ -565,10 +576,13 @@ def _copy(
         parts = []
         for n, start in enumerate(range(0, a.size, part_bytes), 1):
             end = min(start + part_bytes, a.size) - 1
-            r = s3.upload_part_copy(
-                Bucket=a.dst_bucket, Key=a.dst_key, UploadId=up["UploadId"], PartNumber=n, CopySource=src,  # type: ignore[arg-type]
-                CopySourceRange=f"bytes={start}-{end}", CopySourceIfMatch=f'"{a.etag}"',
-            )
+            def part(etag: str, n: int = n, start: int = start, end: int = end) -> Any:
+                return s3.upload_part_copy(
+                    Bucket=a.dst_bucket, Key=a.dst_key, UploadId=up["UploadId"], PartNumber=n, CopySource=src,  # type: ignore[arg-type]
+                    CopySourceRange=f"bytes={start}-{end}", CopySourceIfMatch=etag,
+                )
+
+            r = s3compat.if_match(endpoint, a.etag, part, op="copy")
             parts.append({"PartNumber": n, "ETag": r["CopyPartResult"]["ETag"]})
         s3.complete_multipart_upload(
             Bucket=a.dst_bucket, Key=a.dst_key, UploadId=up["UploadId"], MultipartUpload={"Parts": parts}  # type: ignore[typeddict-item]
@@ -608,6 +622,19 @@ def _transfer(
         if dst is None or dst["ContentLength"] != a.size:
             raise LifecycleError(f"{a.kind} s3://{a.src_bucket}/{a.src_key}: copy not verified at "
                                  f"s3://{a.dst_bucket}/{a.dst_key}")
+        # Some servers ignore CopySourceIfMatch. The copy is of the planned version when its own ETag
+        # (the server's MD5 of the copied bytes) is the planned one, or, for ETags that are not a plain
+        # MD5 (multipart sources), when the source still has the planned ETag after the copy.
+        if s3compat.is_md5(a.etag) and s3compat.is_md5(dst["ETag"]):
+            same = _etag(dst["ETag"]) == a.etag
+        else:
+            after = _head(s3, a.src_bucket, a.src_key)
+            same = after is not None and _etag(after["ETag"]) == a.etag
+        if not same:
+            s3.delete_object(Bucket=a.dst_bucket, Key=a.dst_key)
+            log.warning("%s s3://%s/%s changed during the copy; copy removed, left for the next plan",
+                        a.kind, a.src_bucket, a.src_key)
+            return "skipped: changed since planned"
     if hook:
         hook("copied", a)
     s3.delete_object(Bucket=a.src_bucket, Key=a.src_key)
@@ -703,7 +730,9 @@ def run_batch(
                 res.bytes_moved += a.size if out in ("moved", "restored") else 0
             res.done[out] += 1
         except (LifecycleError, ClientError) as e:
-            res.errors.append(str(e))
+            # Name the object and the class: "InvalidArgument ... CopyObject" alone says neither.
+            res.errors.append(f"{a.kind} s3://{a.src_bucket}/{a.src_key} -> s3://{a.dst_bucket}/{a.dst_key} "
+                              f"(storage class {a.storage_class}): {e}")
     if not res.errors:
         s3.put_object(Bucket=store.bucket("ops"), Key=_journal_key(store, bid, done=True), Body=b"{}")
     log.info("batch %s: %s, %d errors", bid, dict(res.done), len(res.errors))

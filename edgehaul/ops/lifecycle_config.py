@@ -126,6 +126,12 @@ class ApplyResult:
     def round_trip_ok(self) -> bool:
         return _canon(self.applied) == _canon(self.read_back)
 
+    @property
+    def changed_rules(self) -> list[str]:
+        """Ids of our rules that the server stored differently (or not at all)."""
+        back = {r.get("ID"): _canon([r]) for r in self.read_back}
+        return sorted(str(r["ID"]) for r in self.applied if back.get(r["ID"]) != _canon([r]))
+
 
 def _canon(rules: list[dict[str, Any]]) -> list[str]:
     def clean(v: Any) -> Any:

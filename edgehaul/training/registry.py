@@ -22,6 +22,7 @@ import torch
 from botocore.exceptions import ClientError
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.platform import s3compat
 from edgehaul.platform.settings import get_settings
 
 
@@ -184,9 +185,14 @@ def publish(store: ObjectStore, name: str, model_id: str, allow_older: bool = Fa
         "published": datetime.now(UTC).isoformat(), "previous": previous,
         "dataset_uri": lineage.get("dataset_uri"), "dataset_version": lineage.get("dataset_version"),
     }
-    cond: dict[str, str] = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    body = json.dumps(pointer).encode()
     try:
-        s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(pointer).encode(), ContentType="application/json", **cond)
+        if etag:
+            # If-Match in the ETag form this server honours (quoted first, then unquoted; remembered).
+            s3compat.if_match(store.endpoint_url, etag, lambda et: s3.put_object(
+                Bucket=bucket, Key=key, Body=body, ContentType="application/json", IfMatch=et))
+        else:
+            s3.put_object(Bucket=bucket, Key=key, Body=body, ContentType="application/json", IfNoneMatch="*")
     except ClientError as e:
         if _code(e) in ("PreconditionFailed", "412"):
             raise RegistryError(

@@ -7,11 +7,17 @@
    object: the loser gets 412 and verifies the winner's object); large bundles: multipart with a
    SHA-256 checksum per part, the upload id and the part ETags persisted in the spool root after
    every part, so a process killed with kill -9 resumes (list_parts) and sends only missing parts;
-3. a part or object whose bytes were corrupted on the way is rejected by the server (BadDigest)
-   and re-sent, up to `max_digest_resends` times;
-4. verify: HEAD size + sha256 metadata (+ the server's checksum when it returns one);
+3. every PUT and part carries Content-MD5 and x-amz-checksum-sha256; a part or object whose bytes
+   were corrupted on the way is rejected by the server (BadDigest), or, on a server that checks
+   neither, caught by its ETag (the MD5 the server computed of what it stored) and re-sent, up to
+   `max_digest_resends` times;
+4. prove the landed bytes equal the spooled ones (`Receipt.verified_by`, in this order): the ETag
+   the server computed ("etag-md5", or "etag-multipart" = md5 of the part MD5s + "-N"), a checksum
+   the caller knows this server enforces (`server_checks`, from the capability probe), or else a
+   read-back hash of the whole object ("read-back", metered in `Receipt.readback_bytes`). Sizes and
+   the client's own `sha256` metadata are checked too, but prove nothing about the bytes;
 5. write the manifest object last (its presence means the bundle is complete).
-Only then may the caller remove the bundle from its spool (`Drainer` calls `source.ack`).
+Only then may the caller remove the bundle from its spool (`Drainer` acks only receipts with a proof).
 
 `Drainer` moves bundles from a source (the spool) through the link: high tier first, then highest
 value, then oldest; urgent bundles get a lane of their own and the shaper serves their chunks
@@ -29,6 +35,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -40,6 +47,7 @@ from botocore.exceptions import ClientError
 
 from edgehaul import events
 from edgehaul.bundles import BundleManifest
+from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import DIGEST_CODES, error_code, is_retryable
 from edgehaul.uplink.link import Link, LinkDown, Priority, priority_key
 
@@ -48,6 +56,15 @@ if TYPE_CHECKING:
     from edgehaul.uplink.retry_queue import RetryQueue
 
 log = logging.getLogger(__name__)
+
+# Proofs that the landed bytes are the spooled ones, each a check the server or the product performed.
+PROOFS = frozenset({"etag-md5", "etag-multipart", "server-sha256", "content-md5", "read-back"})
+ServerCheck = Literal["sha256", "content-md5"]
+
+
+class _StoredCorrupt(Exception):
+    """The server took a PUT or part but its ETag says the stored bytes differ from the sent ones."""
+
 
 class UplinkError(RuntimeError):
     """A bundle could not be landed; `retryable` says whether trying again later can help."""
@@ -78,7 +95,8 @@ class Receipt:
     tier: str
     rows: int
     manifest_nbytes: int = 0
-    verified_by: str = ""  # "put-checksum": the PUT's own SHA-256 check; "head": size + sha256 metadata
+    verified_by: str = ""  # one of PROOFS: how the landed bytes were proven equal to the spooled ones
+    readback_bytes: int = 0  # bytes read back to prove them (the last-resort proof), metered
     already_present: bool = False
     multipart: bool = False
     parts_total: int = 0
@@ -101,12 +119,16 @@ class Uplink:
         max_digest_resends: int = 3,
         contact_wait_s: float = 0.0,
         client: Any | None = None,
+        server_checks: frozenset[ServerCheck] | set[ServerCheck] = frozenset(),
     ) -> None:
         self.store = store
         self.link = link
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.max_digest_resends = max_digest_resends
+        # Checks this server is known to enforce (the capability probe sent a wrong sum and was refused).
+        # An echoed checksum in a 200 is no proof on its own: some servers accept a wrong one.
+        self.server_checks = frozenset(server_checks)
         self.contact_wait_s = contact_wait_s
         self.bucket = store.bucket("landing")
         # botocore must neither retry on its own (we count and classify every failure) nor sign the
@@ -141,15 +163,19 @@ class Uplink:
         # HEAD first saves re-sending the bytes of a bundle that already landed (a crash between
         # landing and ack). An urgent bundle is small and latency-bound: it skips that round trip,
         # and IfNoneMatch still keeps a duplicate from making a second object.
-        if not (small and manifest.tier == "high") and self._landed(key, manifest):
+        present = not (small and manifest.tier == "high") and self._landed(key, manifest)
+        if present and self._verify(key, manifest, data, r):
             r.already_present = True
         elif not small:
             self._multipart(data, manifest, key, prio, r)
         else:
             self._single(data, manifest, key, prio, r)
-        if not r.verified_by:
-            self._verify(key, manifest, data, r)
-        r.manifest_nbytes = self._put_manifest(manifest, r.manifest_key, prio)
+        if not r.verified_by and not self._verify(key, manifest, data, r):
+            # The landed bytes were not ours (now deleted): a later attempt sends them again.
+            raise UplinkError(f"bundle {manifest.bundle_id}: landed object differs from the spooled bytes; "
+                              "deleted, to be re-sent", retryable=True)
+        self.forget(manifest.bundle_id)  # proven: no resume state is needed any more
+        r.manifest_nbytes = self._put_manifest(manifest, r.manifest_key, prio, r)
         r.seconds = time.monotonic() - t0
         r.landed_at = datetime.now(UTC).isoformat()
         return r
@@ -202,34 +228,54 @@ class Uplink:
         for attempt in range(self.max_digest_resends + 1):
             try:
                 return fn()
-            except ClientError as e:
-                if error_code(e) not in DIGEST_CODES:
+            except (ClientError, _StoredCorrupt) as e:
+                why = "stored ETag != local MD5" if isinstance(e, _StoredCorrupt) else error_code(e)
+                if isinstance(e, ClientError) and why not in DIGEST_CODES:
                     raise
                 if attempt == self.max_digest_resends:
-                    raise UplinkError(f"{what}: checksum rejected {attempt + 1} times ({error_code(e)})",
+                    raise UplinkError(f"{what}: checksum rejected {attempt + 1} times ({why})",
                                       retryable=False) from e
                 r.digest_resends += 1
-                log.info("%s: server rejected checksum (%s), re-sending", what, error_code(e))
+                log.info("%s: corrupted on the way (%s), re-sending", what, why)
         raise AssertionError("unreachable")
+
+    def _proof_of_write(self, resp: dict[str, Any], local_md5: str, checksum: str) -> str:
+        """The proof a write's own response gives, "" if none. Raises _StoredCorrupt when the server's
+        ETag is an MD5 and not the one of the bytes sent (a server that checked neither header)."""
+        etag = s3compat.unquoted(resp.get("ETag"))
+        if s3compat.is_md5(etag):
+            if etag.lower() != local_md5:
+                raise _StoredCorrupt(etag)
+            return "etag-md5"
+        if "sha256" in self.server_checks and resp.get("ChecksumSHA256") == checksum:
+            return "server-sha256"
+        if "content-md5" in self.server_checks:
+            return "content-md5"
+        return ""
 
     def _single(self, data: bytes, m: BundleManifest, key: str, prio: Priority, r: Receipt) -> None:
         checksum = _b64(bytes.fromhex(m.sha256))
+        md5 = hashlib.md5(data).digest()
 
         def put() -> Any:
-            return self.client.put_object(
+            resp = self.client.put_object(
                 Bucket=self.bucket, Key=key, Body=self.link.body(data, prio), ChecksumSHA256=checksum,
-                IfNoneMatch="*", Metadata=self._metadata(m), ContentType="application/vnd.apache.parquet",
+                ContentMD5=_b64(md5), IfNoneMatch="*", Metadata=self._metadata(m),
+                ContentType="application/vnd.apache.parquet",
             )
+            try:
+                r.verified_by = self._proof_of_write(resp, md5.hex(), checksum)
+            except _StoredCorrupt:
+                # Ours and wrong: remove it so IfNoneMatch lets the re-send through.
+                self.client.delete_object(Bucket=self.bucket, Key=key)
+                raise
+            return resp
 
         try:
-            resp = self._with_digest_resends(f"bundle {m.bundle_id}", r, put)
+            self._with_digest_resends(f"bundle {m.bundle_id}", r, put)
             r.parts_total = r.parts_sent = 1
-            # A 200 to a PUT carrying x-amz-checksum-sha256 means the server checked the stored bytes
-            # against it (a mismatch is BadDigest): that is the receipt, no extra HEAD round trip.
-            if resp.get("ChecksumSHA256") == checksum:
-                r.verified_by = "put-checksum"
         except ClientError as e:
-            if error_code(e) != "PreconditionFailed" and e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 412:
+            if not s3compat.is_precondition_failed(e):
                 raise
             r.already_present = True  # another sender won the race; _verify checks its object
 
@@ -321,10 +367,16 @@ class Uplink:
             checksum = _b64(digest)
 
             def put_part(chunk: bytes = chunk, n: int = n, checksum: str = checksum) -> Any:
-                return self.client.upload_part(
+                md5 = hashlib.md5(chunk).digest()
+                resp = self.client.upload_part(
                     Bucket=self.bucket, Key=key, UploadId=st["upload_id"], PartNumber=n,
                     Body=self.link.body(chunk, prio), ChecksumSHA256=checksum, ChecksumAlgorithm="SHA256",
+                    ContentMD5=_b64(md5),
                 )
+                etag = s3compat.unquoted(resp.get("ETag"))
+                if s3compat.is_md5(etag) and etag.lower() != md5.hex():
+                    raise _StoredCorrupt(etag)  # the same part number is simply uploaded again
+                return resp
 
             resp = self._with_digest_resends(f"bundle {m.bundle_id} part {n}", r, put_part)
             done[str(n)] = {"etag": _etag(resp.get("ETag")), "checksum": checksum}
@@ -335,9 +387,14 @@ class Uplink:
         parts = [{"PartNumber": n, "ETag": f'"{done[str(n)]["etag"]}"', "ChecksumSHA256": done[str(n)]["checksum"]}
                  for n in range(1, n_parts + 1)]
         try:
-            self.client.complete_multipart_upload(
+            # If-None-Match keeps a duplicate sender from completing twice; a server that ignores it on
+            # complete rewrites the same content-addressed key with the same bytes, which is harmless.
+            done_resp = self.client.complete_multipart_upload(
                 Bucket=self.bucket, Key=key, UploadId=st["upload_id"], MultipartUpload={"Parts": parts}, IfNoneMatch="*",
             )
+            want = s3compat.multipart_etag_of(data, size)
+            if s3compat.unquoted(done_resp.get("ETag")).lower() == want:
+                r.verified_by = "etag-multipart"  # the server's MD5s of the parts it stored, combined
         except ClientError as e:
             code = error_code(e)
             if code == "PreconditionFailed":
@@ -352,8 +409,12 @@ class Uplink:
         try:
             h = self.client.head_object(Bucket=self.bucket, Key=key)
         except ClientError as e:
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status == 404 or error_code(e) in ("404", "NoSuchKey", "NotFound"):
+            if s3compat.is_missing(e):
+                return False
+            if s3compat.status(e) == 403:
+                # HEAD of a missing key answers 403 to an identity without ListBucket (AWS does this too,
+                # and a node's identity is scoped to its prefix): treat it as "not there". The write that
+                # follows is conditional (If-None-Match), and a real denial fails that write loudly.
                 return False
             raise
         meta = h.get("Metadata", {}) or {}
@@ -364,7 +425,11 @@ class Uplink:
             f"expected {m.nbytes} / {m.sha256[:12]}: not overwriting", retryable=False,
         )
 
-    def _verify(self, key: str, m: BundleManifest, data: bytes, r: Receipt) -> None:
+    def _verify(self, key: str, m: BundleManifest, data: bytes, r: Receipt) -> bool:
+        """Prove the object at `key` holds exactly `data` (sets `r.verified_by`, returns True), or delete
+        it and return False when it does not. The ETag is the server's own hash of what it stored; only
+        when it is not an MD5 of a known shape (SSE-KMS, another part size) and no enforced checksum
+        covers it, the whole object is read back and hashed, which costs a GET of its size."""
         h = self.client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
         meta = h.get("Metadata", {}) or {}
         problems = []
@@ -372,33 +437,71 @@ class Uplink:
             problems.append(f"size {h['ContentLength']} != {m.nbytes}")
         if meta.get("sha256") != m.sha256:
             problems.append(f"sha256 metadata {meta.get('sha256', '?')[:12]} != {m.sha256[:12]}")
-        server_sum = h.get("ChecksumSHA256")
-        if server_sum and "-" not in server_sum and server_sum != _b64(bytes.fromhex(m.sha256)):
-            problems.append("server SHA-256 differs")
-        if server_sum and "-" in server_sum and r.multipart and not r.already_present:
-            st = self._load_state(m, key, int(self.profile.part_bytes))
-            if st and st.get("composite") and st["composite"] != server_sum:
-                problems.append("server composite SHA-256 differs")
+        etag = s3compat.unquoted(h.get("ETag")).lower()
+        proof = ""
+        if not problems:
+            parts = s3compat.multipart_parts(etag)
+            part_bytes = int(self.profile.part_bytes)
+            if s3compat.is_md5(etag):
+                if etag == hashlib.md5(data).hexdigest():
+                    proof = "etag-md5"
+                else:
+                    problems.append("ETag is not the MD5 of the spooled bytes")
+            elif parts and parts == (len(data) + part_bytes - 1) // part_bytes and (
+                etag == s3compat.multipart_etag_of(data, part_bytes)
+            ):
+                proof = "etag-multipart"
+            elif "sha256" in self.server_checks and h.get("ChecksumSHA256") == _b64(bytes.fromhex(m.sha256)):
+                proof = "server-sha256"
+        if not problems and not proof:
+            got = self.client.get_object(Bucket=self.bucket, Key=key)
+            hasher = hashlib.sha256()
+            for block in iter(lambda: got["Body"].read(1 << 20), b""):
+                hasher.update(block)
+                r.readback_bytes += len(block)
+            if hasher.hexdigest() == m.sha256:
+                proof = "read-back"
+            else:
+                problems.append("read-back SHA-256 differs")
         if problems:
-            raise UplinkError(f"bundle {m.bundle_id}: landed object fails verification: {'; '.join(problems)}",
-                              retryable=False)
-        r.verified_by = "head"
+            log.warning("bundle %s: landed object fails verification (%s); deleting it", m.bundle_id, "; ".join(problems))
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+            return False
+        r.verified_by = proof
         self.forget(m.bundle_id)
+        return True
 
-    def _put_manifest(self, m: BundleManifest, manifest_key: str, prio: Priority) -> int:
-        """Write the manifest; returns the bytes sent (0 when it was already there)."""
+    def _put_manifest(self, m: BundleManifest, manifest_key: str, prio: Priority, r: Receipt) -> int:
+        """Write the manifest, proven like the bundle (its bytes cross the same link); returns the bytes
+        sent (0 when it was already there)."""
         body = m.to_json()
-        try:
-            self.client.put_object(
-                Bucket=self.bucket, Key=manifest_key, Body=self.link.body(body, prio),
-                ChecksumSHA256=_b64(hashlib.sha256(body).digest()), IfNoneMatch="*",
-                ContentType="application/json", Metadata={"bundle-id": m.bundle_id, "sha256": m.sha256},
-            )
-        except ClientError as e:
-            if error_code(e) != "PreconditionFailed":
+        md5 = hashlib.md5(body).digest()
+        checksum = _b64(hashlib.sha256(body).digest())
+
+        def put() -> int:
+            try:
+                resp = self.client.put_object(
+                    Bucket=self.bucket, Key=manifest_key, Body=self.link.body(body, prio), ChecksumSHA256=checksum,
+                    ContentMD5=_b64(md5), IfNoneMatch="*", ContentType="application/json",
+                    Metadata={"bundle-id": m.bundle_id, "sha256": m.sha256},
+                )
+            except ClientError as e:
+                if not s3compat.is_precondition_failed(e):
+                    raise
+                h = self.client.head_object(Bucket=self.bucket, Key=manifest_key)
+                etag = s3compat.unquoted(h.get("ETag")).lower()
+                if not s3compat.is_md5(etag) or etag == md5.hex():
+                    return 0
+                resp = {"ETag": etag}  # an earlier manifest landed corrupt: replaced below
+            try:
+                self._proof_of_write(resp, md5.hex(), checksum)
+            except _StoredCorrupt:
+                self.client.delete_object(Bucket=self.bucket, Key=manifest_key)
                 raise
-            return 0
-        return len(body)
+            return len(body)
+
+        sent: int = self._with_digest_resends(f"bundle {m.bundle_id} manifest", r, put)
+        return sent
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -476,6 +579,8 @@ class DrainReport:
             "rate_cap_use": round(self.goodput_bps / (8 * cap_bytes_per_s), 4) if cap_bytes_per_s else 0.0,
             "retransmission_rate": self.link.get("retransmission_rate", 0.0),
             "digest_resends": sum(r.digest_resends for r in self.landed),
+            "proofs": dict(sorted(Counter(r.verified_by for r in self.landed).items())),
+            "readback_bytes": sum(r.readback_bytes for r in self.landed),
             "queue_lengths": dict(self.queue_lengths),
             "capture_to_landed_p50_s": {t: pct(v, 0.5) for t, v in self.landing_latency_s.items()},
             "capture_to_landed_p99_s": {t: pct(v, 0.99) for t, v in self.landing_latency_s.items()},
@@ -628,7 +733,10 @@ class Drainer:
         return self.uplink.send(data, e.manifest, priority=self._shaper_priority(e))
 
     def _landed(self, e: Any, r: Receipt, rep: DrainReport) -> None:
-        # The object is verified (size + sha256) and its manifest written: only now may the spool let go.
+        # The object is proven equal to the spooled bytes and its manifest written: only now may the spool let go.
+        if r.verified_by not in PROOFS:
+            raise UplinkError(f"bundle {r.bundle_id}: no proof of the landed bytes ({r.verified_by!r}); kept",
+                              retryable=False)
         self.source.ack(e.bundle_id, remote_key=r.key, sha256=r.sha256)
         if self.retry_queue is not None:
             self.retry_queue.remove(e.bundle_id)
@@ -646,7 +754,8 @@ class Drainer:
                 events.BUNDLE_LANDED, f"edgehaul.bundle.{r.bundle_id}",
                 {"node_id": m.node_id, "bundle_id": m.bundle_id, "object_key": m.object_key,
                  "manifest_key": m.manifest_key, "sha256": r.sha256, "row_count": r.rows, "contract": m.contract,
-                 "tier": r.tier, "nbytes": r.nbytes, "bucket": r.bucket, "key": r.key, "duplicate": r.already_present},
+                 "tier": r.tier, "nbytes": r.nbytes, "bucket": r.bucket, "key": r.key, "duplicate": r.already_present,
+                 "proof": r.verified_by, "readback_bytes": r.readback_bytes},
                 **{"edgehaul.node.id": m.node_id},
             )
         if self.on_landed is not None:
