@@ -2,6 +2,7 @@
 
     edgehaul settings             the effective settings (environment / .env) and where each comes from
     edgehaul store check <block>  probe an S3 endpoint for every feature the product uses; record it
+    edgehaul blocks apply <file>  create every block the flows load from one YAML file (docs/STORAGE.md)
     edgehaul automations [...]    create or update the alert automations on the Prefect server
     edgehaul gateway [...]        run the signed webhook gateway (ground stations -> Prefect events)
 
@@ -18,9 +19,11 @@ import sys
 COMMANDS = {
     "settings": ("edgehaul.platform.settings", "the effective settings and their sources"),
     "store": ("edgehaul.ops.store_probe", "check <block>: probe the store's S3 features, print and record them"),
+    "blocks": ("edgehaul.platform.block_setup", "apply <file>: create every block the flows load from a YAML file"),
     "automations": ("edgehaul.platform.automations", "create or update the alert automations"),
     "gateway": ("edgehaul.platform.gateway", "run the signed webhook gateway"),
 }
+VERBS = {"store": "check", "blocks": "apply"}
 DEV_COMMANDS = ("stack", "deploy", "demo", "drills", "verify")
 
 
@@ -44,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgehaul: unknown command {args[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     rest = args[1:]
-    if args[0] == "store":  # `store check <block>`: the one store verb so far
-        if not rest or rest[0] != "check":
-            print("usage: edgehaul store check [block] [--endpoint URL] [--no-record] [--no-lifecycle] [--json]",
-                  file=sys.stderr)
+    verb = VERBS.get(args[0])
+    if verb:  # `store check ...`, `blocks apply ...`: one verb each so far
+        if not rest or rest[0] != verb:
+            print(f"usage: edgehaul {args[0]} {verb} ... (edgehaul {args[0]} {verb} --help)", file=sys.stderr)
             return 2
         rest = rest[1:]
     module = importlib.import_module(COMMANDS[args[0]][0])

@@ -45,6 +45,7 @@ def test_store_check_probes_the_stack_store_and_a_missing_block_is_named(
     from edgehaul.platform.block_loading import BlockNotFoundError
 
     assert cli.main(["store"]) == 2 and "edgehaul store check" in capsys.readouterr().err
+    assert cli.main(["blocks", "remove"]) == 2 and "edgehaul blocks apply" in capsys.readouterr().err
     env = {"AWS_ACCESS_KEY_ID": stack.identities["admin"].access_key_id,
            "AWS_SECRET_ACCESS_KEY": stack.identities["admin"].secret_access_key}
     with pytest.MonkeyPatch.context() as mp:

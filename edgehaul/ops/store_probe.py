@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
     from edgehaul.blocks.object_store import ObjectStore
     from edgehaul.blocks.policies import RetentionPolicy
-    from edgehaul.platform.block_loading import load_block
 
 RECORD_PATH = "capabilities/store.json"
 
@@ -325,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     a = ap.parse_args(argv)
     from edgehaul.blocks.object_store import ObjectStore
+    from edgehaul.platform.block_loading import load_block
 
     store = ObjectStore.from_env(endpoint_url=a.endpoint) if a.endpoint else load_block(ObjectStore, a.block, param="block")
     checks = probe(store, lifecycle=not a.no_lifecycle)
