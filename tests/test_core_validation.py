@@ -135,3 +135,31 @@ def test_concurrent_callers_share_one_ge_run() -> None:
     runs0, _ = batching_stats()
     _, res = validate_bundle_batched(made[0][0], made[0][1])
     assert res.success and batching_stats()[0] == runs0 + 1
+
+
+def test_a_one_row_bundle_passes_and_its_spread_check_is_recorded_not_applicable() -> None:
+    """An urgent bundle of one sample: GE's sample stdev of one value is NaN, which failed the contract's
+    dead-sensor check and quarantined every such bundle. The spread check does not apply to one value;
+    every other check still does, and a real dead sensor (two equal values) still fails."""
+    one = processed_rows(1, "node-a", seed=7, start_seq=7000)
+    data, m = write_bundle(one, CONTRACT, tier="high")
+    ((_, res),) = validate_bundles([(data, m)])
+    assert res.success and res.reason == "ok", res.error
+    (spread,) = [r for r in res.expectations if r.expectation == "expect_column_stdev_to_be_between"]
+    assert spread.success and spread.details == "not applicable: 1 value(s)"
+
+    bad_label = one.set_column(one.schema.get_field_index("label"), "label", pa.array([9], pa.int16()))
+    data, m = write_bundle(bad_label, CONTRACT, tier="high")
+    (_, res), = validate_bundles([(data, m)])
+    assert not res.success and "expect_column_values_to_be_in_set(label)" in res.error
+
+    two = processed_rows(2, "node-a", seed=8, start_seq=8000)
+    dead = two.set_column(two.schema.get_field_index("mean_b4_nir"), "mean_b4_nir", pa.array([0.3, 0.3], pa.float32()))
+    data, m = write_bundle(dead, CONTRACT, tier="high")
+    (_, res), = validate_bundles([(data, m), *[bundle_of(3, s) for s in (1, 2)]])[:1]
+    assert not res.success and "expect_column_stdev_to_be_between(mean_b4_nir)" in res.error
+
+
+def bundle_of(n: int, seed: int) -> tuple[bytes, BundleManifest]:
+    data, m = write_bundle(processed_rows(n, "node-a", seed=seed, start_seq=seed * 100 + 50_000), CONTRACT, tier="normal")
+    return data, m
