@@ -33,6 +33,7 @@ Writes benchmarks/results/bench-value{,-quick}.{md,png,json}.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -565,8 +566,26 @@ def chart(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
+def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> None:
+    """The table and the chart as Prefect artifacts of the run (`--flow`); no-ops outside a run."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext
+
+    from edgehaul.platform.reporting import summary_table
+
+    if FlowRunContext.get() is None:
+        return
+    rows = [{"budget": f"{c['budget']:.0%}", "policy": c["policy"], "bytes_landed": c["bytes"], "rows": c["rows"],
+             "macro_f1": round(c["macro_f1_mean"], 3), "rare_recall": round(c["rare_recall_mean"], 3),
+             "accuracy": round(c["accuracy_mean"], 3)} for c in result["cells"]]
+    summary_table("bench-value", rows, "model quality per uplinked byte, held-out Landsat blocks")
+    b64 = base64.b64encode(png).decode()
+    create_markdown_artifact(
+        "### Model quality per uplinked byte\n\n" + "\n".join(f"- {v}" for v in lines)
+        + f"\n\n![macro-F1 by budget](data:image/png;base64,{b64})\n", key="bench-value-chart")
+
+
+def run(quick: bool) -> dict[str, Any]:
     cfg = QUICK if quick else FULL
     for name in ("edgehaul", "deltalake", "botocore", "great_expectations"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -591,6 +610,20 @@ def main() -> None:
     stem.with_suffix(".md").write_text(table + "\n\n" + "\n".join(f"- {v}" for v in lines) + "\n")
     chart(result, stem.with_suffix(".png"))
     print(f"wrote {stem}.{{json,md,png}}")
+    publish_artifacts(result, lines, stem.with_suffix(".png").read_bytes())
+    return result
+
+
+def main() -> None:
+    """`python -m benchmarks value [--quick] [--flow]`; `--flow` runs it as a Prefect flow (PREFECT_API_URL)
+    whose artifacts are the table and the chart."""
+    quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
+    if "--flow" in sys.argv:
+        from prefect import flow
+
+        flow(name="bench_value", log_prints=True)(run)(quick)
+    else:
+        run(quick)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from benchmarks.bench_value import (
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
 from edgehaul.edge import landsat
+from edgehaul_dev import localstack
 
 C = load_contract("landsat_patch")
 CFG_ROWS = 16
@@ -133,3 +134,33 @@ def test_landed_dataset_version_holds_no_test_patch(split: Split, store: ObjectS
     guard = Guard(pixel_hashes(split.test.pixels))
     guard.check(rows, "fifo@25%")
     assert set(rows.column("content_sha256").to_pylist()) <= pixel_hashes(stream_pixels(batches))
+
+
+@pytest.mark.integration
+def test_run_as_a_flow_the_table_and_chart_are_artifacts_with_the_verdicts(stack: localstack.StackState) -> None:
+    import uuid
+
+    import httpx
+    from prefect import flow
+
+    from benchmarks.bench_value import BUDGETS, publish_artifacts, verdicts
+
+    cells = [{"policy": pol, "budget": b, "bytes": int(1e6 * b), "rows": int(1e3 * b),
+              "macro_f1_mean": 0.5 if pol == "fifo" else 0.4, "rare_recall_mean": 0.1, "accuracy_mean": 0.7}
+             for b in (*BUDGETS, 1.0) for pol in ("fifo", "random", "tier-novelty", "tier-model")]
+    result = {"cells": cells}
+    lines = verdicts(result)
+    png = b"\x89PNG\r\n\x1a\n" + uuid.uuid4().bytes
+
+    @flow(name=f"bench-value-{uuid.uuid4().hex[:8]}")
+    def bench() -> None:
+        publish_artifacts(result, lines, png)
+
+    bench()
+    api = stack.prefect_api_url
+    got = {a["key"]: a for a in httpx.post(f"{api}/artifacts/filter", json={
+        "artifacts": {"key": {"any_": ["bench-value", "bench-value-chart"]}}}, timeout=10).json()}
+    assert "10% tier-model: macro-F1 0.400 loses to the better of FIFO/random (0.500)" in got["bench-value-chart"]["data"]
+    assert "data:image/png;base64," in got["bench-value-chart"]["data"]
+    table = got["bench-value"]["data"]
+    assert "tier-novelty" in str(table) and "977 KiB" in str(table)  # bytes in units
