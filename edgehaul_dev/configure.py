@@ -17,18 +17,9 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from edgehaul.blocks import (
-    EdgeNode,
-    LinkProfile,
-    ObjectStore,
-    PriceSheet,
-    RetentionPolicy,
-    RetentionRule,
-    TeamQuota,
-    TieringPolicy,
-)
-from edgehaul.platform.caching import RESULTS_BLOCK, ensure_result_storage
-from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, StoreBlock, node_store
+from edgehaul.blocks import ObjectStore, RetentionRule
+from edgehaul.platform.block_setup import RESULTS_IDENTITY, Keys, NodeSpec, Setup, StoreSpec, TeamSpec, apply
+from edgehaul.platform.roles import StoreBlock
 from edgehaul_dev import localstack
 
 log = logging.getLogger(__name__)
@@ -54,49 +45,39 @@ def store_block(state: localstack.StackState, identity: str) -> ObjectStore:
     )
 
 
-def save_blocks(state: localstack.StackState, *, team: str = "geo") -> dict[str, list[str]]:
-    """Create or overwrite every block document the flows' defaults name."""
-    saved: dict[str, list[str]] = {}
+def setup_of(state: localstack.StackState, *, team: str = "geo") -> Setup:
+    """The local stack as an `edgehaul blocks apply` setup: the product's one way to create the blocks."""
+    def keys(identity: str) -> Keys:
+        c = state.identities[identity]
+        return Keys(access_key_id=SecretStr(c.access_key_id), secret_access_key=SecretStr(c.secret_access_key))
 
-    def save(block: object, name: str) -> None:
-        block.save(name, overwrite=True)  # type: ignore[attr-defined]
-        saved.setdefault(type(block).__name__, []).append(name)
-
-    for name, identity in STORE_BLOCKS.items():
-        save(store_block(state, identity), name)
-    # Cached task results live in the ops bucket under an identity that can touch nothing else.
-    ensure_result_storage(store_block(state, "results"))
-    saved.setdefault("S3Bucket", []).append(RESULTS_BLOCK)
     nodes = [k for k in state.identities if k not in localstack.ROLES]
     root = Path(state.root)
-    for node in nodes:
-        save(store_block(state, node), node_store(node))
-        save(
-            EdgeNode(node_id=node, team=team, node_group="edge-default", spool_dir=str(root / "edge" / node / "spool"),
-                     spool_cap_bytes=512 * 1024**2),
-            node,
-        )
-    # A LEO-like downlink scaled down so the demo finishes in seconds: 200 Mbit/s, 1% loss.
-    save(LinkProfile(bandwidth_bps=200e6, latency_ms=20, loss_rate=0.01), DEFAULT_POLICY)
-    save(TieringPolicy(version="1", flush_max_samples=5_000, flush_max_bytes=8 * 1024**2), DEFAULT_POLICY)
-    save(
-        RetentionPolicy(
-            rules=[
-                RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365),
-                RetentionRule(data_class="features", cold_after_days=90, cold_if_unused_days=60),
-                RetentionRule(data_class="model_weights", cold_after_days=180, cold_storage_class="GLACIER_IR"),
-                RetentionRule(data_class="logs", cold_after_days=30, expire_after_days=400),
-                RetentionRule(data_class="checkpoints", cold_after_days=30, expire_after_days=120),
-                RetentionRule(data_class="reports", cold_after_days=60),
-            ],
-            keep_latest_versions=3,
-        ),
-        DEFAULT_POLICY,
+    return Setup(
+        store=StoreSpec(endpoint_url=state.s3_endpoint),
+        identities={**{name: keys(identity) for name, identity in STORE_BLOCKS.items()},
+                    RESULTS_IDENTITY: keys("results"), **{n: keys(n) for n in nodes}},
+        nodes=[NodeSpec(node_id=n, team=team, node_group="edge-default", spool_dir=str(root / "edge" / n / "spool"),
+                        spool_cap_bytes=512 * 1024**2) for n in nodes],
+        teams=[TeamSpec(team=team, accelerator_hours_per_month=100, storage_bytes=5 * 1024**4)],
+        # A LEO-like downlink scaled down so the demo finishes in seconds: 200 Mbit/s, 1% loss.
+        link={"bandwidth_bps": 200e6, "latency_ms": 20, "loss_rate": 0.01},
+        tiering={"version": "1", "flush_max_samples": 5_000, "flush_max_bytes": 8 * 1024**2},
+        retention_rules=[
+            RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365),
+            RetentionRule(data_class="features", cold_after_days=90, cold_if_unused_days=60),
+            RetentionRule(data_class="model_weights", cold_after_days=180, cold_storage_class="GLACIER_IR"),
+            RetentionRule(data_class="logs", cold_after_days=30, expire_after_days=400),
+            RetentionRule(data_class="checkpoints", cold_after_days=30, expire_after_days=120),
+            RetentionRule(data_class="reports", cold_after_days=60),
+        ],
+        retention={"keep_latest_versions": 3},
     )
-    save(TeamQuota(team=team, accelerator_hours_per_month=100, storage_bytes=5 * 1024**4), team)
-    save(TeamQuota(team=DEFAULT_TEAM, accelerator_hours_per_month=10, storage_bytes=1024**4), DEFAULT_TEAM)
-    save(PriceSheet(), DEFAULT_POLICY)
-    return saved
+
+
+def save_blocks(state: localstack.StackState, *, team: str = "geo") -> dict[str, list[str]]:
+    """Create or overwrite every block document the flows' defaults name (through `block_setup.apply`)."""
+    return apply(setup_of(state, team=team))
 
 
 def main() -> int:

@@ -46,6 +46,7 @@ from edgehaul.bundles import BundleManifest
 from edgehaul.contracts import Contract
 from edgehaul.core.validation import ValidationResult
 from edgehaul.platform import s3compat
+from edgehaul.platform.s3_errors import error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -254,7 +255,7 @@ def _checkpoint_txns(store: ObjectStore, kind: str, s3: S3Client) -> tuple[int, 
     try:
         last = json.loads(s3.get_object(Bucket=bucket, Key=log_dir + "_last_checkpoint")["Body"].read())
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+        if error_code(e) in ("NoSuchKey", "404", "NotFound"):
             return -1, {}
         raise
     if "v2Checkpoint" in last:
@@ -315,7 +316,7 @@ def claim_bundles(
             out.claimed.append(b)
             continue
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            if error_code(e) not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
                 raise
         held = s3.get_object(Bucket=bucket, Key=key)
         doc = _claim_doc(held["Body"].read(), held["LastModified"])

@@ -20,6 +20,7 @@ from botocore.exceptions import ClientError
 from edgehaul import events
 from edgehaul.bundles import BundleManifest
 from edgehaul.core.validation import ValidationResult
+from edgehaul.platform.s3_errors import error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -66,7 +67,7 @@ def _exists(s3: S3Client, bucket: str, key: str) -> bool:
         s3.head_object(Bucket=bucket, Key=key)
         return True
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        if error_code(e) in ("404", "NoSuchKey", "NotFound"):
             return False
         raise
 

@@ -65,6 +65,7 @@ from botocore.exceptions import ClientError
 from edgehaul.core.datasets import open_uri
 from edgehaul.ops.storage_classes import CLASSES, check_delete, check_move, storage_class
 from edgehaul.platform import s3compat
+from edgehaul.platform.s3_errors import error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -669,7 +670,7 @@ def journal_batch(store: ObjectStore, actions: list[Action], now: datetime, s3: 
     try:
         s3.put_object(Bucket=store.bucket("ops"), Key=_journal_key(store, bid), Body=body.encode(), IfNoneMatch="*")
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "412"):
+        if error_code(e) not in ("PreconditionFailed", "412"):
             raise
     return bid
 

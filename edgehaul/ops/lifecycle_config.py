@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from botocore.exceptions import ClientError
 
 from edgehaul.ops.storage_classes import CLASSES
+from edgehaul.platform.s3_errors import error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -148,7 +149,7 @@ def _existing(s3: S3Client, bucket: str) -> list[dict[str, Any]]:
     try:
         return list(s3.get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", []))  # type: ignore[arg-type]
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") == "NoSuchLifecycleConfiguration":
+        if error_code(e) == "NoSuchLifecycleConfiguration":
             return []
         raise
 
@@ -173,7 +174,7 @@ def apply_configuration(store: ObjectStore, policy: RetentionPolicy, s3: S3Clien
         try:
             _put(s3, bucket, others + applied)
         except ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
+            code = error_code(e)
             if code not in ("NotImplemented", "501", "InvalidRequest", "MalformedXML"):
                 raise
             # The server refuses a rule class: keep what it accepts, name what it refused.

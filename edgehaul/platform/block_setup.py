@@ -89,6 +89,9 @@ class Setup(_Strict):
     nodes: list[NodeSpec] = Field(min_length=1)
     teams: list[TeamSpec] = Field(default_factory=list)
     link: dict[str, Any] = Field(default_factory=lambda: {"bandwidth_bps": 50e6})
+    tiering: dict[str, Any] = Field(default_factory=dict, description="TieringPolicy fields; empty: its defaults.")
+    retention: dict[str, Any] = Field(default_factory=dict,
+                                      description="RetentionPolicy fields besides the rules (e.g. keep_latest_versions).")
     retention_rules: list[RetentionRule] | None = Field(
         default=None, description="None: raw data cold after 30 days in STANDARD_IA (check the probe's classes).")
 
@@ -137,10 +140,10 @@ def apply(setup: Setup) -> dict[str, list[str]]:
         save(store_for(setup, node.node_id), node_store(node.node_id))
         save(EdgeNode(**node.model_dump()), node.node_id)
     save(LinkProfile(**setup.link), DEFAULT_POLICY)
-    save(TieringPolicy(), DEFAULT_POLICY)
+    save(TieringPolicy(**setup.tiering), DEFAULT_POLICY)
     rules = setup.retention_rules or [RetentionRule(data_class="raw", cold_after_days=30,
                                                     cold_storage_class="STANDARD_IA")]
-    save(RetentionPolicy(rules=rules), DEFAULT_POLICY)
+    save(RetentionPolicy(rules=rules, **setup.retention), DEFAULT_POLICY)
     teams = {t.team: t for t in setup.teams}
     teams.setdefault(DEFAULT_TEAM, TeamSpec(team=DEFAULT_TEAM, accelerator_hours_per_month=10, storage_bytes=1024**4))
     for t in teams.values():

@@ -19,6 +19,8 @@ from typing import Literal, TypeVar
 
 from botocore.exceptions import ClientError
 
+from edgehaul.platform.s3_errors import error_code, http_status
+
 T = TypeVar("T")
 EtagForm = Literal["quoted", "unquoted"]
 FORMS: tuple[EtagForm, ...] = ("quoted", "unquoted")  # the fixed order in which forms are tried
@@ -63,16 +65,8 @@ def multipart_parts(etag: str | None) -> int | None:
     return int(m.group(2)) if m else None
 
 
-def status(exc: BaseException) -> int:
-    if isinstance(exc, ClientError):
-        return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return 0
-
-
-def code(exc: BaseException) -> str:
-    if isinstance(exc, ClientError):
-        return str(exc.response.get("Error", {}).get("Code", ""))
-    return ""
+status = http_status  # the S3 error rule's own readers (edgehaul.platform.s3_errors)
+code = error_code
 
 
 def is_precondition_failed(exc: BaseException) -> bool:

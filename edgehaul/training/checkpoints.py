@@ -31,6 +31,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
+from edgehaul.platform.s3_errors import error_code
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,6 @@ class CommittedCheckpoint:
     sha256: str
     size: int
     meta: dict[str, Any]
-
-
-def _status(e: Exception) -> str:
-    if isinstance(e, ClientError):
-        return str(e.response.get("Error", {}).get("Code", ""))
-    return ""
 
 
 class CheckpointStore:
@@ -143,7 +138,7 @@ class CheckpointStore:
                 ContentType="application/json",
             )
         except ClientError as e:
-            if _status(e) not in ("PreconditionFailed", "412"):
+            if error_code(e) not in ("PreconditionFailed", "412"):
                 raise
             # Another attempt (or a zombie of a killed worker) committed this step first; keep theirs.
             self._s3.delete_object(Bucket=self.bucket, Key=state_key)
@@ -186,7 +181,7 @@ class CheckpointStore:
         try:
             body = self._s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except ClientError as e:
-            if _status(e) in ("NoSuchKey", "404"):
+            if error_code(e) in ("NoSuchKey", "404"):
                 return None
             raise
         m = json.loads(body)

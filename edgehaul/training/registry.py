@@ -23,15 +23,12 @@ from botocore.exceptions import ClientError
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.platform import s3compat
+from edgehaul.platform.s3_errors import error_code
 from edgehaul.platform.settings import get_settings
 
 
 class RegistryError(RuntimeError):
     """A model or lineage record is missing, malformed, or was changed concurrently."""
-
-
-def _code(e: ClientError) -> str:
-    return str(e.response.get("Error", {}).get("Code", ""))
 
 
 def code_version() -> str:
@@ -76,7 +73,7 @@ def register_model(
         s3.put_object(Bucket=bucket, Key=lkey, Body=json.dumps(record, indent=2).encode(), IfNoneMatch="*",
                       ContentType="application/json")
     except ClientError as e:
-        if _code(e) in ("PreconditionFailed", "412"):
+        if error_code(e) in ("PreconditionFailed", "412"):
             raise RegistryError(f"model {name}/{model_id} is already registered ({lkey})") from e
         raise
     return record
@@ -116,7 +113,7 @@ def _get_object(store: ObjectStore, uri: str, what: str) -> Any:
     try:
         return store.client().get_object(Bucket=bucket, Key=key)
     except ClientError as e:
-        if _code(e) in ("NoSuchKey", "404"):
+        if error_code(e) in ("NoSuchKey", "404"):
             raise RegistryError(f"{what} does not exist") from e
         raise
 
@@ -194,7 +191,7 @@ def publish(store: ObjectStore, name: str, model_id: str, allow_older: bool = Fa
         else:
             s3.put_object(Bucket=bucket, Key=key, Body=body, ContentType="application/json", IfNoneMatch="*")
     except ClientError as e:
-        if _code(e) in ("PreconditionFailed", "412"):
+        if error_code(e) in ("PreconditionFailed", "412"):
             raise RegistryError(
                 f"{name}/latest.json changed while publishing {model_id} (was {previous}); retry the publish"
             ) from e
