@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +35,23 @@ def read_raw(path: str) -> pa.Table:
         return f.read_all()
 
 
-def edge_ingest(spool: Spool, paths: Sequence[str]) -> None:
+def edge_ingest(spool: Spool, paths: Sequence[str], before_batch: Callable[[int], None] | None = None) -> None:
     """What the edge flow runs per raw batch (tasks/edge.py `ingest_batch`'s body), over each batch
     in order with a fresh novelty state, as a rerun after a crash does (its state was not saved)."""
     contract = load_contract(KIND)
     scorer = NoveltyScorer(contract)
-    for path in paths:
+    for i, path in enumerate(paths):
+        if before_batch is not None:
+            before_batch(i)
         raw = read_raw(path)
         key, hashes = batch_key(raw)
         ingest_batch(raw, contract, EDGE_POLICY, spool, scorer, key=key, hashes=hashes, node_id="node-a")
 
 
-def _w_edge_ingest(root: str, paths: list[str], ready: Any) -> None:
+def _w_edge_ingest(root: str, paths: list[str], at: int, started: Any, ready: Any) -> None:
     sp = open_spool(Path(root))
     ready.set()
-    edge_ingest(sp, paths)
+    edge_ingest(sp, paths, lambda i: started.set() if i == at else None)
     sp.close()
 
 
@@ -62,8 +64,14 @@ def drill_edge_kill(env: DrillEnv, rng: random.Random) -> TrialResult:
     the rerun ingests the same raw batches again (bundle ids are content-derived: idempotent)."""
     d, store = env.trial_dir("edge"), env.store("edge")
     paths = rng.sample(env.raw, rng.randint(2, 4))
-    p, _ = spawn(env, _w_edge_ingest, str(d / "spool"), paths)
-    time.sleep(rng.uniform(0.0, 0.4 * len(paths)))
+    # Kill while batch `at` (random) is in flight, the batches before it spooled. A fixed sleep from the
+    # start struck after the work in ~4 of 5 trials (a batch takes ~0.1-0.3 s here) and a 4-trial suite
+    # run could see no kill mid-operation at all; a delay timed in this (thread-busy) parent is no
+    # better, so the worker says when batch `at` starts and the kill follows within 50 ms.
+    at, started = rng.randrange(len(paths)), env.ctx.Event()
+    p, _ = spawn(env, _w_edge_ingest, str(d / "spool"), paths, at, started)
+    started.wait(60)
+    time.sleep(rng.uniform(0.0, 0.05))
     killed = kill(p)
     sp = open_spool(d / "spool")  # recovery at open
     problems = [] if all(sp.read(e.bundle_id) for e in sp.pending()) else ["unreadable spool entry after the kill"]
