@@ -231,6 +231,13 @@ from pathlib import Path
 from edgehaul.bundles import BundleManifest
 from edgehaul.edge.spool import Spool
 root, src, start = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+if len(sys.argv) > 4:  # a slow disk: each fsync takes 3 ms more, so most of a put's time has partial files on disk
+    import os, time
+    _fsync = os.fsync
+    def slow_fsync(fd: int) -> None:
+        time.sleep(0.003)
+        _fsync(fd)
+    os.fsync = slow_fsync
 s = Spool(root, cap_bytes=10**9, node_id="node-a", emit=lambda *a, **k: True)
 print("ready", flush=True)
 sides = sorted(src.glob("*.json"))
@@ -268,7 +275,9 @@ def test_kill_9_mid_write_loses_nothing_and_duplicates_nothing(tmp_path: Path) -
     acked: set[str] = set()
     kills = mid_write = attempt = 0
     while attempt < 8 or (mid_write < 2 and attempt < 24):
-        proc = subprocess.Popen([sys.executable, str(script), str(root), str(src), str(attempt % 12)],
+        # the slow disk makes "mid-write" most of a put's time: on a fast disk (CI's) a kill at a random
+        # instant landed between puts in 24 of 24 attempts
+        proc = subprocess.Popen([sys.executable, str(script), str(root), str(src), str(attempt % 12), "slow-disk"],
                                 stdout=subprocess.PIPE, env=env, text=True)
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
