@@ -74,7 +74,7 @@ def test_bad_samples_go_to_rejects_with_reasons(raw: pa.Table) -> None:
     assert r.accounted() and r.reject_counts[pp.MISSING_FIELD] == 2
 
 
-def test_missing_column_and_bad_type_reject_the_batch_with_the_column_named(raw: pa.Table) -> None:
+def test_missing_column_rejects_the_batch_and_a_bad_type_only_its_rows(raw: pa.Table) -> None:
     r = pp.preprocess(raw.slice(0, 5).drop_columns(["seq"]), C)
     assert r.accepted.num_rows == 0 and set(r.reject_counts) == {pp.MISSING_FIELD}
     assert all("'seq'" in d for d in r.rejects.column("detail").to_pylist())
@@ -82,6 +82,31 @@ def test_missing_column_and_bad_type_reject_the_batch_with_the_column_named(raw:
     t = t.set_column(t.schema.get_field_index("label"), "label", pa.array(["x"] * 5))
     r = pp.preprocess(t, C)
     assert r.reject_counts == {pp.BAD_TYPE: 5} and "label" in r.rejects.column("detail")[0].as_py()
+    # one string in a numeric label column rejects its row, not the 39 valid rows beside it
+    t = raw.slice(0, 40)
+    labels = [str(v) for v in t.column("label").to_pylist()]
+    labels[17] = "cloudy"
+    t = t.set_column(t.schema.get_field_index("label"), "label", pa.array(labels))
+    r = pp.preprocess(t, C)
+    assert r.accepted.num_rows == 39 and r.reject_counts == {pp.BAD_TYPE: 1}
+    assert r.rejects.column("sample_id")[0].as_py() == t.column("sample_id")[17].as_py()
+    assert "'cloudy'" in r.rejects.column("detail")[0].as_py()
+    assert r.accepted.column("label").to_pylist() == [int(v) for i, v in enumerate(labels) if i != 17]
+
+
+@given(values=st.lists(st.one_of(st.integers(-1000, 1000).map(str), st.sampled_from(["x", "1.5", "", "NaN"]),
+                                 st.none()), max_size=200))
+def test_cast_rows_rejects_exactly_the_values_that_do_not_convert(values: list[str | None]) -> None:
+    def converts(v: str | None) -> bool:
+        try:
+            pa.array([v], pa.string()).cast(pa.int16())
+            return True
+        except pa.ArrowInvalid:
+            return False
+
+    out, bad = pp.cast_rows(pa.array(values, pa.string()), pa.int16())
+    assert bad.tolist() == [not converts(v) for v in values]
+    assert out.to_pylist() == [None if b or v is None else int(v) for v, b in zip(values, bad.tolist(), strict=True)]
 
 
 def test_nan_beyond_contract_fraction_is_rejected_for_float_tensors(tmp_path: Path) -> None:

@@ -98,6 +98,30 @@ class _Rejects:
         self.alive[idx] = False
 
 
+def cast_rows(col: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    """Cast `col` to `typ` row by row in effect: (the cast column, mask of rows that do not convert,
+    null in the result). One cast when every value converts; else the failing range is halved until
+    each bad row is found, so k bad rows cost O(k log n) casts, not one per row."""
+    n = len(col)
+    bad = np.zeros(n, dtype=bool)
+
+    def cast(lo: int, hi: int) -> list[pa.Array]:
+        part = col.slice(lo, hi - lo)
+        try:
+            return [part.cast(typ)]
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            if hi - lo == 1:
+                bad[lo] = True
+                return [pa.nulls(1, typ)]
+            mid = (lo + hi) // 2
+            return cast(lo, mid) + cast(mid, hi)
+
+    if n == 0:
+        return pa.array([], typ), bad
+    parts = cast(0, n)
+    return (parts[0] if len(parts) == 1 else pa.concat_arrays(parts)), bad
+
+
 def _null_mask(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return np.asarray(pc.is_null(col).to_numpy(zero_copy_only=False), dtype=bool)
 
@@ -183,11 +207,14 @@ def preprocess(
             rj.add(np.ones(n, dtype=bool), MISSING_FIELD, f"column {name!r} absent from the raw batch")
             continue
         col = raw.column(name).combine_chunks()
-        try:
-            cols[name] = col.cast(typ) if not col.type.equals(typ) else col
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            cols[name] = pa.nulls(n, typ)
-            rj.add(np.ones(n, dtype=bool), BAD_TYPE, f"column {name!r}: {col.type} is not {typ} ({e})"[:300])
+        if col.type.equals(typ):
+            cols[name] = col
+            continue
+        cast, bad = cast_rows(col, typ)
+        cols[name] = cast
+        if bad.any():  # only the rows whose value does not convert: the batch's good rows go on
+            rj.add(bad, BAD_TYPE, lambda idx, col=col, name=name, typ=typ: [
+                f"column {name!r}: {col[int(i)].as_py()!r} is not {typ}"[:300] for i in idx])
 
     ids_arr = cols["sample_id"]
     id_null = _null_mask(ids_arr)
