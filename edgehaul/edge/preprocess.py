@@ -122,6 +122,10 @@ def cast_rows(col: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
     return (parts[0] if len(parts) == 1 else pa.concat_arrays(parts)), bad
 
 
+def _bad_values(col: pa.Array, name: str, typ: pa.DataType) -> Callable[[np.ndarray], list[str]]:
+    return lambda idx: [f"column {name!r}: {col[int(i)].as_py()!r} is not {typ}"[:300] for i in idx]
+
+
 def _null_mask(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return np.asarray(pc.is_null(col).to_numpy(zero_copy_only=False), dtype=bool)
 
@@ -213,8 +217,7 @@ def preprocess(
         cast, bad = cast_rows(col, typ)
         cols[name] = cast
         if bad.any():  # only the rows whose value does not convert: the batch's good rows go on
-            rj.add(bad, BAD_TYPE, lambda idx, col=col, name=name, typ=typ: [
-                f"column {name!r}: {col[int(i)].as_py()!r} is not {typ}"[:300] for i in idx])
+            rj.add(bad, BAD_TYPE, _bad_values(col, name, typ))
 
     ids_arr = cols["sample_id"]
     id_null = _null_mask(ids_arr)
