@@ -1,7 +1,8 @@
 """train_model: train the land-cover model on a dataset version, on the central work pool.
 
 Checks placement (refuses edge-* pools; a call outside a deployment needs allow_local), resolves
-the dataset version (default: latest Delta version of the kind), refuses when the team's
+the dataset version (the newest committed one, once: see `edgehaul.training.catch_up`; `catch_up=False`
+trains exactly `dataset_version`), refuses when the team's
 TeamQuota would be exceeded (accelerators x max_hours, storage), then trains in this process or as
 `torchrun` processes (nproc_per_node > 1 or PET_* rendezvous variables from the job, e.g. a
 Kubernetes GPU pool), with checkpoints to the checkpoints zone. A retried run (same run_id, by
@@ -25,7 +26,7 @@ from pydantic import BaseModel, Field
 from edgehaul.blocks import ObjectStore, TeamQuota
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.roles import DEFAULT_TEAM, StoreBlock
-from edgehaul.tasks.train import check_team_quota, publish, report_training, resolve_dataset, train_run
+from edgehaul.tasks.train import check_team_quota, plan_training, publish, report_training, train_run
 from edgehaul.training.model import estimate_storage_bytes
 from edgehaul.training.placement import check_placement
 from edgehaul.training.trainer import TrainConfig
@@ -53,6 +54,9 @@ class TrainModelParams(BaseModel):
     num_threads: int | None = Field(default=None, ge=1, le=256)
     allow_local: bool = Field(default=False, description="Allow a run outside any work pool (local call).")
     publish: bool = Field(default=False, description="Publish the model to the edge when done.")
+    catch_up: bool = Field(default=True, description="Train the newest committed version, once: an older "
+                           "dataset_version is superseded by the newest, and a newest version some registered "
+                           "model of this name already covers is not trained again. False: train as asked.")
 
 
 def current_work_pool() -> str | None:
@@ -75,17 +79,24 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
     quota = load_block(TeamQuota, p.quota_block or p.team, param="quota_block")
     if quota.team != p.team:
         raise ValueError(f"quota block {p.quota_block or p.team!r} is for team {quota.team!r}, not {p.team!r}")
-    uri, version = resolve_dataset(store, p.dataset_kind, p.dataset_version)
-    accelerators = p.nproc_per_node * p.nnodes
     run_id = p.run_id or f"train-{flow_run.id or 'local'}"
+    accelerators = p.nproc_per_node * p.nnodes
+    arch = {"in_channels": 6, "n_classes": 7, "width": p.width}
+    keep = TrainConfig.model_fields["keep_checkpoints"].default
+    # the quota first: a request over it is refused whatever the data (no silent skip of a bad request)
+    usage = check_team_quota(store, quota, accelerators, p.max_hours, estimate_storage_bytes(arch, keep))
+    uri, plan = plan_training(store, p.dataset_kind, p.dataset_version, p.model_name, p.catch_up, run_id)
+    logger.info("train_model: %s", plan.reason)
+    if plan.version is None:  # a newer run already trained the newest version: this one is covered
+        return {"run_id": run_id, "skipped": True, "reason": plan.reason, "model_id": plan.covered_by,
+                "dataset_uri": uri, "dataset_version": plan.latest, "requested_version": plan.requested,
+                "work_pool": where, "history": []}
+    version = plan.version
     cfg = TrainConfig(
         run_id=run_id, dataset_uri=uri, dataset_version=version, team=p.team, model_name=p.model_name,
         seed=p.seed, epochs=p.epochs, batch_size=p.batch_size, lr=p.lr, width=p.width, val_fraction=p.val_fraction,
         checkpoint_every_steps=p.checkpoint_every_steps, num_threads=p.num_threads, flow_run_id=flow_run.id,
     )
-    arch = {"in_channels": 6, "n_classes": 7, "width": p.width}
-    usage = check_team_quota(store, quota, accelerators, p.max_hours,
-                             estimate_storage_bytes(arch, cfg.keep_checkpoints))
     logger.info("team %s: %.3g accelerator-h used in %s; training %s on %s v%d in %s", p.team,
                 usage["accelerator_hours"], usage["month"], run_id, uri, version, where)
     result = train_run.with_options(timeout_seconds=p.max_hours * 3600)(cfg, store, p.nproc_per_node)
@@ -96,7 +107,8 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
                 result["checkpoint"])
     return {
         "run_id": run_id, "model_id": result["model_id"], "work_pool": where, "dataset_uri": uri,
-        "dataset_version": version, "history": result["history"], "checkpoint": result["checkpoint"],
+        "dataset_version": version, "requested_version": plan.requested, "history": result["history"],
+        "checkpoint": result["checkpoint"],
         "resumed_from_step": result["resumed_from_step"], "world_size": result["world_size"],
         "rank_files": result["rank_files"],
         "model_uri": result["lineage"].get("model_uri"), "plot_uri": links["plot_uri"], "published": published,

@@ -17,6 +17,7 @@ from edgehaul.blocks import ObjectStore, TeamQuota
 from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.s3_errors import IO_RETRY
 from edgehaul.training import registry
+from edgehaul.training.catch_up import TrainingPlan, plan_version
 from edgehaul.training.data import latest_version
 from edgehaul.training.launch import run
 from edgehaul.training.quota import check_quota, usage_from_lineage
@@ -25,14 +26,15 @@ from edgehaul.training.trainer import TrainConfig
 
 
 @task(**IO_RETRY, cache_policy=NO_CACHE)
-def resolve_dataset(store: ObjectStore, kind: str, version: int | None) -> tuple[str, int]:
+def plan_training(store: ObjectStore, kind: str, requested: int | None, model_name: str, catch_up: bool,
+                  run_id: str) -> tuple[str, TrainingPlan]:
+    """(dataset URI, which version to train): the newest, once; see `edgehaul.training.catch_up`.
+    The run's own registered model does not count as covering it: a retried run returns its result."""
     uri = store.uri("curated", kind)
     latest = latest_version(uri, store.storage_options())
-    if version is None:
-        return uri, latest
-    if not 0 <= version <= latest:
-        raise ValueError(f"dataset {uri} has versions 0..{latest}, version {version} requested")
-    return uri, version
+    trained = registry.trained_versions(store, model_name, uri) if catch_up else {}
+    trained = {v: m for v, m in trained.items() if m != run_id}
+    return uri, plan_version(requested, latest, trained, catch_up=catch_up)
 
 
 @task(**IO_RETRY, cache_policy=NO_CACHE)

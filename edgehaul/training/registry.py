@@ -100,6 +100,25 @@ def iter_lineage(store: ObjectStore) -> Iterator[dict[str, Any]]:
                     raise RegistryError(f"lineage record {o['Key']} is not JSON: {e}") from e
 
 
+def trained_versions(store: ObjectStore, name: str, dataset_uri: str) -> dict[int, str]:
+    """Dataset version -> model id, for every registered model `name` trained on `dataset_uri`."""
+    s3 = store.client()
+    bucket = store.bucket("models")
+    out: dict[int, str] = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=store.key("models", f"{name}/")):
+        for o in page.get("Contents", []):
+            if not o["Key"].endswith("/lineage.json"):
+                continue
+            try:
+                lineage = json.loads(s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read())
+            except json.JSONDecodeError as e:
+                raise RegistryError(f"lineage record {o['Key']} is not JSON: {e}") from e
+            on = _trained_on(lineage)
+            if on is not None and on[0] == dataset_uri:
+                out.setdefault(on[1], str(lineage.get("model_id", "")))
+    return out
+
+
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     if not uri.startswith("s3://") or "/" not in uri[5:]:
         raise RegistryError(f"not an s3://bucket/key URI: {uri!r}")
