@@ -161,6 +161,7 @@ def identities_config(
         "trainer": [
             "Read:edgehaul-curated", "List:edgehaul-curated",
             "Read:edgehaul-checkpoints", "Write:edgehaul-checkpoints", "List:edgehaul-checkpoints",
+            "Read:edgehaul-ops/capabilities/*",  # publish_model's store capability gate
         ],
         "lifecycle": [
             # ops: the move journal, access records and the metering log live there

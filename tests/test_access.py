@@ -1,8 +1,10 @@
 """Least privilege: the AWS IAM documents in infra/iam/ and the real identities of the local S3 server.
 
-1. A tiny IAM evaluator (Allow/Deny, wildcards, `${aws:username}`, StringLike on s3:prefix) proves the
-   documents confine each role, and that they grant what the SeaweedFS identities of
-   `edgehaul_dev.localstack.identities_config` grant (the two must not drift apart).
+1. A tiny IAM evaluator (Allow/Deny, wildcards, `${aws:username}`, StringLike on s3:prefix, and which
+   request carries which condition key) proves the documents confine each role, and that they grant what
+   the SeaweedFS identities of `edgehaul_dev.localstack.identities_config` grant (the two must not drift
+   apart). tests/test_iam_policies.py runs the same documents under moto's AWS policy engine; this
+   evaluator keeps what moto does not evaluate: policy variables and conditions.
 2. Real requests against the session's SeaweedFS with each identity's own keys.
 3. Last: no configured secret appears in the stack's logs or in the session's Prefect artifacts/logs.
 """
@@ -71,9 +73,15 @@ def _matches(st_: dict[str, Any], action: str, resource: str, ctx: dict[str, str
     return True
 
 
+# Request condition keys and the only actions whose requests carry them (AWS Service Authorization
+# Reference for S3): a condition on a key the request lacks does not match, e.g. s3:prefix on
+# ListBucketMultipartUploads, which another S3 server duly refused.
+REQUEST_KEYS = {"s3:prefix": {"s3:listbucket", "s3:listbucketversions"}}
+
+
 def allowed(policy: dict[str, Any], action: str, resource: str, ctx: dict[str, str] | None = None) -> bool:
     """IAM evaluation for one identity policy: explicit Deny wins, otherwise any Allow, else implicit deny."""
-    ctx = ctx or {}
+    ctx = {k: v for k, v in (ctx or {}).items() if action.lower() in REQUEST_KEYS.get(k, {action.lower()})}
     hits = [s["Effect"] for s in policy["Statement"] if _matches(s, action, resource, ctx)]
     return "Allow" in hits and "Deny" not in hits
 
@@ -105,6 +113,12 @@ def test_node_policy_cannot_write_another_nodes_prefix() -> None:
     assert not allowed(p, "s3:ListBucket", "arn:aws:s3:::edgehaul-landing", a)  # no prefix: whole bucket
     assert not allowed(p, "s3:GetObject", obj("edgehaul-curated", "datasets/landsat_patch/part-0.parquet"), a)
     assert not allowed(p, "s3:DeleteObject", obj("edgehaul-landing", "node-a/x"), a)
+    # abort_orphans lists its unfinished uploads with Prefix=node-a/, but that request has no s3:prefix key
+    landing = "arn:aws:s3:::edgehaul-landing"
+    assert allowed(p, "s3:ListBucketMultipartUploads", landing, {**a, "s3:prefix": "node-a/"})
+    assert not allowed(p, "s3:AbortMultipartUpload", obj("edgehaul-landing", "node-b/x.parquet"), a)
+    assert not allowed(p, "s3:ListMultipartUploadParts", obj("edgehaul-landing", "node-b/x.parquet"), a)
+    assert allowed(p, "s3:ListMultipartUploadParts", obj("edgehaul-landing", "node-a/x.parquet"), a)
     # without a principal name the variable does not resolve and nothing is granted
     assert not allowed(p, "s3:PutObject", obj("edgehaul-landing", "node-a/x"))
 
@@ -135,6 +149,9 @@ def test_role_policies_follow_the_zones() -> None:
         assert allowed(life, "s3:GetObject", obj(src, "k")) and allowed(life, "s3:PutObject", obj(dst, "k"))
         assert allowed(life, "s3:DeleteObject", obj(src, "k"))
     assert not allowed(trainer, "s3:GetObject", obj("edgehaul-ops", "ledger"))
+    # publish_model runs as trainer and gates on the probe's record (a 403 there reads as "never probed")
+    assert allowed(trainer, "s3:GetObject", obj("edgehaul-ops", "capabilities/store.json"))
+    assert not allowed(trainer, "s3:PutObject", obj("edgehaul-ops", "capabilities/store.json"))
 
 
 def _seaweed_grants(role: str, verb: str, bucket: str, key: str) -> bool:
@@ -156,7 +173,8 @@ def test_iam_documents_mirror_the_local_identities(role: str) -> None:
     p = load_policy(role)
     ctx = {"aws:username": role}
     for bucket in localstack.BUCKETS:
-        for key in ("node-a/2026-12-03/b.parquet", "node-b/b.parquet", "datasets/k/part.parquet", "prefect-results/r"):
+        for key in ("node-a/2026-12-03/b.parquet", "node-b/b.parquet", "datasets/k/part.parquet", "prefect-results/r",
+                    "capabilities/store.json"):
             r = obj(bucket, key)
             iam_read = allowed(p, "s3:GetObject", r, ctx)
             iam_write = allowed(p, "s3:PutObject", r, ctx) or allowed(p, "s3:DeleteObject", r, ctx)
