@@ -793,7 +793,11 @@ def main(argv: list[str] | None = None) -> int:
         ensure_secret_block(settings.gateway_secret_block)
     if settings.gateway_senders is None:
         log.warning("no senders registry (%s): every hook is refused", SENDERS_ENV)
-    registry = SenderRegistry(settings.gateway_senders)
+    try:
+        registry = SenderRegistry(settings.gateway_senders)
+    except (OSError, ValueError) as e:
+        log.error("gateway not started: %s: %s", SENDERS_ENV, e)
+        return 2
     config = GatewayConfig(
         registry, settings.gateway_state_dir, load_secret(), args.max_body, args.tolerance, args.replay_capacity,
         settings.gateway_batch_window_s, settings.gateway_batch_max, args.alert_log)
