@@ -55,12 +55,13 @@ def alert_labels(payload: dict[str, Any]) -> dict[str, str]:
 def landing_batch(batch_id: str, source: str, bundles: list[tuple[str, str, str]],
                   **extra: Any) -> tuple[dict[str, str], dict[str, Any]]:
     """Resource and payload of a LANDING_BATCH event for (object_key, node_id, bundle_id) triples."""
-    keys = list(dict.fromkeys(k for k, _, _ in bundles))
+    by_key = {k: b for k, _, b in bundles}  # a bundle announced twice is in the batch once
+    keys = list(by_key)
     nodes = sorted({n for _, n, _ in bundles})
     resource = {"prefect.resource.id": f"edgehaul.landing.batch.{batch_id}", "edgehaul.batch.source": source}
     if len(nodes) == 1:
         resource["edgehaul.node.id"] = nodes[0]
-    payload = {"bundle_keys": keys, "bundle_ids": [b for _, _, b in bundles], "nodes": nodes,
+    payload = {"bundle_keys": keys, "bundle_ids": list(by_key.values()), "nodes": nodes,
                "count": len(keys), "source": source, **extra}
     return resource, payload
 

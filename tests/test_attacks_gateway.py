@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import posixpath
 import time
 import uuid
 from pathlib import Path
@@ -21,9 +22,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from starlette.testclient import TestClient
 
 from edgehaul.platform.gateway import (
+    BundleUploaded,
     GatewayConfig,
     SenderRegistry,
     create_app,
@@ -294,3 +297,15 @@ def test_a_world_readable_senders_file_stops_the_gateway(tmp_path: Path, monkeyp
     monkeypatch.setenv("EDGEHAUL_GATEWAY_SECRET", "x")
     assert gateway.main([]) == 2
     assert "readable by every user (mode 644)" in caplog.text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab./\\-_%~ ", max_size=24), st.sampled_from(["node-a", "node-b"]))
+def test_an_accepted_key_never_leaves_its_nodes_prefix(middle: str, prefix: str) -> None:
+    key = f"{prefix}/{middle}/b-x.parquet"
+    doc = _bundle("node-a", "x") | {"object_key": key, "manifest_key": key.removesuffix(".parquet") + ".manifest.json"}
+    try:
+        BundleUploaded.model_validate(doc)
+    except ValidationError:
+        return
+    assert posixpath.normpath(key) == key and key.startswith("node-a/") and "\\" not in key

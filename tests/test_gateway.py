@@ -176,6 +176,16 @@ def test_replays_are_refused_across_a_restart_and_forgotten_after_the_window(tmp
     assert rec.events and all(e[0] == events.CONTACT_OPENED for e in rec.events)
 
 
+@given(st.lists(st.tuples(st.sampled_from(["n1/d/a.parquet", "n1/d/b.parquet", "n2/d/c.parquet"]),
+                          st.sampled_from(["n1", "n2"]), st.sampled_from(["a", "b", "c"])), min_size=1, max_size=30))
+def test_a_batch_names_each_key_once_and_every_key_given(bundles: list[tuple[str, str, str]]) -> None:
+    resource, payload = events.landing_batch("id-1", "gateway", bundles)
+    assert sorted(payload["bundle_keys"]) == sorted({k for k, _, _ in bundles}) == sorted(set(payload["bundle_keys"]))
+    assert payload["count"] == len(payload["bundle_keys"]) == len(payload["bundle_ids"])
+    assert resource["prefect.resource.id"] == "edgehaul.landing.batch.id-1"
+    assert ("edgehaul.node.id" in resource) == (len({n for _, n, _ in bundles}) == 1)
+
+
 def test_landed_bundles_leave_as_bounded_batches_each_key_once(tmp_path: Path) -> None:
     key = new_secret()
     rec = Recorder()
@@ -189,10 +199,12 @@ def test_landed_bundles_leave_as_bounded_batches_each_key_once(tmp_path: Path) -
             r = gw.post("/hooks/node-a/bundle-uploaded", content=body, headers=signed_headers(key, body))
             assert r.status_code == 202 and r.json()["queued"] is True
             sent.append(doc["object_key"])
+        dup = json.dumps(_bundle("node-a", f"{uid}-49")).encode()  # re-announced under a new webhook-id
+        assert gw.post("/hooks/node-a/bundle-uploaded", content=dup, headers=signed_headers(key, dup)).status_code == 202
         deadline = time.monotonic() + 10
         while len(rec.batch_keys()) < 40 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert gw.get("/healthz").json()["pending"] == 10  # under batch_max, within the window: waiting
+        assert gw.get("/healthz").json()["pending"] == 11  # under batch_max, within the window: waiting
     # shutdown sends what is left
     assert [len(p["bundle_keys"]) for _, _, p, _ in rec.events] == [20, 20, 10]
     assert rec.batch_keys() == sent

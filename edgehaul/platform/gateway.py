@@ -32,7 +32,8 @@ file (`<EDGEHAUL_GATEWAY_STATE_DIR>/gateway.sqlite`, with the replay store) and 
 deployments/prefect.yaml makes it one core_ingest run. An event (not a run created here) keeps the
 trigger the one place that says what runs on landed bundles, for the uplink's batches as for ours.
 A batch leaves the queue only once Prefect has the event; one that failed is re-sent with the same
-event id. `contact-window-opened` is emitted at once (one per node contact, nothing to coalesce).
+event id (Prefect's triggers skip an event id they have seen, and core_ingest commits a bundle once).
+`contact-window-opened` is emitted at once (one per node contact, nothing to coalesce).
 
 `POST /alerts` (bearer token derived from the gateway's own secret, `alert_token`) is the local
 receiver of the alert automations' webhook notifications: it appends them to `alerts.jsonl`.
