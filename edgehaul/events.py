@@ -19,6 +19,11 @@ LINK_STATS = "edgehaul.link.stats"  # payload: retransmission_rate, goodput_bps,
 CHECKPOINT_FAILED = "edgehaul.checkpoint.failed"
 CONTACT_OPENED = "edgehaul.contact.opened"
 RETRY_EXPIRED = "edgehaul.retry.expired"
+# Landed bundles, coalesced: ONE event per gateway window or uplink drain run, payload `bundle_keys`
+# (relative landing keys). The `bundle_landed` trigger turns each into one core_ingest run, so a flood
+# of bundles is a bounded number of runs; per-bundle BUNDLE_LANDED events trigger nothing.
+LANDING_BATCH = "edgehaul.landing.batch"
+LANDING_BATCH_MAX = 200  # keys per batch event; below core_ingest's max_bundles (500), which truncates
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,20 @@ def alert_labels(payload: dict[str, Any]) -> dict[str, str]:
         if isinstance(v, int | float) and not isinstance(v, bool) and v == v and abs(v) != float("inf"):
             out[label] = permille_label(float(v))
     return out
+
+
+def landing_batch(batch_id: str, source: str, bundles: list[tuple[str, str, str]],
+                  **extra: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """Resource and payload of a LANDING_BATCH event for (object_key, node_id, bundle_id) triples."""
+    by_key = {k: b for k, _, b in bundles}  # a bundle announced twice is in the batch once
+    keys = list(by_key)
+    nodes = sorted({n for _, n, _ in bundles})
+    resource = {"prefect.resource.id": f"edgehaul.landing.batch.{batch_id}", "edgehaul.batch.source": source}
+    if len(nodes) == 1:
+        resource["edgehaul.node.id"] = nodes[0]
+    payload = {"bundle_keys": keys, "bundle_ids": list(by_key.values()), "nodes": nodes,
+               "count": len(keys), "source": source, **extra}
+    return resource, payload
 
 
 def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **labels: str) -> bool:

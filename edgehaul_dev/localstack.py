@@ -477,13 +477,31 @@ def start_prefect(state: StackState) -> None:
     _wait_http(f"{state.prefect_api_url}/health", 300, pid, "Prefect server", root / "logs" / "prefect.log")
 
 
+GATEWAY_SENDER = "local"  # the local stack's one gateway sender: every node, every hook kind
+
+
+def gateway_sender(state: StackState) -> tuple[str, str]:
+    """(sender id, key) of the local stack's gateway sender, created with a random key if missing:
+    `<root>/gateway/senders.json` (0600), the stack gateway's EDGEHAUL_GATEWAY_SENDERS."""
+    from edgehaul.platform import gateway
+
+    path = Path(state.root) / "gateway" / "senders.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        gateway.write_senders(path, {GATEWAY_SENDER: {"keys": [gateway.new_secret()], "nodes": ["*"],
+                                                      "hooks": sorted(gateway.HOOKS)}})
+    return GATEWAY_SENDER, json.loads(path.read_text())["senders"][GATEWAY_SENDER]["keys"][0]
+
+
 def start_gateway(state: StackState, port: int | None = None) -> str:
     """Start the webhook gateway (edgehaul.platform.gateway) against this stack; return its base URL.
 
-    Its HMAC secret lives in the Prefect Secret block `edgehaul-gateway-hmac` (created, random, if
-    missing); the URL is kept in <root>/gateway.url.
+    Its senders file and SQLite state live in <root>/gateway/ (`gateway_sender` gives the local sender's
+    key); its own secret (the /alerts token) in the Prefect Secret block `edgehaul-gateway-hmac` (created,
+    random, if missing); the URL is kept in <root>/gateway.url.
     """
     root = Path(state.root)
+    gateway_sender(state)
     url_file = root / "gateway.url"
     if _read_pid(root, "gateway") and url_file.exists():
         return url_file.read_text().strip()
@@ -491,7 +509,8 @@ def start_gateway(state: StackState, port: int | None = None) -> str:
     port = port or (settings.gateway_port if "gateway_port" in settings.model_fields_set else 0) or free_port()
     if not port_free(port):  # another gateway would answer our health check
         raise PortInUse(f"webhook gateway port {port} is taken by another process (EDGEHAUL_GATEWAY_PORT?)")
-    env = {**os.environ, **state.env()}
+    env = {**os.environ, **state.env(), "EDGEHAUL_GATEWAY_SENDERS": str(root / "gateway" / "senders.json"),
+           "EDGEHAUL_GATEWAY_STATE_DIR": str(root / "gateway")}
     cmd = [sys.executable, "-m", "edgehaul.platform.gateway", "--port", str(port), "--create-secret"]
     pid = _spawn(root, "gateway", cmd, env)
     url = f"http://127.0.0.1:{port}"

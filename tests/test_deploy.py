@@ -39,7 +39,7 @@ def test_spec_deploys_every_flow_to_its_pool_with_schedules_and_triggers() -> No
     assert by_flow["lifecycle_moves"][0]["schedules"][0]["cron"] == "0 3 * * *"
     assert by_flow["cost_report"][0]["schedules"][0]["cron"].endswith(" 1 * *")  # monthly
     expects = {flow: {e for d in deps for t in d.get("triggers", []) for e in t["expect"]} for flow, deps in by_flow.items()}
-    assert expects["core_ingest"] == {"edgehaul.bundle.landed"}
+    assert expects["core_ingest"] == {"edgehaul.landing.batch"}
     assert expects["train_model"] == {"edgehaul.dataset.committed"}
     assert expects["publish_model"] == {"edgehaul.model.ready"}
     assert expects["uplink_drain"] == {"edgehaul.contact.opened"}
@@ -58,7 +58,6 @@ def test_missing_entrypoint_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: localstack.StackState) -> None:
-    from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
 
     from edgehaul_dev import configure
@@ -89,17 +88,18 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
                 name: client.read_resource_related_automations(f"prefect.deployment.{d.id}") for name, d in deps.items()
             }
             ingest = triggers["core_ingest/on-bundle-landed"]
-            assert len(ingest) == 1 and ingest[0].trigger.expect == {"edgehaul.bundle.landed"}  # type: ignore[union-attr]
+            assert len(ingest) == 1 and ingest[0].trigger.expect == {"edgehaul.landing.batch"}  # type: ignore[union-attr]
             assert ingest[0].actions[0].parameters == {  # type: ignore[union-attr]
                 "params": {"store_block": "ingest", "result_storage": "s3-bucket/edgehaul-ops-results",
-                           "bundle_keys": ["{{ event.payload.object_key }}"]}
+                           "bundle_keys": {"__prefect_kind": "json", "value": {
+                               "__prefect_kind": "jinja", "template": "{{ event.payload.bundle_keys | tojson }}"}}}
             }
             assert len(triggers["publish_model/on-model-ready"]) == 1
 
         # A ground station's signed webhook -> contact.opened -> uplink_drain/node-a on edge-default,
         # executed by the pool's worker (an empty spool drains nothing and completes).
         gateway = localstack.start_gateway(stack)
-        secret = Secret.load("edgehaul-gateway-hmac").get()  # type: ignore[union-attr]
+        sender, secret = localstack.gateway_sender(stack)
         os.environ["PREFECT_WORKER_QUERY_SECONDS"] = "1"
         try:
             pid = deploy.start_workers(["edge-default"], Path(stack.root))
@@ -108,7 +108,8 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
         try:
             body = json.dumps({"station_id": "gs-svalbard", "node_id": "node-a", "window_start": "2026-12-03T10:00:00Z",
                                "window_end": "2026-12-03T10:10:00Z"}).encode()
-            r = httpx.post(f"{gateway}/hooks/contact-window-opened", content=body, headers=signed_headers(secret, body))
+            r = httpx.post(f"{gateway}/hooks/{sender}/contact-window-opened", content=body,
+                           headers=signed_headers(secret, body))
             assert r.status_code == 202, r.text
             dep_a = deps["uplink_drain/node-a"]
 

@@ -70,6 +70,12 @@ def test_uplink_drain_flow_lands_the_spool_in_priority_order_and_publishes_metri
                 {"filter": {"event": {"name": [events.LINK_STATS]}, "resource": {"id": [f"edgehaul.link.{node_id}"]}},
                  "limit": 5}, "events")
     assert evs and evs[0]["payload"]["bundles_landed"] == 3 and "goodput_bps" in evs[0]["payload"]
+    # one batch event for the run (what triggers core_ingest), carrying every landed key
+    batches = _poll(f"{api}/events/filter", {"filter": {"event": {"name": [events.LANDING_BATCH]},
+                                                        "resource": {"labels": {"edgehaul.node.id": [node_id]}}},
+                                             "limit": 5}, "events")
+    assert len(batches) == 1 and batches[0]["resource"]["edgehaul.batch.source"] == "uplink"
+    assert sorted(batches[0]["payload"]["bundle_keys"]) == sorted(m.object_key for _, m in [*normal, high])
     arts = _poll(f"{api}/artifacts/filter", {"artifacts": {"key": {"any_": [f"uplink-{node_id}"]}}}, "")
     assert arts and arts[0]["type"] == "table"
 

@@ -2,42 +2,72 @@
 
 Open-source Prefect has no inbound webhooks (its events endpoint takes only full Prefect event
 objects from authenticated clients), so ground stations and edge nodes that do not run Prefect post
-here instead. This is the one entry to the product that is not authenticated by Prefect itself:
-every request must carry
+here instead. This is the one entry to the product that Prefect itself does not authenticate.
 
-    X-Edgehaul-Timestamp: <unix seconds>
-    X-Edgehaul-Signature: sha256=<hex HMAC-SHA256 of  timestamp + "." + raw body>
+Requests follow the Standard Webhooks format (https://www.standardwebhooks.com), so a sender can use
+an existing library (e.g. the `standardwebhooks` package):
 
-with a secret shared through a Prefect `Secret` block (`EDGEHAUL_GATEWAY_SECRET_BLOCK`, default
-`edgehaul-gateway-hmac`; `EDGEHAUL_GATEWAY_SECRET` overrides it for tests and one-off runs).
+    POST /hooks/<sender>/<kind>
+    webhook-id: <unique message id>              (replays of an id are refused)
+    webhook-timestamp: <integer unix seconds>    (within the tolerance, default 300 s)
+    webhook-signature: v1,<base64 HMAC-SHA256(key, id + "." + timestamp + "." + body)> [v1,<...> ...]
 
-`POST /alerts` (bearer token derived from the same secret, `alert_token`) is the local receiver
-of the alert automations' webhook notifications: it appends them to `alerts.jsonl`.
+Senders registry (`EDGEHAUL_GATEWAY_SENDERS`: a JSON file the operator manages, e.g. a mounted
+Kubernetes Secret; it must not be readable by other users, and a change is picked up without restart):
 
-Answers: 202 accepted (event emitted, id in the body); 401 unsigned, badly signed or stale;
-404 unknown kind; 409 replayed; 413 body over the cap (enforced while reading); 422 malformed or
-schema-invalid (field errors listed); 429 replay store full; 503 Prefect unreachable (safe to retry:
-the request is not remembered as seen). Nothing is emitted unless the answer is 202.
+    {"senders": {
+        "gs-svalbard": {"keys": ["whsec_<base64>", "whsec_<base64 of the next key>"],
+                        "nodes": ["node-*"], "hooks": ["contact-window-opened"]},
+        "node-a":      {"keys": ["whsec_<base64>"], "nodes": ["node-a"], "hooks": ["bundle-uploaded"]}}}
+
+Each sender has one or more keys (all accepted: add the new key, move the sender over, remove the old
+one), the node ids (fnmatch patterns) it may speak for and the hook kinds it may send. The sender id
+is in the path rather than the signed content; that is enough since only that sender's keys verify.
+Only one format is accepted: the former `X-Edgehaul-*` headers are gone (one shared secret, no id).
+
+Landed bundles are coalesced: an accepted `bundle-uploaded` hook is queued in the gateway's SQLite
+file (`<EDGEHAUL_GATEWAY_STATE_DIR>/gateway.sqlite`, with the replay store) and answered 202; every
+`EDGEHAUL_GATEWAY_BATCH_WINDOW_S`, or as soon as `EDGEHAUL_GATEWAY_BATCH_MAX` keys wait, ONE
+`edgehaul.landing.batch` event carries the queued keys, and the `bundle_landed` trigger of
+deployments/prefect.yaml makes it one core_ingest run. An event (not a run created here) keeps the
+trigger the one place that says what runs on landed bundles, for the uplink's batches as for ours.
+A batch leaves the queue only once Prefect has the event; one that failed is re-sent with the same
+event id (Prefect's triggers skip an event id they have seen, and core_ingest commits a bundle once).
+`contact-window-opened` is emitted at once (one per node contact, nothing to coalesce).
+
+`POST /alerts` (bearer token derived from the gateway's own secret, `alert_token`) is the local
+receiver of the alert automations' webhook notifications: it appends them to `alerts.jsonl`.
+
+Answers, all with a short JSON body `{"error": ...}`: 202 accepted (queued or emitted); 400 malformed
+header (non-ASCII, not integer seconds, bad base64); 401 unsigned, unknown sender, bad signature or
+stale; 403 hook kind or node outside the sender's binding; 404 unknown kind; 409 replayed webhook-id;
+413 body over the cap (enforced while reading); 422 malformed or schema-invalid body (field errors
+listed; object keys with `..`, `//`, a leading `/` or outside the node's prefix); 429 replay store
+full; 503 Prefect unreachable (safe to retry: the id is not remembered as seen).
 
     python -m edgehaul.platform.gateway --port 8787
-    curl -X POST localhost:8787/hooks/bundle-uploaded -H "X-Edgehaul-Timestamp: $ts" \\
-         -H "X-Edgehaul-Signature: sha256=$sig" -d @body.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
 import hashlib
 import hmac
 import json
 import logging
+import os
+import re
+import sqlite3
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -51,23 +81,46 @@ from edgehaul.platform.settings import Settings, get_settings
 
 log = logging.getLogger("edgehaul.platform.gateway")
 
-TIMESTAMP_HEADER = "x-edgehaul-timestamp"
-SIGNATURE_HEADER = "x-edgehaul-signature"
+ID_HEADER = "webhook-id"
+TIMESTAMP_HEADER = "webhook-timestamp"
+SIGNATURE_HEADER = "webhook-signature"
+SECRET_PREFIX = "whsec_"
 SECRET_ENV = "EDGEHAUL_GATEWAY_SECRET"  # names for messages; the values come from get_settings()
+SENDERS_ENV = "EDGEHAUL_GATEWAY_SENDERS"
 DEFAULT_SECRET_BLOCK = Settings.model_fields["gateway_secret_block"].default
 
 _NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+_MSG_ID = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII, as Standard Webhooks ids are
+_SECONDS = re.compile(r"^[0-9]{1,12}$")  # integer seconds only: no nan, inf, exponent, sign or fraction
+_KEY_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+_MAX_SIGNATURES = 8
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
 
-class ContactWindowOpened(_Strict):
+def _check_key(key: str, node_id: str, what: str) -> None:
+    # Built into store keys by core_ingest: every segment a plain name, the first the node itself.
+    if key.startswith("/") or "//" in key or "\\" in key:
+        raise ValueError(f"{what} {key!r} must be relative, without '//' or '\\'")
+    parts = key.split("/")
+    if any(p in (".", "..") or not _KEY_SEGMENT.match(p) for p in parts):
+        raise ValueError(f"{what} {key!r} has a '.', '..' or non-name segment")
+    if parts[0] != node_id or len(parts) < 2:
+        raise ValueError(f"{what} {key!r} is not under the node's prefix '{node_id}/'")
+
+
+class _NodeHook(_Strict):
+    """A hook that speaks for one node: the sender must be bound to it."""
+
+    node_id: str = Field(pattern=_NAME)
+
+
+class ContactWindowOpened(_NodeHook):
     """A ground station reports that a contact window with an edge node has opened."""
 
     station_id: str = Field(pattern=_NAME)
-    node_id: str = Field(pattern=_NAME)
     window_start: AwareDatetime
     window_end: AwareDatetime
     bandwidth_bps: float | None = Field(default=None, gt=0, le=1e12)
@@ -79,13 +132,12 @@ class ContactWindowOpened(_Strict):
         return self
 
 
-class BundleUploaded(_Strict):
+class BundleUploaded(_NodeHook):
     """An edge node reports a bundle (Parquet + manifest) complete in the landing zone."""
 
-    node_id: str = Field(pattern=_NAME)
     bundle_id: str = Field(pattern=_NAME)
-    object_key: str = Field(min_length=1, max_length=1024, pattern=r"^[^/].*\.parquet$")
-    manifest_key: str = Field(min_length=1, max_length=1024, pattern=r"^[^/].*\.manifest\.json$")
+    object_key: str = Field(min_length=1, max_length=1024, pattern=r"\.parquet$")
+    manifest_key: str = Field(min_length=1, max_length=1024, pattern=r"\.manifest\.json$")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     row_count: int = Field(ge=0, le=10_000_000)
     contract: str = Field(pattern=r"^[a-z0-9_]+\.v[0-9]+$")
@@ -93,18 +145,23 @@ class BundleUploaded(_Strict):
     nbytes: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
-    def _key_matches_node(self) -> BundleUploaded:
-        # A node may only announce bundles under its own landing prefix.
-        if not self.object_key.startswith(f"{self.node_id}/"):
-            raise ValueError(f"object_key must start with '{self.node_id}/'")
+    def _keys_are_the_nodes(self) -> BundleUploaded:
+        # A node may only announce its own bundles, at the shared landing layout <node>/<day>/<bundle>.parquet.
+        _check_key(self.object_key, self.node_id, "object_key")
+        _check_key(self.manifest_key, self.node_id, "manifest_key")
+        if not self.object_key.endswith(f"/{self.bundle_id}.parquet"):
+            raise ValueError(f"object_key must end with '/{self.bundle_id}.parquet'")
+        if self.manifest_key != self.object_key.removesuffix(".parquet") + ".manifest.json":
+            raise ValueError("manifest_key must be object_key with '.manifest.json' for '.parquet'")
         return self
 
 
 @dataclass(frozen=True)
 class HookKind:
-    schema: type[_Strict]
+    schema: type[_NodeHook]
     event: str
     resource: Callable[[Any], dict[str, str]]
+    coalesced: bool = False  # queued and sent as part of an edgehaul.landing.batch event
 
 
 HOOKS: dict[str, HookKind] = {
@@ -119,68 +176,246 @@ HOOKS: dict[str, HookKind] = {
     ),
     "bundle-uploaded": HookKind(
         BundleUploaded,
-        events.BUNDLE_LANDED,
-        lambda m: {
-            "prefect.resource.id": f"edgehaul.bundle.{m.bundle_id}",
-            "edgehaul.node.id": m.node_id,
-        },
+        events.LANDING_BATCH,
+        lambda m: {"prefect.resource.id": f"edgehaul.bundle.{m.bundle_id}", "edgehaul.node.id": m.node_id},
+        coalesced=True,
     ),
 }
 
 
-def sign(secret: str | bytes, timestamp: str, body: bytes) -> str:
-    """The signature header value for `body` sent at `timestamp` (what a sender computes)."""
-    key = secret.encode() if isinstance(secret, str) else secret
-    mac = hmac.new(key, timestamp.encode() + b"." + body, hashlib.sha256)
-    return "sha256=" + mac.hexdigest()
+# ---- senders -------------------------------------------------------------------------------------
 
 
-def signed_headers(secret: str | bytes, body: bytes, now: float | None = None) -> dict[str, str]:
+def new_secret(nbytes: int = 32) -> str:
+    """A fresh sender key in the Standard Webhooks form `whsec_<base64>`."""
+    return SECRET_PREFIX + base64.b64encode(os.urandom(nbytes)).decode()
+
+
+def _secret_bytes(secret: str | bytes) -> bytes:
+    if isinstance(secret, bytes):
+        return secret
+    raw = secret.removeprefix(SECRET_PREFIX)
+    try:
+        return base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("a sender key must be 'whsec_' followed by base64") from None
+
+
+def sign(secret: str | bytes, msg_id: str, timestamp: str, body: bytes) -> str:
+    """One `webhook-signature` entry (`v1,<base64>`) for `body` (what a Standard Webhooks sender computes)."""
+    mac = hmac.new(_secret_bytes(secret), f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256)
+    return "v1," + base64.b64encode(mac.digest()).decode()
+
+
+def signed_headers(secret: str | bytes, body: bytes, *, msg_id: str | None = None,
+                   now: float | None = None) -> dict[str, str]:
+    """Headers of a signed request (tests, scripts; real senders may use any Standard Webhooks library)."""
+    msg_id = msg_id or f"msg_{uuid.uuid4().hex}"
     ts = str(int(time.time() if now is None else now))
-    return {
-        "content-type": "application/json",
-        TIMESTAMP_HEADER: ts,
-        SIGNATURE_HEADER: sign(secret, ts, body),
-    }
+    return {"content-type": "application/json", ID_HEADER: msg_id, TIMESTAMP_HEADER: ts,
+            SIGNATURE_HEADER: sign(secret, msg_id, ts, body)}
 
 
-class ReplayGuard:
-    """Signatures accepted within the tolerance window, bounded in size.
+class SenderSpec(_Strict):
+    keys: list[str] = Field(min_length=1, max_length=8, description="Keys, `whsec_<base64>`; all are accepted.")
+    nodes: list[str] = Field(min_length=1, description="Node ids (fnmatch patterns) the sender may speak for.")
+    hooks: list[str] = Field(min_length=1, description="Hook kinds the sender may send.")
 
-    A stale timestamp is rejected anyway, so an entry only needs to live as long as the window;
-    when the store is full of live entries we refuse (429) rather than forget one early, since
-    forgetting would let that request be replayed.
-    """
+    @model_validator(mode="after")
+    def _check(self) -> SenderSpec:
+        for k in self.keys:
+            if not k.startswith(SECRET_PREFIX):
+                raise ValueError("keys must start with 'whsec_'")
+            if len(_secret_bytes(k)) < 16:
+                raise ValueError("a key must decode to at least 16 bytes")
+        unknown = sorted(set(self.hooks) - set(HOOKS))
+        if unknown:
+            raise ValueError(f"unknown hook kinds {unknown}; known: {sorted(HOOKS)}")
+        bad = [p for p in self.nodes if not re.match(r"^[a-z0-9*?\[\]._-]{1,63}$", p)]
+        if bad:
+            raise ValueError(f"node patterns {bad} may hold only a-z 0-9 . _ - and * ? [ ]")
+        return self
 
-    def __init__(self, window_s: float, capacity: int) -> None:
-        self.window_s = window_s
-        self.capacity = capacity
-        self._seen: OrderedDict[str, float] = OrderedDict()  # signature -> expiry (monotonic)
+
+class SendersDoc(_Strict):
+    senders: dict[str, SenderSpec]
+
+    @model_validator(mode="after")
+    def _ids(self) -> SendersDoc:
+        bad = [s for s in self.senders if not re.match(_NAME, s)]
+        if bad:
+            raise ValueError(f"sender ids {bad} must match {_NAME}")
+        return self
+
+
+@dataclass(frozen=True)
+class Sender:
+    id: str
+    keys: tuple[bytes, ...]
+    nodes: tuple[str, ...]
+    hooks: frozenset[str]
+
+    def may_speak_for(self, node_id: str) -> bool:
+        return any(fnmatchcase(node_id, p) for p in self.nodes)
+
+
+def parse_senders(doc: Any) -> dict[str, Sender]:
+    """The registry from its JSON document; ValueError naming what is wrong."""
+    try:
+        parsed = SendersDoc.model_validate(doc)
+    except ValidationError as e:
+        raise ValueError("; ".join(f"{'.'.join(map(str, err['loc'])) or '(document)'}: {err['msg']}"
+                                   for err in e.errors(include_url=False))) from None
+    return {sid: Sender(sid, tuple(_secret_bytes(k) for k in s.keys), tuple(s.nodes), frozenset(s.hooks))
+            for sid, s in parsed.senders.items()}
+
+
+class SenderRegistry:
+    """The senders file, re-read when it changes (key rotation without a restart); a broken new
+    version is logged and the last good one kept, so a typo does not lock every sender out."""
+
+    def __init__(self, path: Path | None = None, senders: dict[str, Sender] | None = None) -> None:
+        self.path = path
+        self._senders = senders or {}
+        self._stamp: tuple[int, int] | None = None
+        if path is not None:
+            self._senders = self._read(path)
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, Sender]:
+        st = path.stat()
+        if st.st_mode & 0o007:
+            raise ValueError(f"senders file {path} is readable by every user (mode {st.st_mode & 0o777:o}); "
+                             f"chmod o-rwx it")
+        try:
+            doc = json.loads(path.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"senders file {path} is not JSON: {e}") from None
+        try:
+            return parse_senders(doc)
+        except ValueError as e:
+            raise ValueError(f"senders file {path}: {e}") from None
+
+    def _refresh(self) -> None:
+        if self.path is None:
+            return
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp != self._stamp:
+                self._senders, self._stamp = self._read(self.path), stamp
+                log.info("senders: %d loaded from %s", len(self._senders), self.path)
+        except (OSError, ValueError) as e:
+            log.error("senders file not reloaded, keeping %d senders: %s", len(self._senders), e)
+
+    def get(self, sender_id: str) -> Sender | None:
+        self._refresh()
+        return self._senders.get(sender_id)
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._senders)
 
-    def _prune(self, now: float) -> None:
-        while self._seen:
-            sig, expiry = next(iter(self._seen.items()))
-            if expiry > now:
-                break
-            del self._seen[sig]
 
-    def reserve(self, signature: str) -> Literal["ok", "replayed", "full"]:
-        """Record `signature`; no await between check and insert, so concurrent duplicates lose."""
-        now = time.monotonic()
-        self._prune(now)
-        if signature in self._seen:
+# ---- durable state: replay store and the queue of landed bundles -------------------------------
+
+
+@dataclass
+class Pending:
+    object_key: str
+    node_id: str
+    bundle_id: str
+    sender: str
+
+
+class GatewayState:
+    """One SQLite file: webhook ids seen within the tolerance, and accepted bundle hooks not yet sent
+    as a batch. Used from the event loop's thread only, so check-then-insert needs no lock."""
+
+    def __init__(self, path: Path, capacity: int = 100_000) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.capacity = path, capacity
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a 202 promises the hook is on disk
+        self._db.executescript(
+            """
+            CREATE TABLE IF NOT EXISTS seen (sender TEXT NOT NULL, msg_id TEXT NOT NULL, expires REAL NOT NULL,
+                                             PRIMARY KEY (sender, msg_id)) WITHOUT ROWID;
+            CREATE INDEX IF NOT EXISTS seen_expires ON seen (expires);
+            CREATE TABLE IF NOT EXISTS landed (seq INTEGER PRIMARY KEY AUTOINCREMENT, sender TEXT NOT NULL,
+                                               msg_id TEXT NOT NULL, object_key TEXT NOT NULL, node_id TEXT NOT NULL,
+                                               bundle_id TEXT NOT NULL, accepted REAL NOT NULL, batch TEXT);
+            CREATE INDEX IF NOT EXISTS landed_batch ON landed (batch, seq);
+            """
+        )
+
+    def close(self) -> None:
+        self._db.close()
+
+    def replay_entries(self) -> int:
+        return int(self._db.execute("SELECT count(*) FROM seen").fetchone()[0])
+
+    def _reserve(self, sender: str, msg_id: str, expires: float) -> Literal["ok", "replayed", "full"]:
+        now = time.time()
+        self._db.execute("DELETE FROM seen WHERE expires < ?", (now,))
+        if self._db.execute("SELECT 1 FROM seen WHERE sender = ? AND msg_id = ?", (sender, msg_id)).fetchone():
             return "replayed"
-        if len(self._seen) >= self.capacity:
-            return "full"
-        # Entries keep insertion order = expiry order, since the window is constant.
-        self._seen[signature] = now + 2 * self.window_s  # timestamps may be up to window_s in the future
+        if self.replay_entries() >= self.capacity:
+            return "full"  # refuse rather than forget a live id early, which would let it be replayed
+        self._db.execute("INSERT INTO seen VALUES (?, ?, ?)", (sender, msg_id, expires))
         return "ok"
 
-    def release(self, signature: str) -> None:
-        self._seen.pop(signature, None)
+    def reserve(self, sender: str, msg_id: str, expires: float,
+                landed: Pending | None = None) -> Literal["ok", "replayed", "full"]:
+        """Remember (sender, msg_id) until `expires` (wall clock) and, in the same transaction,
+        queue `landed`; nothing is written unless the answer is "ok"."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            verdict = self._reserve(sender, msg_id, expires)
+            if verdict == "ok" and landed is not None:
+                self._db.execute(
+                    "INSERT INTO landed (sender, msg_id, object_key, node_id, bundle_id, accepted) VALUES (?,?,?,?,?,?)",
+                    (sender, msg_id, landed.object_key, landed.node_id, landed.bundle_id, time.time()))
+            self._db.execute("COMMIT")
+            return verdict
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    def release(self, sender: str, msg_id: str) -> None:
+        self._db.execute("DELETE FROM seen WHERE sender = ? AND msg_id = ?", (sender, msg_id))
+
+    def pending(self) -> tuple[int, float | None, bool]:
+        """(queued hooks, accept time of the oldest, whether a claimed batch is still unsent)."""
+        n, oldest = self._db.execute("SELECT count(*), min(accepted) FROM landed").fetchone()
+        claimed = self._db.execute("SELECT 1 FROM landed WHERE batch IS NOT NULL LIMIT 1").fetchone() is not None
+        return int(n), oldest, claimed
+
+    def claim_batch(self, max_keys: int) -> tuple[str, list[Pending]] | None:
+        """The batch to send: an unsent claimed one first (same id: a re-send is the same event), else
+        up to `max_keys` of the oldest queued hooks under a new id."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            row = self._db.execute("SELECT batch FROM landed WHERE batch IS NOT NULL ORDER BY seq LIMIT 1").fetchone()
+            batch = row[0] if row else str(uuid.uuid4())
+            if not row:
+                self._db.execute(
+                    "UPDATE landed SET batch = ? WHERE seq IN "
+                    "(SELECT seq FROM landed WHERE batch IS NULL ORDER BY seq LIMIT ?)", (batch, max_keys))
+            rows = self._db.execute(
+                "SELECT object_key, node_id, bundle_id, sender FROM landed WHERE batch = ? ORDER BY seq",
+                (batch,)).fetchall()
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return (batch, [Pending(*r) for r in rows]) if rows else None
+
+    def finish_batch(self, batch: str) -> None:
+        self._db.execute("DELETE FROM landed WHERE batch = ?", (batch,))
+
+
+# ---- emitting ------------------------------------------------------------------------------------
 
 
 Emitter = Callable[[str, dict[str, str], dict[str, Any], uuid.UUID], Awaitable[None]]
@@ -228,11 +463,16 @@ class PrefectEmitter:
 
 @dataclass
 class GatewayConfig:
-    secret: str
+    senders: SenderRegistry
+    state_dir: Path
+    alerts_secret: str | None = None
     max_body_bytes: int = 64 * 1024
     tolerance_s: float = 300.0
-    replay_capacity: int = 10_000
+    replay_capacity: int = 100_000
+    batch_window_s: float = 5.0
+    batch_max: int = 200
     alert_log: str | None = None
+    stats: dict[str, int] = field(default_factory=dict)
 
 
 def alert_token(secret: str) -> str:
@@ -255,10 +495,9 @@ class _Reject(Exception):
 async def _read_capped(request: Request, cap: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
-        try:
-            n = int(declared)
-        except ValueError:
-            raise _Reject(400, "invalid Content-Length header") from None
+        if not _SECONDS.match(declared):
+            raise _Reject(400, "invalid Content-Length header")
+        n = int(declared)
         if n > cap:
             raise _Reject(413, f"body of {n} bytes exceeds the {cap}-byte limit")
     buf = bytearray()
@@ -276,37 +515,76 @@ def _field_errors(e: ValidationError) -> list[dict[str, str]]:
     ]
 
 
+def _header(request: Request, name: str) -> str:
+    # Starlette decodes header bytes as latin-1: a non-ASCII byte shows up as a char above 0x7f.
+    raw = request.headers.get(name)
+    if not raw:
+        raise _Reject(401, f"unsigned request: {ID_HEADER}, {TIMESTAMP_HEADER} and {SIGNATURE_HEADER} are required")
+    if len(raw) > 1024 or not raw.isascii() or not raw.isprintable():
+        raise _Reject(400, f"{name} header must be printable ASCII of at most 1024 characters")
+    return raw.strip()
+
+
+def _signatures(value: str) -> list[bytes]:
+    """The v1 digests of a webhook-signature header; other versions are ignored, as the spec says."""
+    entries = value.split()
+    if len(entries) > _MAX_SIGNATURES:
+        raise _Reject(400, f"{SIGNATURE_HEADER} has {len(entries)} entries, at most {_MAX_SIGNATURES}")
+    out = []
+    for entry in entries:
+        version, _, b64 = entry.partition(",")
+        if version != "v1":
+            continue
+        try:
+            digest = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise _Reject(400, f"{SIGNATURE_HEADER}: 'v1,' must be followed by base64") from None
+        if len(digest) != hashlib.sha256().digest_size:
+            raise _Reject(400, f"{SIGNATURE_HEADER}: a v1 signature is 32 bytes, got {len(digest)}")
+        out.append(digest)
+    if not out:
+        raise _Reject(401, f"{SIGNATURE_HEADER} has no 'v1,<base64>' signature")
+    return out
+
+
 def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlette:
-    if not config.secret:
-        raise ValueError("gateway secret is empty; set the Secret block or EDGEHAUL_GATEWAY_SECRET")
     emit = emitter or PrefectEmitter()
-    guard = ReplayGuard(config.tolerance_s, config.replay_capacity)
-    key = config.secret.encode()
-    stats = {"accepted": 0, "rejected": 0}
+    state = GatewayState(config.state_dir / "gateway.sqlite", config.replay_capacity)
+    stats = config.stats
+    stats.update({k: stats.get(k, 0) for k in ("accepted", "rejected", "queued", "batches", "batch_errors")})
+    wake = asyncio.Event()
+
+    async def verify(request: Request, sender_id: str, kind_name: str) -> tuple[Sender, HookKind, str, int, bytes]:
+        kind = HOOKS.get(kind_name)
+        if kind is None:
+            raise _Reject(404, f"unknown hook kind {kind_name!r}", {"kinds": sorted(HOOKS)})
+        sender = config.senders.get(sender_id)
+        if sender is None:
+            raise _Reject(401, f"unknown sender {sender_id[:64]!r}")
+        msg_id, ts, sig = (_header(request, h) for h in (ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER))
+        if not _MSG_ID.match(msg_id):
+            raise _Reject(400, f"{ID_HEADER} must be 1-256 visible ASCII characters")
+        if not _SECONDS.match(ts):
+            raise _Reject(400, f"{TIMESTAMP_HEADER} must be integer unix seconds, got {ts[:40]!r}")
+        given = _signatures(sig)
+        body = await _read_capped(request, config.max_body_bytes)
+        signed = f"{msg_id}.{ts}.".encode() + body
+        expected = [hmac.new(k, signed, hashlib.sha256).digest() for k in sender.keys]
+        if not any(hmac.compare_digest(e, g) for e in expected for g in given):
+            raise _Reject(401, f"bad signature for sender {sender.id!r}: expected v1 HMAC-SHA256 of "
+                               "webhook-id + '.' + webhook-timestamp + '.' + body with one of its keys")
+        sent = int(ts)
+        skew = time.time() - sent
+        if abs(skew) > config.tolerance_s:
+            raise _Reject(401, f"stale request: timestamp is {skew:+.0f} s from now, tolerance {config.tolerance_s:.0f} s")
+        if kind_name not in sender.hooks:
+            raise _Reject(403, f"sender {sender.id!r} may not send {kind_name!r} (allowed: {sorted(sender.hooks)})")
+        return sender, kind, msg_id, sent, body
 
     async def handle(request: Request) -> JSONResponse:
-        kind_name = request.path_params["kind"]
+        kind_name, sender_id = request.path_params["kind"], request.path_params["sender"]
         try:
-            kind = HOOKS.get(kind_name)
-            if kind is None:
-                raise _Reject(404, f"unknown hook kind {kind_name!r}", {"kinds": sorted(HOOKS)})
-            ts = request.headers.get(TIMESTAMP_HEADER)
-            sig = request.headers.get(SIGNATURE_HEADER)
-            if not ts or not sig:
-                raise _Reject(401, f"unsigned request: {TIMESTAMP_HEADER} and {SIGNATURE_HEADER} headers are required")
-            body = await _read_capped(request, config.max_body_bytes)
-            expected = sign(key, ts, body)
-            if not hmac.compare_digest(expected, sig.strip()):
-                raise _Reject(401, "bad signature: expected sha256=HMAC-SHA256(secret, timestamp + '.' + body)")
-            try:
-                sent = float(ts)
-            except ValueError:
-                raise _Reject(401, f"{TIMESTAMP_HEADER} must be unix seconds, got {ts[:40]!r}") from None
-            skew = time.time() - sent
-            if abs(skew) > config.tolerance_s:
-                raise _Reject(
-                    401, f"stale request: timestamp is {skew:+.0f} s from now, tolerance {config.tolerance_s:.0f} s"
-                )
+            sender, kind, msg_id, sent, body = await verify(request, sender_id, kind_name)
             try:
                 doc = json.loads(body)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -317,37 +595,93 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
                 model = kind.schema.model_validate(doc)
             except ValidationError as e:
                 raise _Reject(422, f"invalid {kind_name} payload", _field_errors(e)) from None
-            verdict = guard.reserve(sig.strip())
+            node_id = model.node_id
+            if not sender.may_speak_for(node_id):
+                raise _Reject(403, f"sender {sender.id!r} may not speak for node {node_id!r} "
+                                   f"(allowed: {', '.join(sender.nodes)})")
+            # An id stays refused while its timestamp would still be accepted.
+            expires = max(sent, time.time()) + config.tolerance_s + 1
+            landed = None
+            if kind.coalesced and isinstance(model, BundleUploaded):
+                landed = Pending(model.object_key, node_id, model.bundle_id, sender.id)
+            verdict = state.reserve(sender.id, msg_id, expires, landed)
             if verdict == "replayed":
-                raise _Reject(409, "replayed request: this signature was already accepted")
+                raise _Reject(409, f"replayed request: webhook-id {msg_id[:64]!r} was already accepted")
             if verdict == "full":
                 raise _Reject(429, "replay store full; retry later")
         except _Reject as r:
             stats["rejected"] += 1
-            log.info("rejected %s: %d %s", kind_name, r.status, r.error)
+            log.info("rejected %s/%s: %d %s", sender_id[:64], kind_name[:64], r.status, r.error)
             return r.response()
+        except Exception as e:  # one line, never a traceback per request to an unauthenticated caller
+            stats["rejected"] += 1
+            log.error("request %s/%s failed: %s: %s", sender_id[:64], kind_name[:64], type(e).__name__, str(e)[:200])
+            return JSONResponse({"error": "internal error"}, status_code=500)
 
-        # Same signed request -> same event id, so even a replay that outlived the store dedups.
-        event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"edgehaul-gateway:{sig.strip()}")
-        payload = {**model.model_dump(mode="json"), "source": "gateway", "hook": kind_name}
+        if kind.coalesced:
+            stats["accepted"] += 1
+            stats["queued"] += 1
+            wake.set()
+            return JSONResponse({"event": kind.event, "queued": True, "webhook_id": msg_id}, status_code=202)
+
+        # Same sender and id -> same event id, so even a replay that outlived the store dedups.
+        event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"edgehaul-gateway:{sender.id}:{msg_id}")
+        payload = {**model.model_dump(mode="json"), "source": "gateway", "hook": kind_name, "sender": sender.id}
         try:
-            await emit(kind.event, kind.resource(model), payload, event_id)
+            await emit(kind.event, {**kind.resource(model), "edgehaul.sender.id": sender.id}, payload, event_id)
         except Exception as e:
-            guard.release(sig.strip())  # not accepted: the sender may retry the same request
+            state.release(sender.id, msg_id)  # not accepted: the sender may retry the same request
             stats["rejected"] += 1
             log.warning("event %s not emitted: %s", kind.event, e)
             return _Reject(503, "event could not be delivered to Prefect; retry").response()
         stats["accepted"] += 1
-        log.info("accepted %s -> %s %s", kind_name, kind.event, event_id)
+        log.info("accepted %s/%s -> %s %s", sender.id, kind_name, kind.event, event_id)
         return JSONResponse({"event": kind.event, "event_id": str(event_id)}, status_code=202)
+
+    async def flush(force: bool = False) -> int:
+        """Send due batches; the number sent. A batch is due at batch_max keys or when its oldest
+        hook has waited batch_window_s; an unsent claimed batch is always due."""
+        sent = 0
+        while True:
+            n, oldest, claimed = state.pending()
+            due = claimed or n >= config.batch_max or (
+                n > 0 and oldest is not None and (force or time.time() - oldest >= config.batch_window_s))
+            if not due:
+                return sent
+            got = state.claim_batch(config.batch_max)
+            if got is None:
+                return sent
+            batch, rows = got
+            resource, payload = events.landing_batch(
+                batch, "gateway", [(r.object_key, r.node_id, r.bundle_id) for r in rows],
+                senders=sorted({r.sender for r in rows}))
+            await emit(events.LANDING_BATCH, resource, payload, uuid.UUID(batch))
+            state.finish_batch(batch)
+            stats["batches"] += 1
+            sent += 1
+            log.info("batch %s: %d bundles from %d nodes", batch[:8], len(rows), len(payload["nodes"]))
+
+    async def flusher() -> None:
+        backoff = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=max(backoff, min(0.5, config.batch_window_s / 4)))
+            wake.clear()
+            try:
+                await flush()
+                backoff = 0.0
+            except Exception as e:  # kept queued (and claimed): re-sent with the same id
+                stats["batch_errors"] += 1
+                backoff = min(max(2 * backoff, 1.0), 30.0)
+                log.warning("batch not emitted, retry in %.0f s: %s", backoff, e)
 
     async def alerts(request: Request) -> JSONResponse:
         # Sink for the alert automations' webhook notifications (local stack): one JSON line per alert
         # in config.alert_log, so operators and `make verify` can see what fired without a pager.
-        if not config.alert_log:
-            return JSONResponse({"error": "no alert log configured"}, status_code=404)
+        if not config.alert_log or not config.alerts_secret:
+            return JSONResponse({"error": "no alert log or gateway secret configured"}, status_code=404)
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {alert_token(config.secret)}".encode()):
+        if not hmac.compare_digest(given.encode("latin-1"), f"Bearer {alert_token(config.alerts_secret)}".encode()):
             return JSONResponse({"error": "bad or missing bearer token"}, status_code=401)
         try:
             doc = json.loads(await _read_capped(request, config.max_body_bytes))
@@ -362,17 +696,28 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
         return JSONResponse({"ok": True}, status_code=202)
 
     async def health(_: Request) -> JSONResponse:
-        return JSONResponse({"ok": True, "kinds": sorted(HOOKS), "replay_entries": len(guard), **stats})
+        n, _oldest, _claimed = state.pending()
+        return JSONResponse({"ok": True, "kinds": sorted(HOOKS), "senders": len(config.senders),
+                             "replay_entries": state.replay_entries(), "pending": n, **stats})
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        yield
-        if isinstance(emit, PrefectEmitter):
-            await emit.close()
+        task = asyncio.create_task(flusher())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            with contextlib.suppress(Exception):  # best effort: what is left stays queued on disk
+                await asyncio.wait_for(flush(force=True), timeout=10)
+            if isinstance(emit, PrefectEmitter):
+                await emit.close()
+            state.close()
 
     return Starlette(
         routes=[
-            Route("/hooks/{kind}", handle, methods=["POST"]),
+            Route("/hooks/{sender}/{kind}", handle, methods=["POST"]),
             Route("/alerts", alerts, methods=["POST"]),
             Route("/healthz", health, methods=["GET"]),
         ],
@@ -381,8 +726,8 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
 
 
 def load_secret() -> str:
-    """The HMAC secret: EDGEHAUL_GATEWAY_SECRET, else the Prefect Secret block named by
-    EDGEHAUL_GATEWAY_SECRET_BLOCK (default `edgehaul-gateway-hmac`)."""
+    """The gateway's own secret (the /alerts token is derived from it): EDGEHAUL_GATEWAY_SECRET, else
+    the Prefect Secret block named by EDGEHAUL_GATEWAY_SECRET_BLOCK (default `edgehaul-gateway-hmac`)."""
     settings = get_settings()
     if settings.gateway_secret:
         return settings.gateway_secret.get_secret_value()
@@ -419,6 +764,17 @@ def ensure_secret_block(name: str = DEFAULT_SECRET_BLOCK) -> str:
     return value
 
 
+def write_senders(path: Path, senders: dict[str, dict[str, Any]]) -> None:
+    """Write a senders file (mode 0600, atomically), validating it first."""
+    doc = {"senders": senders}
+    parse_senders(doc)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=2)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     ap = argparse.ArgumentParser(prog="edgehaul gateway", description=__doc__.split("\n")[0])
@@ -426,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=settings.gateway_port, help="default: EDGEHAUL_GATEWAY_PORT")
     ap.add_argument("--max-body", type=int, default=64 * 1024, help="largest accepted body in bytes")
     ap.add_argument("--tolerance", type=float, default=300.0, help="allowed clock skew / replay window, seconds")
-    ap.add_argument("--replay-capacity", type=int, default=10_000)
+    ap.add_argument("--replay-capacity", type=int, default=100_000)
     ap.add_argument("--alert-log", default=str(settings.alert_log),
                     help="where POST /alerts appends alert notifications (JSON lines; default: EDGEHAUL_ALERT_LOG)")
     ap.add_argument("--create-secret", action="store_true", help="create the Secret block (random value) if missing")
@@ -436,8 +792,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.create_secret and not settings.gateway_secret:
         ensure_secret_block(settings.gateway_secret_block)
-    app = create_app(GatewayConfig(load_secret(), args.max_body, args.tolerance, args.replay_capacity, args.alert_log))
-    log.info("gateway on http://%s:%d/hooks/{%s}", args.host, args.port, ",".join(sorted(HOOKS)))
+    if settings.gateway_senders is None:
+        log.warning("no senders registry (%s): every hook is refused", SENDERS_ENV)
+    try:
+        registry = SenderRegistry(settings.gateway_senders)
+    except (OSError, ValueError) as e:
+        log.error("gateway not started: %s: %s", SENDERS_ENV, e)
+        return 2
+    config = GatewayConfig(
+        registry, settings.gateway_state_dir, load_secret(), args.max_body, args.tolerance, args.replay_capacity,
+        settings.gateway_batch_window_s, settings.gateway_batch_max, args.alert_log)
+    app = create_app(config)
+    log.info("gateway on http://%s:%d/hooks/<sender>/{%s}, %d senders, state in %s",
+             args.host, args.port, ",".join(sorted(HOOKS)), len(registry), settings.gateway_state_dir)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -116,9 +116,23 @@ class Settings(EnvSettings):
         default=Path("alerts.jsonl"), description="File the gateway's POST /alerts appends to (JSON lines).")
     gateway_port: int = Field(default=8787, ge=1, le=65535, description="Port of the webhook gateway (`edgehaul gateway`).")
     gateway_secret: SecretStr | None = Field(
-        default=None, description="HMAC secret of the gateway; overrides the Secret block (tests, one-off runs).")
+        default=None, description="The gateway's own secret (its /alerts token derives from it); overrides the "
+                                  "Secret block (tests, one-off runs). Senders sign with their own keys.")
     gateway_secret_block: str = Field(
-        default=GATEWAY_SECRET, min_length=1, description="Prefect Secret block holding the gateway's HMAC secret.")
+        default=GATEWAY_SECRET, min_length=1, description="Prefect Secret block holding the gateway's own secret.")
+    gateway_senders: Path | None = Field(
+        default=None, description="Senders registry of the webhook gateway: JSON file (mode 0600) of each sender's "
+                                  "keys, nodes and hook kinds (format: edgehaul.platform.gateway); unset: every hook "
+                                  "is refused.")
+    gateway_state_dir: Path = Field(
+        default=Path("gateway-state"), description="Folder of the gateway's SQLite file (replay store and queue "
+                                                   "of landed bundles); must survive restarts.")
+    gateway_batch_window_s: float = Field(
+        default=5.0, gt=0, le=3600, description="The gateway sends queued landed bundles as one batch event "
+                                                "(one core_ingest run) at most this long after the first.")
+    gateway_batch_max: int = Field(
+        default=200, ge=1, le=500, description="...or as soon as this many bundles wait (core_ingest takes at "
+                                               "most 500 per run).")
     # object store of ObjectStore.from_env (local stack, CI, training children)
     s3_endpoint: str | None = Field(
         default=None, description="S3 endpoint URL of `ObjectStore.from_env()` (unset: AWS's own endpoints).")

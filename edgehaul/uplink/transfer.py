@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -628,6 +629,7 @@ class Drainer:
         self.capture_time = capture_time
         self.emit_events = emit_events
         self._stop = threading.Event()
+        self._batch: list[tuple[str, str, str]] = []  # landed, not yet announced in a LANDING_BATCH event
 
     def stop(self) -> None:
         self._stop.set()
@@ -722,6 +724,7 @@ class Drainer:
                     if self.retry_queue is not None:
                         self.retry_queue.add(e.manifest, error=rep.failed[e.bundle_id])
                         rep.queued_for_retry.append(e.bundle_id)
+        self._emit_batch()
         rep.seconds = time.monotonic() - t0
         rep.link = self.uplink.link.snapshot()
         for e in self.source.pending():
@@ -731,6 +734,15 @@ class Drainer:
     def _transfer(self, e: Any) -> Receipt:
         data = self.source.read(e.bundle_id)
         return self.uplink.send(data, e.manifest, priority=self._shaper_priority(e))
+
+    def _emit_batch(self) -> None:
+        batch, self._batch = self._batch, []
+        if batch:
+            batch_id = str(uuid.uuid4())
+            resource, payload = events.landing_batch(batch_id, "uplink", batch)
+            labels = {k: v for k, v in resource.items() if k != "prefect.resource.id"}
+            events.emit(events.LANDING_BATCH, resource["prefect.resource.id"], payload, **labels)
+            log.info("landing batch %s: %d bundles announced", batch_id[:8], len(batch))
 
     def _landed(self, e: Any, r: Receipt, rep: DrainReport) -> None:
         # The object is proven equal to the spooled bytes and its manifest written: only now may the spool let go.
@@ -758,5 +770,9 @@ class Drainer:
                  "proof": r.verified_by, "readback_bytes": r.readback_bytes},
                 **{"edgehaul.node.id": m.node_id},
             )
+            # What starts core_ingest is the run's batch event (one run for the drain, not one per bundle).
+            self._batch.append((m.object_key, m.node_id, m.bundle_id))
+            if len(self._batch) >= events.LANDING_BATCH_MAX:
+                self._emit_batch()
         if self.on_landed is not None:
             self.on_landed(r, e)
