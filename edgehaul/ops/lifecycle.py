@@ -617,8 +617,16 @@ def _transfer(
             meta = {k: v for k, v in src.get("Metadata", {}).items() if not k.startswith("eh-")}
             meta["eh-created"] = a.created
             meta["eh-source-etag"] = a.etag
-        _copy(s3, a, meta, src.get("ContentType") or "binary/octet-stream",
-              multipart_threshold=multipart_threshold, part_bytes=part_bytes)
+        try:
+            _copy(s3, a, meta, src.get("ContentType") or "binary/octet-stream",
+                  multipart_threshold=multipart_threshold, part_bytes=part_bytes)
+        except ClientError as e:
+            # the server honoured CopySourceIfMatch: the source changed between the HEAD above and the copy
+            if not s3compat.is_precondition_failed(e):
+                raise
+            log.warning("%s s3://%s/%s changed during the copy (copy refused); left for the next plan",
+                        a.kind, a.src_bucket, a.src_key)
+            return "skipped: changed since planned"
         dst = _head(s3, a.dst_bucket, a.dst_key)
         if dst is None or dst["ContentLength"] != a.size:
             raise LifecycleError(f"{a.kind} s3://{a.src_bucket}/{a.src_key}: copy not verified at "
