@@ -21,6 +21,7 @@ from edgehaul.platform.automations import (
     L2_NAME,
     L3_NAME,
     L3_RETRY_NAME,
+    RUN_FAILED_NAME,
     AlertPolicy,
     apply_automations,
     at_least_globs,
@@ -87,6 +88,15 @@ class Receiver:
         raise AssertionError(f"no matching notification within {timeout}s; got {self.bodies}")
 
 
+def _named_flow(name: str) -> Any:
+    from prefect import flow
+
+    @flow(name=name)
+    def f() -> None: ...
+
+    return f
+
+
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
     r = Receiver()
@@ -105,13 +115,15 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
 
     uid = uuid.uuid4().hex[:8]
     with get_client(sync_client=True) as client:
-        for name in (L1_NAME, L2_NAME, L3_NAME, L3_RETRY_NAME):
+        for name in (L1_NAME, L2_NAME, L3_NAME, L3_RETRY_NAME, RUN_FAILED_NAME):
             assert len(client.read_automations_by_name(name)) == 1
         # A train_model deployment (no worker serves it) whose run fails on a checkpoint write.
         flow_id = client.create_flow_from_name("train_model")
         dep_id = client.create_deployment(flow_id=flow_id, name=f"retry-target-{uid}")
         failed = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 2, "team": "t"}})
         other = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 5}})
+        crashed = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 7}})
+        outside = client.create_flow_run(flow=_named_flow(f"not-ours-{uid}"))  # not a pipeline flow: no alert
 
     try:
         # Warm-up: the automations are loaded once a probe fires.
@@ -142,6 +154,11 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
                                       force=True)
             client.set_flow_run_state(other.id, Failed(message="Flow run encountered an exception: ValueError: bad"),
                                       force=True)
+            from prefect.states import Crashed
+
+            client.set_flow_run_state(crashed.id, Crashed(message="Flow run infrastructure exited with code 137"),
+                                      force=True)
+            client.set_flow_run_state(outside.id, Failed(message="not ours"), force=True)
 
         l2 = receiver.wait_for(lambda b: b["resource"] == f"spool-{uid}-high")
         assert l2["level"] == 2 and l2["used_fraction"] == 0.86 and "[edgehaul L2]" in l2["subject"]
@@ -151,25 +168,33 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         assert l3["level"] == 3 and "SlowDown" in l3["error"]
         deadline = time.monotonic() + 30
         runs: list[Any] = []
-        while len(runs) < 3 and time.monotonic() < deadline:
+        while len(runs) < 4 and time.monotonic() < deadline:
             with get_client(sync_client=True) as client:
                 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
                 runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
             time.sleep(0.5)
-        retries = [r for r in runs if r.id not in (failed.id, other.id)]
+        retries = [r for r in runs if r.id not in (failed.id, other.id, crashed.id)]
         assert len(retries) == 1, "level 3 should re-run the deployment exactly once"
         assert retries[0].parameters == {"params": {"epochs": 2, "team": "t", "run_id": f"train-{failed.id}"}}
+
+        # Any pipeline run that fails or crashes alerts, with its name, flow and message.
+        for fr, state, says in ((other, "Failed", "ValueError: bad"), (crashed, "Crashed", "code 137"),
+                                (failed, "Failed", "CheckpointError")):
+            name = fr.name
+            b = receiver.wait_for(lambda b: b["alert"] == "run-failed" and b["run"] == name)  # noqa: B023
+            assert b["level"] == 2 and b["flow"] == "train_model" and b["state"] == state and says in b["message"]
 
         # Give the below-threshold cases as long again as the slowest positive took.
         time.sleep(5)
         fired = {b["resource"] for b in receiver.bodies}
         assert not fired & {f"spool-{uid}-low", f"spool-{uid}-edge", f"link-{uid}-spike"}, fired
         assert sum(b["resource"] == f"link-{uid}-sustained" for b in receiver.bodies) == 1
+        assert not [b for b in receiver.bodies if b.get("run") == outside.name]
         assert set(receiver.auth) == {"Bearer t0k3n"}
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
-        assert len(runs) == 3, "a run failing for another reason is not retried"
+        assert len(runs) == 4, "a run failing for another reason is not retried"
     finally:
         with get_client(sync_client=True) as client:
             for a in first:

@@ -3,7 +3,8 @@
     level 1  link retransmission rate above threshold, sustained   (edgehaul.link.stats)
     level 2  edge spool above its alert watermark (85%)             (edgehaul.spool.watermark)
     level 3  checkpoint write failure                               (edgehaul.checkpoint.failed)
-             and an automatic retry of the train_model run that failed on it (prefect.flow-run.Failed)
+    level 2  a run of any pipeline stage failed or crashed          (prefect.flow-run.Failed / Crashed)
+    level 3  ... and an automatic retry of the train_model run that failed on it (prefect.flow-run.Failed)
 
 Triggers can only match resource labels (globs), so the compared numbers travel as permille labels
 that `edgehaul.events.emit` derives from the payload; `at_least_globs` turns a threshold into the
@@ -35,6 +36,10 @@ L1_NAME = "edgehaul L1: link retransmission sustained"
 L2_NAME = "edgehaul L2: edge spool above watermark"
 L3_NAME = "edgehaul L3: checkpoint write failed"
 L3_RETRY_NAME = "edgehaul L3: retry training after checkpoint failure"
+RUN_FAILED_NAME = "edgehaul L2: pipeline run failed or crashed"
+# Every stage's flow: a failed or crashed run of any of them is an alert, not only the guide's three.
+PIPELINE_FLOWS = ("edge_ingest", "uplink_drain", "core_ingest", "compact_dataset", "train_model", "publish_model",
+                  "lifecycle_moves", "cost_report")
 
 
 class AlertPolicy(BaseModel):
@@ -143,7 +148,21 @@ def alert_automations(policy: AlertPolicy, notify_block_id: UUID) -> list[Any]:
         trigger=EventTrigger(expect={events.CHECKPOINT_FAILED}, posture=Posture.Reactive, threshold=1),
         actions=[_notify(notify_block_id, 3, "checkpoint-failed", '"error": {{ (event.payload.error or "") | tojson }}')],
     )
-    out = [l1, l2, l3]
+    failed = AutomationCore(
+        name=RUN_FAILED_NAME,
+        description="Level 2: a run of any pipeline stage ended Failed or Crashed (its name, flow and message).",
+        tags=TAGS,
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(PIPELINE_FLOWS)},
+            posture=Posture.Reactive,
+            threshold=1,
+        ),
+        actions=[_notify(notify_block_id, 2, "run-failed",
+                         '"run": "{{ flow_run.name }}", "flow": "{{ flow.name }}", "state": "{{ flow_run.state.name }}", '
+                         '"message": {{ (flow_run.state.message or "")[:300] | tojson }}')],
+    )
+    out = [l1, l2, l3, failed]
     if policy.checkpoint_retry:
         # The trainer already retries each write in-process and emits CHECKPOINT_FAILED per attempt, so
         # re-running on that event would start a second trainer beside a live one. The automatic retry
