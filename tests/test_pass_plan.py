@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -16,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
-from edgehaul.bundles import write_bundle
+from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.edge.spool import Spool
 from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
+from edgehaul.uplink.link import SimulatedLink
 from edgehaul.uplink.pass_plan import (
     Overhead,
     Pass,
@@ -31,8 +34,10 @@ from edgehaul.uplink.pass_plan import (
     plan_passes,
     upcoming,
 )
+from edgehaul.uplink.transfer import Drainer, Uplink
 from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
+from tests.doubles import MemorySource
 
 T0 = datetime(2026, 12, 4, 10, 0, tzinfo=UTC)
 MB = 1_000_000
@@ -292,3 +297,57 @@ def test_drain_by_plan_sends_the_planned_bundles_and_leaves_the_rest_spooled(
 def _table_rows(artifact: dict[str, Any]) -> list[dict[str, Any]]:
     data = artifact["data"]
     return list(json.loads(data) if isinstance(data, str) else data)
+
+
+@pytest.mark.integration
+def test_only_a_resumable_bundle_is_split_and_its_later_pass_sends_only_missing_parts(
+    store: ObjectStore, tmp_path: Path
+) -> None:
+    part, cap = 5 * MiB, 5 * MiB  # one part per second at the cap
+    profile = LinkProfile(bandwidth_bps=8 * cap / 0.7, chunk_bytes=256 * 1024, multipart_threshold_bytes=part,
+                          part_bytes=part)
+    ov = Overhead(multipart_threshold_bytes=part, part_bytes=part)
+    src = MemorySource()
+    ms = []
+    for i in range(2):  # two bundles of 4 parts (5, 5, 5, 1 MiB)
+        data = random.Random(i).randbytes(16 * MiB)
+        m = BundleManifest(bundle_id=f"big{i}", node_id="node-r", contract="landsat_patch.v1", tier="normal",
+                           row_count=1, sample_ids=[f"s{i}"], sha256=hashlib.sha256(data).hexdigest(),
+                           nbytes=len(data), min_capture_time="2026-12-04T00:00:00+00:00",
+                           max_capture_time="2026-12-04T00:00:00+00:00", value_sum=10.0 - i, max_value=0.5)
+        src.put(data, m)
+        ms.append(m)
+    state = tmp_path / "uplink"
+
+    def drain(ids: list[str], seconds: float) -> Any:
+        link = SimulatedLink(profile, outages=[(seconds, 1e9)], emit_events=False)  # the pass ends: link cut
+        up = Uplink(store, link, state)
+        link.epoch = link.clock()
+        return Drainer(up, src, plan=ids, attempts=1, emit_events=False).run(max_seconds=seconds + 1)
+
+    # An unplanned drain cut mid-upload (1.5 parts' time) leaves big0 with a saved multipart state.
+    drain(["big0"], 1.5)
+    pend = {p.bundle_id: p for p in pending_from_spool(src.pending(), state, multipart_threshold_bytes=part,
+                                                        part_bytes=part)}
+    done_parts = (16 * MiB - pend["big0"].nbytes) // part
+    assert pend["big0"].resumable and done_parts >= 1 and not pend["big1"].resumable
+
+    # A pass that carries 5.5 MiB: one more part of big0; big1 (no state) is not split, it waits.
+    w1 = Pass(T0, 1.1, 8 * cap / 0.7)
+    pp1, _ = plan_pass(list(pend.values()), w1, cap_fraction=0.7, overhead=ov)
+    assert [(p.bundle_id, p.nbytes, p.completes) for p in pp1.items] == [("big0", part, False)]
+    drain(pp1.bundle_ids, 1.1)
+    assert len(src) == 2  # nothing finished
+
+    # The next pass finishes big0, sending only the parts the server lacks.
+    pend = {p.bundle_id: p for p in pending_from_spool(src.pending(), state, multipart_threshold_bytes=part,
+                                                        part_bytes=part)}
+    assert pend["big0"].nbytes <= 16 * MiB - (done_parts + 1) * part
+    w2 = Pass(T0 + timedelta(hours=1), 2.0, 8 * cap / 0.7)  # 10 MiB: the rest of big0, not big1
+    pp2, left = plan_pass(list(pend.values()), w2, cap_fraction=0.7, overhead=ov)
+    assert [(p.bundle_id, p.completes) for p in pp2.items] == [("big0", True)] and [e.bundle_id for e in left] == ["big1"]
+    rep = drain(pp2.bundle_ids, 4.0)  # (the link stays up longer: this pass is about parts, not timing)
+    (r,) = rep.landed
+    assert r.bundle_id == "big0" and r.verified_by == "etag-multipart" and r.parts_total == 4
+    assert r.parts_skipped >= done_parts + 1 and r.parts_sent == 4 - r.parts_skipped
+    assert src.acked.keys() == {"big0"}
