@@ -325,8 +325,8 @@ def test_only_a_resumable_bundle_is_split_and_its_later_pass_sends_only_missing_
         link.epoch = link.clock()
         return Drainer(up, src, plan=ids, attempts=1, emit_events=False).run(max_seconds=seconds + 1)
 
-    # An unplanned drain cut mid-upload (1.5 parts' time) leaves big0 with a saved multipart state.
-    drain(["big0"], 1.5)
+    # An unplanned drain cut mid-upload (1.8 parts' time) leaves big0 with a saved multipart state.
+    drain(["big0"], 1.8)
     pend = {p.bundle_id: p for p in pending_from_spool(src.pending(), state, multipart_threshold_bytes=part,
                                                         part_bytes=part)}
     done_parts = (16 * MiB - pend["big0"].nbytes) // part
@@ -336,7 +336,7 @@ def test_only_a_resumable_bundle_is_split_and_its_later_pass_sends_only_missing_
     w1 = Pass(T0, 1.1, 8 * cap / 0.7)
     pp1, _ = plan_pass(list(pend.values()), w1, cap_fraction=0.7, overhead=ov)
     assert [(p.bundle_id, p.nbytes, p.completes) for p in pp1.items] == [("big0", part, False)]
-    drain(pp1.bundle_ids, 1.1)
+    drain(pp1.bundle_ids, 1.9)  # the link gets the part's round trips on a loaded machine too
     assert len(src) == 2  # nothing finished
 
     # The next pass finishes big0, sending only the parts the server lacks.
