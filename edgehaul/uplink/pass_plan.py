@@ -324,8 +324,10 @@ def plan_pass(
     remaining = [e for e in pending if e.bundle_id not in taken]
     # A resumable bundle fills the tail with whole parts (a part cut mid-way would be re-sent).
     for e in sorted((e for e in remaining if e.resumable), key=lambda e: -e.value / max(1, e.size)):
-        k = (left - overhead.bytes(e, cap_bps, nbytes=overhead.part_bytes, completes=False)) // overhead.part_bytes
-        k = min(k, overhead.parts(e.nbytes) - 1)  # the whole rest did not fit: at most all but one part
+        k = min(left // overhead.part_bytes, overhead.parts(e.nbytes) - 1)  # the whole rest did not fit
+        while k > 0 and k * overhead.part_bytes + overhead.bytes(
+                e, cap_bps, nbytes=k * overhead.part_bytes, completes=False) > left:
+            k -= 1  # each part's request costs a round trip too
         if k <= 0:
             continue
         piece = int(k * overhead.part_bytes)
