@@ -8,7 +8,7 @@ DEV := $(BIN)/python -m edgehaul_dev
 STACK_DIR ?= $(CURDIR)/.edgehaul-stack
 export EDGEHAUL_STACK_DIR := $(STACK_DIR)
 
-.PHONY: install demo down up health test lint typecheck unit bench deploy drills verify verify-demo clean
+.PHONY: install demo down up health test lint typecheck unit bench bench-quick deploy drills verify verify-demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -49,6 +49,10 @@ unit: install
 
 bench: install
 	$(BIN)/python -m benchmarks
+
+# the short variants (CI): e.g. bench_passes' computed comparison only
+bench-quick: install
+	EDGEHAUL_BENCH_QUICK=1 $(BIN)/python -m benchmarks
 
 # Fault drills (two private SeaweedFS, not the stack): EDGEHAUL_DRILL_TRIALS per drill (default 50), 6-10 min
 # on 2 shared cores; fails on any lost/duplicated sample; writes docs/DRILLS.md. CI runs it after make test.

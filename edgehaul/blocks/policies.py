@@ -41,6 +41,9 @@ class EdgeNode(Block):
     bundle_ttl_seconds: int = Field(default=7 * 86400, gt=0, description="A bundle not uplinked by then expires.")
     retry_queue_cap: int = Field(default=10_000, gt=0, description="Max entries in the uplink retry queue.")
     retry_expiry_seconds: int = Field(default=3 * 86400, gt=0, description="A retry older than this expires.")
+    pass_schedule: str | None = Field(
+        default=None, description="YAML file of the node's predicted passes (start, duration_s, rate_bps), as a "
+        "ground-station schedule gives them; uplink_drain with by_plan plans each pass from it.")
 
     @model_validator(mode="after")
     def _check_watermarks(self) -> EdgeNode:

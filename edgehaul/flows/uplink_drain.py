@@ -8,8 +8,16 @@ What it does, in order:
    rest of the bandwidth stays free for Prefect API calls and events); multipart with resume for
    large bundles; a bundle leaves the spool only after its object is verified (size + SHA-256) and
    its manifest written; bundles that keep failing go to the persistent retry queue;
+   With `by_plan`, the drain covers the current contact window only: the node's predicted passes
+   (`EdgeNode.pass_schedule` or the `pass_schedule` parameter, a YAML list of start, duration_s,
+   rate_bps) are planned before the pass opens (`edgehaul.uplink.pass_plan`): urgent bundles first,
+   then the largest value that fits the pass at the rate cap, counting each bundle's manifest and
+   request round trips; the planned bundles are sent in plan order at the pass's rate, then the run
+   stops; the rest waits for the next pass (a bundle is split only when its multipart upload can
+   resume). No pass open and none within `contact_wait_s`: nothing is sent;
 4. publish metrics: an `edgehaul.link.stats` event and a table artifact (goodput, rate cap use,
-   retransmissions, queue length per tier, capture-to-landed time per tier).
+   retransmissions, queue length per tier, capture-to-landed time per tier; by plan also the pass's
+   capacity, planned vs sent bytes and value, and what the following passes are planned to carry).
 
 Blocks: `edgehaul-edge-node` (spool location, retry queue cap/expiry), `edgehaul-link-profile`
 (bandwidth, rate cap, chunk/multipart sizes, contact windows), `edgehaul-object-store` (landing
@@ -31,6 +39,7 @@ from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.roles import DEFAULT_POLICY, EXAMPLE_NODE, node_store
 from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, publish_link_stats
+from edgehaul.uplink.pass_plan import load_passes
 
 
 class UplinkDrainParams(BaseModel):
@@ -44,6 +53,9 @@ class UplinkDrainParams(BaseModel):
     contact_wait_s: float = Field(default=0.0, ge=0, le=3600, description="Wait this long for a contact window.")
     simulate: bool = Field(default=False, description="Use the link simulator (demo/benchmarks), not the real link.")
     seed: int = Field(default=0, ge=0, description="Simulator seed.")
+    by_plan: bool = Field(default=False, description="Drain only the current pass, by its value plan.")
+    pass_schedule: str | None = Field(default=None, min_length=1, description="YAML file of predicted passes; "
+                                      "None: the EdgeNode block's pass_schedule.")
 
 
 @flow(name="uplink_drain")
@@ -54,12 +66,17 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
     node = load_block(EdgeNode, p.edge_node, param="edge_node")
     profile = load_block(LinkProfile, p.link_profile, param="link_profile")
     store = load_block(ObjectStore, p.object_store or node_store(p.edge_node), param="object_store")
+    schedule = p.pass_schedule or node.pass_schedule
+    if p.by_plan and not schedule:
+        raise ValueError(f"uplink_drain by_plan: node {node.node_id} has no pass_schedule (EdgeNode block "
+                         f"{p.edge_node!r}) and none was given")
+    passes = load_passes(schedule) if p.by_plan and schedule else None
     with run_logging.for_node(node.node_id):  # the node on every domain log line of its drain
         expired = expire_retries(node)
         aborted = abort_orphans(store, profile, node, p.orphan_age_s)
         metrics = drain_spool(
             store, profile, node, max_seconds=p.max_seconds, max_active=p.max_active, simulate=p.simulate,
-            seed=p.seed, contact_wait_s=p.contact_wait_s,
+            seed=p.seed, contact_wait_s=p.contact_wait_s, passes=passes,
         )
     metrics["orphans_aborted"] = aborted
     metrics.update(expired)
@@ -69,4 +86,9 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
         node.node_id, metrics["bundles_landed"], metrics["goodput_bps"], 100 * metrics["rate_cap_use"],
         metrics["retry_queue"], aborted,
     )
+    if (pp := metrics.get("pass_plan")) is not None:
+        logger.info("pass: %d/%d planned bundles sent, %d of %d planned bytes, value %.1f of %.1f",
+                    pp.get("sent_bundles", 0), pp.get("planned_bundles", 0), pp.get("sent_bytes", 0),
+                    pp.get("planned_bytes", 0) + pp.get("planned_overhead_bytes", 0), pp.get("sent_value", 0.0),
+                    pp.get("planned_value", 0.0))
     return metrics

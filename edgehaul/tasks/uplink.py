@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,9 @@ from edgehaul.edge.spool import Spool
 from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.s3_errors import TASK_RETRIES, TASK_RETRY_DELAYS_S, retry_condition
 from edgehaul.uplink.link import Link, SimulatedLink
+from edgehaul.uplink.pass_plan import Overhead, Pass, PassPlan, pending_from_spool, plan_passes, upcoming
 from edgehaul.uplink.retry_queue import RetryQueue
-from edgehaul.uplink.transfer import Drainer, Uplink
+from edgehaul.uplink.transfer import Drainer, DrainReport, Uplink
 
 log = logging.getLogger(__name__)
 
@@ -77,24 +80,61 @@ def abort_orphans(store: ObjectStore, profile: LinkProfile, node: EdgeNode, olde
       retry_condition_fn=retry_condition, cache_policy=NO_CACHE)
 def drain_spool(
     store: ObjectStore, profile: LinkProfile, node: EdgeNode, *, max_seconds: float, max_active: int,
-    simulate: bool = False, seed: int = 0, contact_wait_s: float = 0.0,
+    simulate: bool = False, seed: int = 0, contact_wait_s: float = 0.0, passes: list[Pass] | None = None,
 ) -> dict[str, Any]:
     """Drain the node's spool for up to max_seconds; returns the link metrics of the run.
+
+    With `passes` (the node's predicted passes), only the current pass is drained, by its plan: the
+    pass open now (or the next one, if it opens within `contact_wait_s`) is planned before sending,
+    and `metrics["pass_plan"]` holds planned vs sent bytes and value.
 
     Per-bundle failures are retried inside the drain and then parked in the retry queue, so this
     task only fails (and retries) when the whole drain cannot run (e.g. the store is unreachable)."""
     spool = Spool.from_block(node)
     try:
+        queue = open_retry_queue(spool, node)
+        plan: PassPlan | None = None
+        later: list[PassPlan] = []
+        values: dict[str, float] = {}
+        if passes is not None:
+            ahead = upcoming(passes, datetime.now(UTC))
+            wait_s = (ahead[0].start - datetime.now(UTC)).total_seconds() if ahead else float("inf")
+            if wait_s > contact_wait_s:
+                nxt = ahead[0].start.isoformat() if ahead else None
+                log.info("no pass open (next %s): nothing drained", nxt or "none scheduled")
+                metrics = _no_pass(len(queue), nxt)
+                queue.close()
+                return metrics
+            time.sleep(max(0.0, wait_s))
+            now = datetime.now(UTC)
+            blocked = queue.blocked_ids()
+            pending = pending_from_spool(
+                [e for e in spool.pending() if e.bundle_id not in blocked], Path(node.spool_dir) / "uplink",
+                multipart_threshold_bytes=profile.multipart_threshold_bytes, part_bytes=profile.part_bytes)
+            overhead = Overhead(rtt_s=2 * profile.latency_ms / 1000, concurrency=max_active,
+                                multipart_threshold_bytes=profile.multipart_threshold_bytes, part_bytes=profile.part_bytes)
+            full = plan_passes(pending, ahead, cap_fraction=profile.rate_cap_fraction, overhead=overhead, now=now)
+            plan, later = full.passes[0], full.passes[1:]
+            values = {e.bundle_id: e.value for e in pending}
+            profile = profile.model_copy(update={"bandwidth_bps": plan.window.rate_bps})  # the pass's own rate
+            max_seconds = min(max_seconds, max(0.001, (plan.window.end - now).total_seconds()))
+            log.info("pass %s: %d of %d bundles planned, %d bytes of %d at the cap, value %.1f",
+                     plan.window.start.isoformat(), len(plan.items), len(pending), plan.planned_cost,
+                     plan.capacity_bytes, plan.planned_value)
         link = make_link(profile, simulate=simulate, seed=seed, node_id=node.node_id)
         up = Uplink(store, link, Path(node.spool_dir) / "uplink", contact_wait_s=contact_wait_s)
-        queue = open_retry_queue(spool, node)
-        rep = Drainer(up, spool, max_active=max_active, retry_queue=queue).run(max_seconds=max_seconds)
+        drainer = Drainer(up, spool, max_active=max_active, retry_queue=queue,
+                          plan=plan.bundle_ids if plan is not None else None)
+        rep = drainer.run(max_seconds=max_seconds)
         metrics = rep.metrics(link.cap_bytes_per_s)
         metrics["queue_lengths"] = {t: n for t, n in metrics["queue_lengths"].items()}
         metrics["retry_queue"] = len(queue)
         metrics["link"] = rep.link
         metrics["landed_keys"] = [r.key for r in rep.landed]
         metrics["failed"] = rep.failed
+        if plan is not None:
+            metrics["pass_plan"] = pass_report(plan, rep, values)
+            metrics["later_passes"] = [pp.summary() for pp in later]
         log.info("drained %d bundles (%d bytes) in %.1fs, %d failed, %d in retry queue",
                  len(rep.landed), rep.bytes_landed, rep.seconds, len(rep.failed), len(queue))
         queue.close()
@@ -102,6 +142,29 @@ def drain_spool(
     finally:
         with contextlib.suppress(Exception):
             spool.close()
+
+
+def pass_report(plan: PassPlan, rep: DrainReport, values: dict[str, float]) -> dict[str, Any]:
+    """Planned vs sent for one pass: bytes (bundles + manifests as sent over the link) and value."""
+    landed = {r.bundle_id: r for r in rep.landed}
+    planned = set(plan.bundle_ids)
+    sent_bytes = sum((0 if r.already_present else r.nbytes) + r.manifest_nbytes for r in landed.values())
+    return {
+        **plan.summary(),
+        "sent_bundles": len(landed),
+        "sent_bytes": sent_bytes,
+        "sent_value": round(sum(values.get(b, 0.0) for b in landed), 3),
+        "planned_ids": plan.bundle_ids,
+        "not_sent": sorted(planned - landed.keys()),
+    }
+
+
+def _no_pass(retry_queue: int, next_pass: str | None) -> dict[str, Any]:
+    empty = DrainReport()
+    metrics = empty.metrics(0.0)
+    metrics.update(retry_queue=retry_queue, link={}, landed_keys=[], failed={},
+                   pass_plan={"next_pass": next_pass, "planned_bundles": 0, "sent_bundles": 0})
+    return metrics
 
 
 @task(name="publish-link-stats", cache_policy=NO_CACHE)
@@ -119,5 +182,11 @@ def publish_link_stats(node_id: str, metrics: dict[str, Any]) -> bool:
     }
     ok = events.emit(events.LINK_STATS, f"edgehaul.link.{node_id}", payload, **{"edgehaul.node": node_id})
     rows = [{"metric": k, "value": str(v)} for k, v in payload.items()]
+    # Planned vs sent of the pass, and what the following passes are planned to carry.
+    for i, pp in enumerate([metrics.get("pass_plan"), *metrics.get("later_passes", [])]):
+        if pp:
+            what = "pass" if i == 0 else f"pass +{i} (planned)"
+            rows += [{"metric": f"{what} {k}", "value": str(v)} for k, v in pp.items()
+                     if k not in ("planned_ids", "not_sent")]
     summary_table(f"uplink-{node_id}", rows, f"Uplink metrics of node {node_id}")
     return ok

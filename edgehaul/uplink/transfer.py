@@ -612,9 +612,12 @@ class Drainer:
         refresh_s: float = 0.25,
         capture_time: Callable[[Any], float] | None = None,
         emit_events: bool = True,
+        plan: Sequence[str] | None = None,
     ) -> None:
         self.uplink = uplink
         self.source = source
+        # A pass plan (edgehaul.uplink.pass_plan): only these bundles, in this order, then the run ends.
+        self._plan_rank = {b: i for i, b in enumerate(plan)} if plan is not None else None
         self.max_active = max_active
         self.urgent_lanes = urgent_lanes
         self.policy = policy
@@ -635,6 +638,8 @@ class Drainer:
         self._stop.set()
 
     def _order(self, e: Any) -> Priority:
+        if self._plan_rank is not None:
+            return (self._plan_rank.get(e.bundle_id, len(self._plan_rank)),)
         if self.policy == "fifo":
             return (_created(e),)
         return priority_key(_tier(e), float(getattr(e, "max_value", e.manifest.max_value)), _created(e))
@@ -672,6 +677,7 @@ class Drainer:
                     e for e in listed
                     if e.bundle_id not in busy and e.bundle_id not in rep.failed and e.bundle_id not in blocked
                     and not_before.get(e.bundle_id, 0.0) <= now and e.bundle_id not in done_ids
+                    and (self._plan_rank is None or e.bundle_id in self._plan_rank)
                 ]
                 pending.sort(key=self._order)
                 if now < deadline:

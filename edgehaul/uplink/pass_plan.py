@@ -1,0 +1,382 @@
+"""Contact windows planned by value: which spooled bundles each predicted pass carries.
+
+A node in contact with the ground only during passes (start, duration, rate, as a ground-station
+schedule predicts them) plans each pass before it starts:
+1. urgent (tier high) bundles first, in priority order (best sample, then oldest), as long as they fit;
+2. then the non-urgent bundles with the largest total value (a bundle's value is its manifest's
+   `value_sum`) that fits what is left of the pass at the rate cap: a 0/1 knapsack, solved by dynamic
+   programming over the pass cut into 4096 units (sizes rounded up, so a plan never exceeds the pass)
+   and greedily by value per byte with a fill of smaller bundles; the better of the two is kept (the
+   DP's rounding can lose a tight fit), the greedy one alone where the DP table would be too big;
+3. a resumable bundle (a multipart upload with saved state: its parts survive a cut) may fill the
+   tail of a pass with whole parts and finish in a later pass; any other bundle is never split;
+4. what does not fit waits for the next pass (re-planned from the spool when that pass comes).
+
+Capacity of a pass = duration x rate x rate-cap fraction; every bundle also costs an overhead
+(`Overhead`): its manifest's bytes (shaped like the data) and the link time its request round trips
+leave idle (HEAD, PUT or create/parts/complete, manifest PUT), shared by the concurrent transfers.
+
+Pure functions and dataclasses; no Prefect, no I/O except `load_passes` (YAML) and
+`pending_from_spool` (reads multipart resume state).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+
+Method = Literal["auto", "dp", "greedy"]
+# Largest DP table (items x capacity units) planned exactly; above it the greedy fill is used.
+DP_MAX_CELLS = 20_000_000
+DP_UNITS = 4096  # capacity resolution of the DP: a pass is cut into this many units at most
+
+
+class PassScheduleError(ValueError):
+    """A pass schedule file or entry is malformed; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One predicted contact window: when it opens, how long it lasts, its link rate (bits/s)."""
+
+    start: datetime
+    duration_s: float
+    rate_bps: float
+
+    @property
+    def end(self) -> datetime:
+        return self.start + timedelta(seconds=self.duration_s)
+
+    def capacity_bytes(self, cap_fraction: float, *, now: datetime | None = None) -> int:
+        """Data-plane bytes the pass carries at the rate cap (only its remaining part when it is open)."""
+        seconds = self.duration_s
+        if now is not None and now > self.start:
+            seconds = max(0.0, (self.end - now).total_seconds())
+        return int(seconds * self.rate_bps / 8 * cap_fraction)
+
+
+def _aware(t: Any, where: str) -> datetime:
+    if isinstance(t, str):
+        try:
+            t = datetime.fromisoformat(t.replace("Z", "+00:00"))
+        except ValueError as e:
+            raise PassScheduleError(f"{where}: start {t!r} is not an ISO time") from e
+    if not isinstance(t, datetime):
+        raise PassScheduleError(f"{where}: start {t!r} is not a time")
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+def parse_passes(doc: Any, *, source: str = "pass schedule") -> list[Pass]:
+    """Passes from a parsed schedule: `{"passes": [{"start", "duration_s", "rate_bps"}, ...]}` (or the list)."""
+    items = doc.get("passes") if isinstance(doc, dict) else doc
+    if not isinstance(items, list):
+        raise PassScheduleError(f"{source}: expected a list of passes under 'passes'")
+    out = []
+    for i, it in enumerate(items):
+        where = f"{source} pass #{i}"
+        if not isinstance(it, dict) or not {"start", "duration_s", "rate_bps"} <= it.keys():
+            raise PassScheduleError(f"{where}: needs start, duration_s and rate_bps, got {it!r}")
+        try:
+            duration, rate = float(it["duration_s"]), float(it["rate_bps"])
+        except (TypeError, ValueError) as e:
+            raise PassScheduleError(f"{where}: duration_s and rate_bps must be numbers") from e
+        if duration <= 0 or rate <= 0:
+            raise PassScheduleError(f"{where}: duration_s ({duration}) and rate_bps ({rate}) must be > 0")
+        out.append(Pass(_aware(it["start"], where), duration, rate))
+    out.sort(key=lambda p: p.start)
+    for a, b in itertools.pairwise(out):
+        if b.start < a.end:
+            raise PassScheduleError(f"{source}: passes at {a.start.isoformat()} and {b.start.isoformat()} overlap")
+    return out
+
+
+def load_passes(path: str | Path) -> list[Pass]:
+    """A node's predicted passes from a YAML file (see `parse_passes`)."""
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise PassScheduleError(f"pass schedule {p}: cannot read it: {e}") from e
+    return parse_passes(doc, source=f"pass schedule {p}")
+
+
+def upcoming(passes: Sequence[Pass], now: datetime) -> list[Pass]:
+    """Passes not over yet: the first is the current one when it is open."""
+    return [p for p in passes if p.end > now]
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A spooled bundle as the planner sees it."""
+
+    bundle_id: str
+    tier: str
+    value: float  # manifest value_sum: what landing the bundle is worth
+    max_value: float  # its best sample (orders urgent bundles)
+    nbytes: int  # bytes still to send (a started multipart upload: the parts the server lacks)
+    created_at: str = ""
+    manifest_bytes: int = 0
+    resumable: bool = False  # a multipart upload with saved state: may be split across passes
+    total_bytes: int = 0  # the whole bundle (0: nbytes)
+
+    @property
+    def urgent(self) -> bool:
+        return self.tier == "high"
+
+    @property
+    def size(self) -> int:
+        return self.total_bytes or self.nbytes
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Per-bundle cost on top of its bytes, in data-plane bytes at the cap.
+
+    Requests per bundle as `transfer.Uplink.send` makes them: a HEAD (skipped by small urgent
+    bundles), one PUT or create + one per part + complete, and the manifest PUT. The link carries
+    nothing for a transfer during its round trips; with `concurrency` transfers sharing the link the
+    others fill part of that time, so each round trip costs rtt x cap / concurrency. A verify HEAD
+    is not counted: servers that return MD5 ETags (SeaweedFS, AWS without SSE-KMS) prove the bytes
+    in the PUT's own answer.
+    """
+
+    rtt_s: float = 0.0
+    concurrency: int = 2
+    multipart_threshold_bytes: int = 16 * 1024 * 1024
+    part_bytes: int = 8 * 1024 * 1024
+
+    def parts(self, nbytes: int) -> int:
+        return max(1, math.ceil(nbytes / self.part_bytes))
+
+    def requests(self, e: Pending, *, nbytes: int | None = None, completes: bool = True) -> int:
+        """Requests to send `nbytes` of e (default: the rest of it); `completes`: the piece that finishes it."""
+        n = e.nbytes if nbytes is None else nbytes
+        if e.size < self.multipart_threshold_bytes:
+            return (1 if e.urgent else 2) + 1  # [HEAD] + PUT + manifest PUT
+        # HEAD + create (or list_parts when resuming) + parts [+ complete + manifest PUT]
+        return 2 + self.parts(n) + (2 if completes else 0)
+
+    def bytes(self, e: Pending, cap_bytes_per_s: float, *, nbytes: int | None = None, completes: bool = True) -> int:
+        idle = self.requests(e, nbytes=nbytes, completes=completes) * self.rtt_s * cap_bytes_per_s
+        return (e.manifest_bytes if completes else 0) + math.ceil(idle / max(1, self.concurrency))
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One bundle (or a resumable bundle's piece) in a pass."""
+
+    bundle_id: str
+    nbytes: int  # bundle bytes sent in this pass
+    overhead_bytes: int
+    value: float  # value this pass delivers: the bundle's, or 0 for a piece that does not finish it
+    urgent: bool
+    completes: bool = True
+
+    @property
+    def cost(self) -> int:
+        return self.nbytes + self.overhead_bytes
+
+
+@dataclass
+class PassPlan:
+    window: Pass
+    capacity_bytes: int
+    items: list[Planned] = field(default_factory=list)
+
+    @property
+    def planned_bytes(self) -> int:
+        """Bundle bytes planned (without overhead)."""
+        return sum(p.nbytes for p in self.items)
+
+    @property
+    def planned_cost(self) -> int:
+        return sum(p.cost for p in self.items)
+
+    @property
+    def planned_value(self) -> float:
+        return sum(p.value for p in self.items)
+
+    @property
+    def fill(self) -> float:
+        return self.planned_cost / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    @property
+    def bundle_ids(self) -> list[str]:
+        return [p.bundle_id for p in self.items]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "start": self.window.start.isoformat(), "duration_s": self.window.duration_s,
+            "rate_bps": self.window.rate_bps, "capacity_bytes": self.capacity_bytes,
+            "planned_bundles": len(self.items), "planned_bytes": self.planned_bytes,
+            "planned_overhead_bytes": self.planned_cost - self.planned_bytes,
+            "planned_value": round(self.planned_value, 3), "fill": round(self.fill, 4),
+        }
+
+
+@dataclass
+class Plan:
+    passes: list[PassPlan]
+    waits: list[str]  # bundles not finished by any planned pass (a split bundle's rest included)
+
+    @property
+    def value(self) -> float:
+        return sum(p.planned_value for p in self.passes)
+
+
+def _density(e: Pending, cost: int) -> float:
+    return e.value / max(1, cost)
+
+
+def _knapsack_dp(items: list[tuple[Pending, int]], capacity: int) -> list[int]:
+    """Indexes of the items of largest total value with total cost <= capacity (costs rounded up
+    to units, so the answer is feasible; exact up to that rounding)."""
+    unit = max(1, math.ceil(capacity / DP_UNITS))
+    cap_u = capacity // unit
+    weights = [math.ceil(c / unit) for _, c in items]
+    dp = np.zeros(cap_u + 1)
+    take = np.zeros((len(items), cap_u + 1), dtype=bool)
+    for i, ((e, _), w) in enumerate(zip(items, weights, strict=True)):
+        if w > cap_u or e.value <= 0:
+            continue
+        cand = dp[: cap_u + 1 - w] + e.value
+        better = cand > dp[w:] + 1e-12
+        take[i, w:] = better
+        dp[w:] = np.where(better, cand, dp[w:])
+    chosen, c = [], cap_u
+    for i in range(len(items) - 1, -1, -1):
+        if take[i, c]:
+            chosen.append(i)
+            c -= weights[i]
+    return chosen[::-1]
+
+
+def _knapsack_greedy(items: list[tuple[Pending, int]], capacity: int) -> list[int]:
+    """By value per byte, skipping what does not fit so smaller bundles fill the rest; the single most
+    valuable bundle alone wins if it is worth more (the classic bound: at least half the optimum)."""
+    order = sorted(range(len(items)), key=lambda i: -_density(*items[i]))
+    chosen, used = [], 0
+    for i in order:
+        if used + items[i][1] <= capacity:
+            chosen.append(i)
+            used += items[i][1]
+    fits = [i for i in range(len(items)) if items[i][1] <= capacity]
+    best = max(fits, key=lambda i: items[i][0].value, default=None)
+    if best is not None and items[best][0].value > sum(items[i][0].value for i in chosen):
+        return [best]
+    return chosen
+
+
+def _select(items: list[tuple[Pending, int]], capacity: int, method: Method) -> list[int]:
+    if not items or capacity <= 0:
+        return []
+    greedy = _knapsack_greedy(items, capacity)
+    if method == "greedy" or (method == "auto" and len(items) * min(DP_UNITS, capacity) > DP_MAX_CELLS):
+        return greedy
+    dp = _knapsack_dp(items, capacity)
+    if method == "dp":
+        return dp
+    # Both are feasible; the DP's rounding can lose a tight fit the greedy plan found.
+    return max(dp, greedy, key=lambda ix: sum(items[i][0].value for i in ix))
+
+
+def plan_pass(
+    pending: Sequence[Pending], window: Pass, *, cap_fraction: float, overhead: Overhead,
+    method: Method = "auto", now: datetime | None = None,
+) -> tuple[PassPlan, list[Pending]]:
+    """Plan one pass; returns the plan and what is left for later passes (a split bundle's rest included)."""
+    cap_bps = window.rate_bps / 8 * cap_fraction
+    plan = PassPlan(window, window.capacity_bytes(cap_fraction, now=now))
+    left = plan.capacity_bytes
+    taken: set[str] = set()
+    urgent = sorted((e for e in pending if e.urgent), key=lambda e: (-e.max_value, str(e.created_at)))
+    for e in urgent:
+        cost = e.nbytes + overhead.bytes(e, cap_bps)
+        if cost <= left:
+            plan.items.append(Planned(e.bundle_id, e.nbytes, cost - e.nbytes, e.value, True))
+            taken.add(e.bundle_id)
+            left -= cost
+    # Non-urgent bundles only after every urgent one that fits: the knapsack gets what urgency left.
+    rest = [e for e in pending if not e.urgent]
+    items = [(e, e.nbytes + overhead.bytes(e, cap_bps)) for e in rest]
+    picked = set(_select(items, left, method))
+    left -= sum(items[i][1] for i in picked)
+    # Fill what the knapsack left (its rounding, bundles of no value) with the densest that still fit.
+    for i in sorted(set(range(len(items))) - picked, key=lambda i: (-_density(*items[i]), str(items[i][0].created_at))):
+        if items[i][1] <= left:
+            picked.add(i)
+            left -= items[i][1]
+    chosen = [items[i] for i in picked]
+    # Within the pass, densest first: if the pass is cut short, the most value per byte has landed.
+    chosen.sort(key=lambda it: (-_density(*it), str(it[0].created_at)))
+    for e, cost in chosen:
+        plan.items.append(Planned(e.bundle_id, e.nbytes, cost - e.nbytes, e.value, False))
+        taken.add(e.bundle_id)
+    remaining = [e for e in pending if e.bundle_id not in taken]
+    # A resumable bundle fills the tail with whole parts (a part cut mid-way would be re-sent).
+    for e in sorted((e for e in remaining if e.resumable), key=lambda e: -e.value / max(1, e.size)):
+        k = min(left // overhead.part_bytes, overhead.parts(e.nbytes) - 1)  # the whole rest did not fit
+        while k > 0 and k * overhead.part_bytes + overhead.bytes(
+                e, cap_bps, nbytes=k * overhead.part_bytes, completes=False) > left:
+            k -= 1  # each part's request costs a round trip too
+        if k <= 0:
+            continue
+        piece = int(k * overhead.part_bytes)
+        cost = piece + overhead.bytes(e, cap_bps, nbytes=piece, completes=False)
+        plan.items.append(Planned(e.bundle_id, piece, cost - piece, 0.0, e.urgent, completes=False))
+        left -= cost
+        remaining = [replace(r, nbytes=r.nbytes - piece) if r.bundle_id == e.bundle_id else r for r in remaining]
+    return plan, remaining
+
+
+def plan_passes(
+    pending: Sequence[Pending], passes: Sequence[Pass], *, cap_fraction: float, overhead: Overhead,
+    method: Method = "auto", now: datetime | None = None,
+) -> Plan:
+    """Plan each pass in turn with what the earlier ones left; what no pass finishes waits."""
+    left = list(pending)
+    out = []
+    for w in passes:
+        pp, left = plan_pass(left, w, cap_fraction=cap_fraction, overhead=overhead, method=method, now=now)
+        out.append(pp)
+    return Plan(out, [e.bundle_id for e in left])
+
+
+def pending_from_spool(entries: Iterable[Any], state_dir: Path | None, *, multipart_threshold_bytes: int,
+                       part_bytes: int) -> list[Pending]:
+    """Planner entries from spool entries (`transfer.PendingEntry`): value from the manifest, and
+    resumable with the bytes still to send when a multipart resume state is saved under `state_dir`."""
+    out = []
+    for e in entries:
+        m = e.manifest
+        nbytes, resumable = int(m.nbytes), False
+        if state_dir is not None and m.nbytes >= multipart_threshold_bytes:
+            st = _resume_state(state_dir / f"{m.bundle_id}.mpu.json", m.sha256, part_bytes)
+            if st is not None:
+                resumable = True
+                nbytes = max(0, nbytes - len(st.get("parts", {})) * part_bytes)
+        out.append(Pending(
+            bundle_id=m.bundle_id, tier=str(getattr(e, "tier", None) or m.tier), value=float(m.value_sum),
+            max_value=float(m.max_value), nbytes=nbytes, created_at=str(m.created_at),
+            manifest_bytes=len(m.to_json()), resumable=resumable, total_bytes=int(m.nbytes),
+        ))
+    return out
+
+
+def _resume_state(path: Path, sha256: str, part_bytes: int) -> dict[str, Any] | None:
+    try:
+        st = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(st, dict) or st.get("sha256") != sha256 or st.get("part_bytes") != part_bytes:
+        return None  # stale or from another part size: the upload starts over
+    return st
