@@ -20,6 +20,7 @@ import pytest
 
 from edgehaul import events
 from edgehaul_dev import localstack
+from tests.conftest import api_auth
 from tests.waiting import run_log_lines
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -70,7 +71,8 @@ _SERVED = textwrap.dedent(
 
 
 def _artifacts(api: str, key: str) -> list[dict[str, Any]]:
-    r = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": [key]}}}, timeout=10)
+    r = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": [key]}}}, timeout=10,
+                   auth=api_auth())
     r.raise_for_status()
     return r.json()
 
