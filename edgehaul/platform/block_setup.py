@@ -16,8 +16,10 @@ are the roles' (`edgehaul.platform.roles`); each role and each node gets its own
     link: {bandwidth_bps: 50000000}
 
 A node's ObjectStore block holds no key, only the path of a 0600 credentials file on the node
-(`credentials_file`, default `<spool_dir>/../s3-credentials`, profile = the node id): any client of the
-Prefect API can read a block's secrets, and every edge worker is such a client (docs/SECURITY.md). When
+(`credentials_file`, default `<spool_dir>/../s3-credentials`, profile = the node id), or nothing with
+`credentials_from_environment: true` (keys in the run's environment, e.g. a Kubernetes Secret, or workload
+identity): any client of the Prefect API can read a block's secrets, and every edge worker is such a
+client (docs/SECURITY.md). When
 the node runs on this host (a single-machine setup, the local stack) give its keys under `identities`
 and they are written to that file (0600); otherwise provision the file on the node and leave them out.
 
@@ -85,13 +87,16 @@ class NodeSpec(_Strict):
     credentials_file: str | None = Field(
         default=None, description="0600 S3 credentials file on the node; None: <spool_dir>/../s3-credentials.")
     profile: str | None = Field(default=None, description="Profile in credentials_file; None: the node id.")
+    credentials_from_environment: bool = Field(
+        default=False, description="The node's runs get their keys from their environment or workload identity "
+        "(boto3's default chain, e.g. a Kubernetes Secret as env): the block names no file either.")
 
     def credentials_path(self) -> Path:
         return Path(self.credentials_file) if self.credentials_file else Path(self.spool_dir).parent / "s3-credentials"
 
     def edge_fields(self) -> dict[str, Any]:
         """The EdgeNode block's fields (where the node's keys live belongs to its ObjectStore block)."""
-        return self.model_dump(exclude={"credentials_file", "profile"})
+        return self.model_dump(exclude={"credentials_file", "profile", "credentials_from_environment"})
 
 
 class TeamSpec(_Strict):
@@ -147,7 +152,10 @@ def store_for(setup: Setup, identity: str) -> ObjectStore:
 
 
 def node_store_for(setup: Setup, node: NodeSpec) -> ObjectStore:
-    """A node's ObjectStore block: no key, the path of the node's own credentials file."""
+    """A node's ObjectStore block: no key, the path of the node's own credentials file (or nothing: the
+    environment's)."""
+    if node.credentials_from_environment:
+        return ObjectStore(**_store_fields(setup))
     return ObjectStore(**_store_fields(setup), credentials_file=str(node.credentials_path()),
                        profile=node.profile or node.node_id)
 
@@ -156,7 +164,7 @@ def write_node_credentials(setup: Setup) -> list[Path]:
     """Write the keys `identities` gives for a node into that node's credentials file (0600)."""
     written = []
     for node in setup.nodes:
-        if keys := setup.identities.get(node.node_id):
+        if (keys := setup.identities.get(node.node_id)) and not node.credentials_from_environment:
             written.append(write_credentials_file(
                 node.credentials_path(), node.profile or node.node_id,
                 keys.access_key_id.get_secret_value(), keys.secret_access_key.get_secret_value()))
