@@ -262,3 +262,32 @@ def test_credentials_file_formats_and_errors_name_what_is_wrong(tmp_path: Path) 
     with pytest.raises(ValueError, match="either credentials_file or access_key_id"):
         ObjectStore(credentials_file=str(ini), access_key_id="AK", secret_access_key="SK")  # type: ignore[arg-type]
     assert os.access(ini, os.R_OK)
+
+
+def test_blocks_apply_puts_a_nodes_keys_in_its_file_never_in_its_block(tmp_path: Path) -> None:
+    from edgehaul.platform.block_setup import Setup, node_store_for, write_node_credentials
+
+    keys = {"access_key_id": "AK", "secret_access_key": "SK"}
+    setup = Setup.model_validate({
+        "store": {"endpoint_url": "http://127.0.0.1:9"},
+        "identities": {**{r: keys for r in ("central", "ingest", "trainer", "lifecycle", "results")},
+                       "node-a": {"access_key_id": "AKA", "secret_access_key": "SKA"},
+                       "node-b": {"access_key_id": "AKB", "secret_access_key": "SKB"}},
+        "nodes": [{"node_id": "node-a", "spool_dir": str(tmp_path / "spool" / "node-a")},  # both share a file
+                  {"node_id": "node-b", "spool_dir": str(tmp_path / "spool" / "node-b")},
+                  {"node_id": "node-k8s", "spool_dir": "/var/lib/edgehaul/spool", "credentials_from_environment": True}],
+    })
+    blocks = {n.node_id: node_store_for(setup, n) for n in setup.nodes}
+    for block in blocks.values():
+        assert block.access_key_id is None and block.secret_access_key is None
+    assert blocks["node-k8s"].credentials_file is None  # boto3's default chain: env / workload identity
+    shared = tmp_path / "spool" / "s3-credentials"
+    assert write_node_credentials(setup) == [shared, shared]
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o600
+    assert blocks["node-a"].credentials_file == str(shared) and blocks["node-a"].profile == "node-a"
+    assert blocks["node-a"].storage_options()["AWS_SECRET_ACCESS_KEY"] == "SKA"
+    assert blocks["node-b"].storage_options()["AWS_SECRET_ACCESS_KEY"] == "SKB"
+    assert "SKA" not in blocks["node-a"].model_dump_json() and "SKA" not in repr(blocks["node-a"])
+    with pytest.raises(ValueError, match="node-z: neither a role nor a node"):
+        Setup.model_validate({**setup.model_dump(mode="json"), "identities": {
+            **{r: keys for r in ("central", "ingest", "trainer", "lifecycle", "results")}, "node-z": keys}})

@@ -67,7 +67,7 @@ def _events_with_prefix(api_url: str, prefix: str, auth: tuple[str, str] | None 
     r = httpx.post(
         f"{api_url}/events/filter",
         json={"filter": {"resource": {"id_prefix": [prefix]}}, "limit": 50},
-        auth=auth,
+        auth=auth or _api_auth(),  # the session stack is closed: its string by default
         timeout=10,
     )
     r.raise_for_status()
