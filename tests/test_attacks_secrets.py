@@ -1,10 +1,11 @@
 """Attacks on secrets (issue #17, items 2 and 8): an attacker holds one edge node's S3 keys and reaches the
 central Prefect API and the local stack's ports over the network, without the API auth string.
 
-Each test fails on main at 8a307c0, where the API was open (the block filter with `include_secrets` answered
-200 with every identity's keys), the node blocks held their keys, the filer served every bucket over
-HTTP, the master handed out volume JWTs to anyone, and `prefect.db` was 0644. docs/SECURITY.md names these
-tests under the claims they back.
+Each test but one fails on main at 8a307c0, where the API was open (the block filter with `include_secrets`
+answered 200 with every identity's keys), the node blocks held their keys, the filer served every bucket over
+HTTP, the master handed out volume JWTs to anyone, `prefect.db` was 0644 and ObjectStore had no credentials
+file. `test_a_node_cannot_mint_other_credentials_from_the_s3_port` passes there too: it guards the S3 port's
+STS/IAM answers, which SeaweedFS already refused. docs/SECURITY.md names these tests under the claims they back.
 """
 
 from __future__ import annotations
