@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 install: $(VENV)/.installed
 
 up: install
-	$(DEV) stack up > $(STACK_DIR).env
+	$(DEV) stack up --env-file $(STACK_DIR).env
 
 health:
 	$(DEV) stack health
@@ -64,7 +64,7 @@ verify: install
 	$(DEV) verify --root $(STACK_DIR)
 
 # One command for operators: up -> deploy -> demo through the deployments -> verify -> down (down also
-# on failure). VERIFY_DEMO_SAMPLES per node; EDGEHAUL_API_AUTH=1 on a fresh stack turns on Prefect API auth.
+# on failure). VERIFY_DEMO_SAMPLES per node; the Prefect API asks for the stack's auth string (docs/SECURITY.md).
 VERIFY_DEMO_SAMPLES ?= 1000
 verify-demo: install
 	@rc=0; $(MAKE) --no-print-directory deploy || rc=$$?; \

@@ -69,9 +69,10 @@ def main() -> None:
         state = localstack.up(root, fixed_ports=False)
         try:
             os.environ.update(state.env())
-            from prefect.settings import PREFECT_API_URL, temporary_settings
+            from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-            with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
+            with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url,
+                                             PREFECT_API_AUTH_STRING: state.api_auth_string}):
                 configure.register_block_types()
                 configure.save_blocks(state)
                 admin = configure.store_block(state, "admin")

@@ -85,7 +85,7 @@ def stage_flow(batches: int, rows: int) -> tuple[float, list[tuple[str, str]]]:
 @contextmanager
 def prefect_server() -> Iterator[str]:
     """A private Prefect server (SQLite) for the run; PREFECT_API_URL set for this process and its children."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from edgehaul_dev import localstack
 
@@ -94,8 +94,9 @@ def prefect_server() -> Iterator[str]:
     state.save()
     try:
         localstack.start_prefect(state)
-        with localstack.environ({"PREFECT_API_URL": state.prefect_api_url, "PREFECT_LOGGING_LEVEL": "WARNING"}), \
-                temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
+        with localstack.environ({**state.env(), "PREFECT_LOGGING_LEVEL": "WARNING"}), \
+                temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url,
+                                            PREFECT_API_AUTH_STRING: state.api_auth_string}):
             yield state.prefect_api_url
     finally:
         localstack.down(root)

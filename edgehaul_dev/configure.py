@@ -2,8 +2,10 @@
 
 Each role gets its own ObjectStore block with its own least-privilege identity, named as in
 `edgehaul.platform.roles`: one per node (own landing prefix), `ingest`, `trainer`, `lifecycle`, and
-`central` (operator/admin, by hand only). Credentials come from the stack's state file and are stored
-as SecretStr in Prefect (encrypted at rest), never in code or config files.
+`central` (operator/admin, by hand only). Central keys come from the stack's state file and are stored
+as SecretStr in Prefect (encrypted at rest, readable only with the API auth string). A node's block
+holds no key: only the path of the node's 0600 credentials file (`StackState.node_credentials_file`),
+which `blocks apply` (re)writes from the state file. See docs/SECURITY.md.
 
     python -m edgehaul_dev.configure          # against $PREFECT_API_URL, stack in $EDGEHAUL_STACK_DIR
 """
@@ -37,6 +39,10 @@ def register_block_types() -> None:
 
 
 def store_block(state: localstack.StackState, identity: str) -> ObjectStore:
+    """The store of a role with its keys in the block; a node's store reads its credentials file."""
+    if identity not in localstack.ROLES:
+        return ObjectStore(endpoint_url=state.s3_endpoint, credentials_file=str(state.node_credentials_file(identity)),
+                           profile=identity)
     c = state.identities[identity]
     return ObjectStore(
         endpoint_url=state.s3_endpoint,
@@ -58,7 +64,8 @@ def setup_of(state: localstack.StackState, *, team: str = "geo") -> Setup:
         identities={**{name: keys(identity) for name, identity in STORE_BLOCKS.items()},
                     RESULTS_IDENTITY: keys("results"), **{n: keys(n) for n in nodes}},
         nodes=[NodeSpec(node_id=n, team=team, node_group="edge-default", spool_dir=str(root / "edge" / n / "spool"),
-                        spool_cap_bytes=512 * 1024**2) for n in nodes],
+                        spool_cap_bytes=512 * 1024**2, credentials_file=str(state.node_credentials_file(n)))
+               for n in nodes],
         teams=[TeamSpec(team=team, accelerator_hours_per_month=100, storage_bytes=5 * 1024**4)],
         # A LEO-like downlink scaled down so the demo finishes in seconds: 200 Mbit/s, 1% loss.
         link={"bandwidth_bps": 200e6, "latency_ms": 20, "loss_rate": 0.01},

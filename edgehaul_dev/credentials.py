@@ -7,7 +7,8 @@ s3.json (both 0600), then SIGHUP makes SeaweedFS reload s3.json in place (no res
 downtime): the old key is refused from then on. The edge spool is never touched: queued bundles
 stay on disk and the next uplink drain sends them with the new key (an upload cut by the switch is
 retried from the spool). The new key is printed only as the name of the file that holds it, never
-on stdout or in a log; give it to the node through its ObjectStore block or environment.
+on stdout or in a log. A node's key is also rewritten into the node's 0600 credentials file
+(`StackState.node_credentials_file`), which its ObjectStore block names: the node's next client uses it.
 
 On AWS the same operation is `aws iam create-access-key` / `update-access-key --status Inactive` /
 `delete-access-key` for the node's user (see infra/iam/README.md).
@@ -69,6 +70,8 @@ def rotate(root: Path, identity: str, *, timeout: float = 30) -> Credentials:
     cfg = Path(state.root) / "seaweedfs" / "s3.json"
     _write_private(cfg, json.dumps(localstack.identities_config(state.identities, nodes)))
     state.save()
+    if identity in nodes:
+        state.write_node_credentials()
     pid = localstack._read_pid(Path(state.root), "seaweedfs")
     if pid is None:
         # not running: the new s3.json is read at the next start

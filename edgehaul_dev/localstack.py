@@ -11,6 +11,14 @@ unless it has been taken meanwhile. Sockets live in the stack folder where Seawe
 gRPC sockets it insists on putting in /tmp are removed only when no process listens on them.
 
     python -m edgehaul_dev.localstack up      # start or reuse, print env exports
+    python -m edgehaul_dev.localstack up --env-file .edgehaul-stack.env   # the exports into a 0600 file
+
+Closed by default (docs/SECURITY.md): the Prefect API asks for the stack's auth string
+(PREFECT_SERVER_API_AUTH_STRING; clients send PREFECT_API_AUTH_STRING, which `env()` includes);
+SeaweedFS's filer and volume HTTP ports refuse unsigned reads and writes (JWT signing keys passed in its
+environment, never in a file); each edge node's S3 keys live in a 0600 file in the node's folder
+(`node_credentials_file`), never in a block; the stack folder, the Prefect home and every file the servers
+create are owner-only (umask 077).
     python -m edgehaul_dev.localstack health
     python -m edgehaul_dev.localstack down
 """
@@ -36,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.settings import get_settings
 from edgehaul_dev.settings import dev_settings
 
@@ -94,6 +103,8 @@ class StackState:
     weed_ports: dict[str, int]
     identities: dict[str, Credentials] = field(default_factory=dict)
     api_auth_string: str | None = None
+    # SeaweedFS JWT signing keys (WEED_JWT_* variable -> key): filer and volume HTTP refuse unsigned requests
+    weed_jwt: dict[str, str] = field(default_factory=dict)
     # ports configured by settings ("prefect", "s3"): never swapped for a free one, an error when taken
     pinned: list[str] = field(default_factory=list)
 
@@ -109,8 +120,16 @@ class StackState:
     def s3_endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3_port}"
 
+    def node_credentials_file(self, node: str) -> Path:
+        """The 0600 file that holds `node`'s S3 keys (profile = the node id), beside its spool."""
+        return Path(self.root) / "edge" / node / "s3-credentials"
+
+    def write_node_credentials(self) -> list[Path]:
+        return [write_credentials_file(self.node_credentials_file(n), n, c.access_key_id, c.secret_access_key)
+                for n, c in self.identities.items() if n not in ROLES]
+
     def env(self) -> dict[str, str]:
-        """Environment a client process needs to reach this stack (admin credentials)."""
+        """Environment a client process needs to reach this stack (admin credentials, the API auth string)."""
         admin = self.identities["admin"]
         env = {
             "PREFECT_API_URL": self.prefect_api_url,
@@ -126,10 +145,7 @@ class StackState:
     def save(self) -> None:
         path = Path(self.root) / "state.json"
         data = asdict(self)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.chmod(tmp, 0o600)
-        tmp.replace(path)
+        _write_private(path, json.dumps(data, indent=2))
 
     @classmethod
     def load(cls, root: Path) -> StackState | None:
@@ -139,6 +155,24 @@ class StackState:
         data = json.loads(path.read_text())
         data["identities"] = {k: Credentials(**v) for k, v in data["identities"].items()}
         return cls(**data)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace `path` with `text`, 0600 from its first byte (never briefly readable by others)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+WEED_JWT_VARS = ("WEED_JWT_SIGNING_KEY", "WEED_JWT_SIGNING_READ_KEY",  # master -> volume writes / reads
+                 "WEED_JWT_FILER_SIGNING_KEY", "WEED_JWT_FILER_SIGNING_READ_KEY")  # S3 gateway -> filer
+
+
+def new_weed_jwt() -> dict[str, str]:
+    return {var: secrets.token_urlsafe(32) for var in WEED_JWT_VARS}
 
 
 def _node_actions(node: str) -> list[str]:
@@ -243,9 +277,10 @@ def _spawn(root: Path, name: str, cmd: list[str], env: dict[str, str]) -> int:
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / f"{name}.log", "ab") as log:
+        # umask 077: the servers' files (prefect.db with its encryption key, SeaweedFS data) are owner-only
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True, cwd=root,
+            env=env, start_new_session=True, cwd=root, umask=0o077,
         )
     (_pid_dir(root) / f"{name}.pid").write_text(str(proc.pid))
     return proc.pid
@@ -371,6 +406,10 @@ def _weed_command(state: StackState, d: Path, cfg: Path) -> list[str]:
         f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
         f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin_grpc']}",
         "-master.volumeSizeLimitMB=256", "-master.telemetry=false",
+        # No HTTP on master and filer: the master's /dir/assign and /dir/lookup hand a volume JWT to anyone,
+        # the filer serves every bucket's objects. The S3 gateway talks gRPC to them; the volume port stays
+        # and refuses requests without a JWT (WEED_JWT_*). docs/SECURITY.md lists what gRPC still allows.
+        "-disableHttp",
     ]
 
 
@@ -379,16 +418,22 @@ def start_s3(state: StackState) -> None:
     if _read_pid(root, "seaweedfs"):
         return
     d = root / "seaweedfs"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(d, 0o700)  # SeaweedFS makes some data files 0644 whatever the umask: the folder keeps others out
     (d / "data").mkdir(parents=True, exist_ok=True)
     (d / "logs").mkdir(parents=True, exist_ok=True)
     cfg = d / "s3.json"
     nodes = [k for k in state.identities if k not in ROLES]
-    cfg.write_text(json.dumps(identities_config(state.identities, nodes)))
-    os.chmod(cfg, 0o600)
+    _write_private(cfg, json.dumps(identities_config(state.identities, nodes)))
+    if not state.weed_jwt:  # a stack created before the keys existed
+        state.weed_jwt = new_weed_jwt()
+        state.save()
+    # in the environment, not security.toml: no key file to leak; a WEED_JWT_* set by the caller is replaced
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEED_")} | state.weed_jwt
     for attempt in range(3):
         _claim_weed_ports(state)
         remove_stale_grpc_sockets(state.weed_ports)
-        pid = _spawn(root, "seaweedfs", _weed_command(state, d, cfg), dict(os.environ))
+        pid = _spawn(root, "seaweedfs", _weed_command(state, d, cfg), env)
         try:
             _wait_http(f"{state.s3_endpoint}/", 60, pid, "SeaweedFS", root / "logs" / "seaweedfs.log")
             break
@@ -448,7 +493,8 @@ def start_prefect(state: StackState) -> None:
     if _read_pid(root, "prefect"):
         return
     home = root / "prefect"
-    home.mkdir(parents=True, exist_ok=True)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private_tree(home)  # a stack made before umask 077: its database was 0644
     # checked before start-up: a server of another stack on this port would answer our health check
     port = _claim_port(state, "prefect", state.prefect_port)
     if port != state.prefect_port:
@@ -493,6 +539,15 @@ def gateway_sender(state: StackState) -> tuple[str, str]:
     return GATEWAY_SENDER, json.loads(path.read_text())["senders"][GATEWAY_SENDER]["keys"][0]
 
 
+def _private_tree(d: Path) -> None:
+    """Owner-only permissions on `d` and everything under it (0700 folders, 0600 files)."""
+    os.chmod(d, 0o700)
+    for p in d.rglob("*"):
+        if p.is_symlink():
+            continue
+        os.chmod(p, 0o700 if p.is_dir() else 0o600)
+
+
 def start_gateway(state: StackState, port: int | None = None) -> str:
     """Start the webhook gateway (edgehaul.platform.gateway) against this stack; return its base URL.
 
@@ -521,7 +576,7 @@ def start_gateway(state: StackState, port: int | None = None) -> str:
 
 def new_state(
     root: Path, *, nodes: tuple[str, ...] = ("node-a", "node-b"), fixed_ports: bool = True,
-    api_auth: bool = False,
+    api_auth: bool = True,
 ) -> StackState:
     """A new stack's state. `fixed_ports` (`make up`): the Prefect and S3 ports come from the settings
     EDGEHAUL_PREFECT_PORT / EDGEHAUL_S3_PORT (0: a free port) and are pinned; every other port is free."""
@@ -544,18 +599,22 @@ def new_state(
     return StackState(
         root=str(root), prefect_port=prefect_port, s3_port=s3_port, weed_ports=weed_ports, identities=creds,
         api_auth_string=f"edgehaul:{secrets.token_urlsafe(16)}" if api_auth else None, pinned=pinned,
+        weed_jwt=new_weed_jwt(),
     )
 
 
-def up(root: Path = DEFAULT_ROOT, *, fixed_ports: bool = True, api_auth: bool = False) -> StackState:
-    """Start the stack, or reuse the one already running from `root`."""
-    root.mkdir(parents=True, exist_ok=True)
+def up(root: Path = DEFAULT_ROOT, *, fixed_ports: bool = True, api_auth: bool = True) -> StackState:
+    """Start the stack, or reuse the one already running from `root`. `api_auth=False` (an open Prefect
+    API, EDGEHAUL_API_AUTH=0) only for a stack made without it; a new stack is closed."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
     state = StackState.load(root) or new_state(root, fixed_ports=fixed_ports, api_auth=api_auth)
     if api_auth and not state.api_auth_string:
         if _read_pid(root, "prefect"):
             raise RuntimeError(f"the Prefect server of {root} runs without API auth: stop the stack first (make down)")
         state.api_auth_string = f"edgehaul:{secrets.token_urlsafe(16)}"
     state.save()
+    state.write_node_credentials()
     start_s3(state)
     for attempt in range(3):
         try:
@@ -607,8 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edgehaul_dev.localstack")
     ap.add_argument("command", choices=["up", "down", "health", "env"])
     ap.add_argument("--root", type=Path, default=DEFAULT_ROOT)
-    ap.add_argument("--api-auth", action="store_true", default=dev_settings().api_auth,
-                    help="turn on Prefect API basic auth (default: $EDGEHAUL_API_AUTH=1)")
+    ap.add_argument("--api-auth", action=argparse.BooleanOptionalAction, default=dev_settings().api_auth,
+                    help="Prefect API basic auth on a fresh stack (default on; $EDGEHAUL_API_AUTH=0 turns it off)")
+    ap.add_argument("--env-file", type=Path, help="write the exports into this file (0600) instead of stdout")
     args = ap.parse_args(argv)
     if args.command == "up":
         state = up(args.root, api_auth=args.api_auth)
@@ -625,10 +685,14 @@ def main(argv: list[str] | None = None) -> int:
         if st is None:
             print("no stack state; run 'up' first", file=sys.stderr)
             return 1
-        for k, v in st.env().items():
-            print(f"export {k}={v}")
+        exports = [f"export {k}={v}" for k, v in st.env().items()]
         if (args.root / "gateway.url").exists():
-            print(f"export EDGEHAUL_GATEWAY_URL={(args.root / 'gateway.url').read_text().strip()}")
+            exports.append(f"export EDGEHAUL_GATEWAY_URL={(args.root / 'gateway.url').read_text().strip()}")
+        if args.env_file:  # it holds the admin key and the API auth string: owner-only
+            _write_private(args.env_file, "\n".join(exports) + "\n")
+            print(f"env: {args.env_file} (0600)", file=sys.stderr)
+        else:
+            print("\n".join(exports))
     return 0
 
 

@@ -32,7 +32,8 @@ class DevSettings(EnvSettings):
     prefect_db_url: SecretStr | None = Field(
         default=None, description="Database of the stack's Prefect server, e.g. postgresql+asyncpg://... "
                                   "(unset: SQLite in the stack folder).")
-    api_auth: bool = Field(default=False, description="1: `stack up` turns on Prefect API basic auth (fresh stack).")
+    api_auth: bool = Field(default=True, description="0: `stack up` on a fresh stack leaves the Prefect API open "
+                                                     "(no auth string; not recommended, docs/SECURITY.md).")
     demo_samples: PositiveInt = Field(default=20_000, description="Samples per node of `demo`.")
     drill_trials: PositiveInt | None = Field(
         default=None, description="Trials per fault drill (unset: 50 for `drills`, 4 in the test suite).")

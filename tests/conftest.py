@@ -39,15 +39,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.Stack
                            MODES.get(mode) or mode.split(",")).start()
         state.s3_port = int(proxy.url.rsplit(":", 1)[1])  # in memory only: `down` reads the saved state
     with localstack.environ(state.env()):
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
         try:
-            with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url}):
+            # the server is closed (localstack: API auth on): every client of the session sends the string
+            with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url,
+                                             PREFECT_API_AUTH_STRING: state.api_auth_string}):
                 yield state
         finally:
             if proxy is not None:
                 proxy.stop()
             localstack.down(root)
+
+
+def api_auth() -> tuple[str, str] | None:
+    """httpx basic auth for raw calls to the session's (closed) Prefect API: PREFECT_API_AUTH_STRING."""
+    user, sep, password = os.environ.get("PREFECT_API_AUTH_STRING", "").partition(":")
+    return (user, password) if sep else None
 
 
 def store_for(state: localstack.StackState, role: str = "admin", prefix: str = "") -> ObjectStore:

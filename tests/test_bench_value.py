@@ -29,6 +29,7 @@ from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
 from edgehaul.edge import landsat
 from edgehaul_dev import localstack
+from tests.conftest import api_auth
 
 C = load_contract("landsat_patch")
 CFG_ROWS = 16
@@ -159,7 +160,8 @@ def test_run_as_a_flow_the_table_and_chart_are_artifacts_with_the_verdicts(stack
     bench()
     api = stack.prefect_api_url
     got = {a["key"]: a for a in httpx.post(f"{api}/artifacts/filter", json={
-        "artifacts": {"key": {"any_": ["bench-value", "bench-value-chart"]}}}, timeout=10).json()}
+        "artifacts": {"key": {"any_": ["bench-value", "bench-value-chart"]}}}, timeout=10,
+        auth=api_auth()).json()}
     assert "10% tier-model: macro-F1 0.400 loses to the better of FIFO/random (0.500)" in got["bench-value-chart"]["data"]
     assert "data:image/png;base64," in got["bench-value-chart"]["data"]
     table = got["bench-value"]["data"]

@@ -23,6 +23,7 @@ from edgehaul.blocks import ObjectStore
 from edgehaul.training.checkpoints import MARKER, CheckpointError, CheckpointStore, IntervalController
 from edgehaul.training.launch import child_env, store_to_public
 from edgehaul_dev import localstack
+from tests.conftest import api_auth
 
 ROOT = Path(__file__).resolve().parent.parent
 META = {"dataset_uri": "s3://x/y", "dataset_version": 1, "world_size": 1}
@@ -95,7 +96,7 @@ def test_corrupt_state_is_refused_and_old_checkpoints_pruned(store: ObjectStore)
 def _events(api: str, name: str, resource: str) -> list[dict[str, object]]:
     r = httpx.post(f"{api}/events/filter", json={
         "filter": {"event": {"name": [name]}, "resource": {"id": [resource]}}, "limit": 50,
-    }, timeout=10)
+    }, timeout=10, auth=api_auth())
     r.raise_for_status()
     return list(r.json()["events"])
 

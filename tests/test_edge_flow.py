@@ -33,6 +33,7 @@ from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
 from edgehaul.platform.caching import RESULTS_FOLDER, ensure_result_storage
 from edgehaul_dev import localstack
 from tests.builders import bundle
+from tests.conftest import api_auth
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,7 +141,7 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
 
     api = stack.prefect_api_url
     r = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": [f"edge-ingest-{params.node_id}"]}}},
-                   timeout=10)
+                   timeout=10, auth=api_auth())
     arts = r.json()
     assert arts and arts[0]["type"] == "table" and "value/MB" in json.dumps(arts[0]["data"])
 
@@ -224,7 +225,7 @@ def test_spool_watermark_event_reaches_prefect(stack: localstack.StackState, tmp
     deadline = time.monotonic() + 15
     evs: list[dict[str, Any]] = []
     while not evs and time.monotonic() < deadline:
-        r = httpx.post(f"{stack.prefect_api_url}/events/filter", timeout=10, json={
+        r = httpx.post(f"{stack.prefect_api_url}/events/filter", timeout=10, auth=api_auth(), json={
             "filter": {"event": {"name": [events.SPOOL_WATERMARK]}, "resource": {"id": [f"edgehaul.spool.{node_id}"]}},
             "limit": 5})
         evs = r.json().get("events", [])

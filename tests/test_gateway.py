@@ -258,11 +258,16 @@ def test_alert_sink_needs_its_token_and_appends_json_lines(tmp_path: Path) -> No
 # ---- against the stack's gateway (real uvicorn process, real Prefect) ----------------------------
 
 
+def _api_auth() -> tuple[str, str] | None:
+    a = os.environ.get("PREFECT_API_AUTH_STRING")
+    return tuple(a.split(":", 1)) if a else None  # type: ignore[return-value]
+
+
 def _events_with_prefix(api_url: str, prefix: str, auth: tuple[str, str] | None = None) -> list[dict[str, Any]]:
     r = httpx.post(
         f"{api_url}/events/filter",
         json={"filter": {"resource": {"id_prefix": [prefix]}}, "limit": 50},
-        auth=auth,
+        auth=auth or _api_auth(),  # the session stack is closed: its string by default
         timeout=10,
     )
     r.raise_for_status()

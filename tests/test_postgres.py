@@ -81,7 +81,7 @@ def pg_prefect(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def test_core_ingest_runs_on_a_postgres_backed_prefect_server(pg_prefect: localstack.StackState, postgres_url: str) -> None:
     import psycopg2
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from edgehaul.bundles import BundleManifest
     from edgehaul.core.datasets import open_table
@@ -101,7 +101,8 @@ def test_core_ingest_runs_on_a_postgres_backed_prefect_server(pg_prefect: locals
     bad_data, bad_m = bundle(10, "node-b", seed=9)
     put(bad_data[:-100], bad_m)  # truncated in transit: must be quarantined, not committed
 
-    with temporary_settings(updates={PREFECT_API_URL: pg_prefect.prefect_api_url}):
+    with temporary_settings(updates={PREFECT_API_URL: pg_prefect.prefect_api_url,
+                                     PREFECT_API_AUTH_STRING: pg_prefect.api_auth_string}):
         block = f"pg-{uuid.uuid4().hex[:8]}"
         store.save(block, overwrite=True)
         state = core_ingest(CoreIngestParams(store_block=block), return_state=True)

@@ -63,7 +63,7 @@ def test_a_user_with_only_an_endpoint_and_keys_reaches_a_first_dataset_version(t
 
         # the user's shell: the Prefect API address, no keys, no edgehaul settings, not in the checkout
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "EDGEHAUL_", "PREFECT_"))}
-        env |= {"PREFECT_API_URL": state.prefect_api_url}
+        env |= {"PREFECT_API_URL": state.prefect_api_url, "PREFECT_API_AUTH_STRING": state.api_auth_string or ""}
 
         def run(*cmd: str) -> str:
             p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)

@@ -20,6 +20,7 @@ import pytest
 
 from edgehaul import events
 from edgehaul_dev import localstack
+from tests.conftest import api_auth
 from tests.waiting import run_log_lines
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -30,6 +31,51 @@ FLAGS = [
     # virtual time waits for the app's API calls before the DOM is dumped
     "--virtual-time-budget=15000",
 ]
+
+
+class AuthProxy:
+    """The UI as a signed-in user sees it: the stack's Prefect API is closed (PREFECT_SERVER_API_AUTH_STRING)
+    and the UI keeps the string in the browser's localStorage after a login form, which a one-shot headless
+    Chromium cannot fill. This proxy adds the Authorization header to every request and points the UI's
+    API address (`/ui-settings`) at itself."""
+
+    def __init__(self, upstream: str, auth: tuple[str, str] | None) -> None:
+        import base64
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        header = {"Authorization": "Basic " + base64.b64encode(":".join(auth).encode()).decode()} if auth else {}
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                skip = {"host", "content-length", "connection", "accept-encoding"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip} | header
+                r = httpx.request(self.command, upstream + self.path, content=body, headers=headers, timeout=60)
+                content = r.content
+                if self.path.split("?")[0].endswith("ui-settings"):
+                    content = content.replace(upstream.encode(), proxy.url.encode())
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "content-encoding", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("content-length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = do_OPTIONS = _forward
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def browse(url: str, tmp: Path, screenshot: Path | None = None) -> str:
@@ -70,7 +116,8 @@ _SERVED = textwrap.dedent(
 
 
 def _artifacts(api: str, key: str) -> list[dict[str, Any]]:
-    r = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": [key]}}}, timeout=10)
+    r = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": [key]}}}, timeout=10,
+                   auth=api_auth())
     r.raise_for_status()
     return r.json()
 
@@ -95,7 +142,9 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
         if len(puts) == 1:
             raise ClientError({"Error": {"Code": "SlowDown", "Message": "slow down"},  # type: ignore[typeddict-item]
                                "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
-    api, ui = stack.prefect_api_url, stack.prefect_ui_url
+    api = stack.prefect_api_url
+    ui_proxy = AuthProxy(stack.prefect_ui_url, api_auth())
+    ui = ui_proxy.url
 
     # A triggered run: a served deployment whose trigger matches a contact-window event.
     script = tmp_path / "served.py"
@@ -164,6 +213,7 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
         docs = Path(__file__).resolve().parent.parent / "docs" / "ui-screenshot.png"
         shutil.copyfile(shot, docs)
     finally:
+        ui_proxy.close()
         proc.terminate()
         proc.wait(timeout=30)
         log.close()

@@ -18,6 +18,7 @@ from edgehaul.edge.spool import Spool
 from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
 from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
+from tests.conftest import api_auth
 
 MiB = 1024 * 1024
 
@@ -25,7 +26,7 @@ MiB = 1024 * 1024
 def _poll(url: str, body: dict[str, Any], key: str, timeout: float = 15) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while True:
-        r = httpx.post(url, json=body, timeout=10)
+        r = httpx.post(url, json=body, timeout=10, auth=api_auth())
         r.raise_for_status()
         doc = r.json()
         items = doc.get(key, []) if isinstance(doc, dict) else doc

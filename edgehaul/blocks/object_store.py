@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import configparser
+import json
+import os
+import stat
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from edgehaul.platform.s3_errors import CLIENT_MAX_ATTEMPTS
 from edgehaul.platform.settings import get_settings
@@ -13,14 +18,88 @@ from edgehaul.platform.settings import get_settings
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
+
+class CredentialsFileError(ValueError):
+    """The credentials file an ObjectStore names is missing, readable by others, or lacks the profile."""
+
+
+def read_credentials_file(path: Path, profile: str) -> dict[str, str]:
+    """boto3 keyword arguments (`aws_access_key_id`, `aws_secret_access_key`, maybe `aws_session_token`)
+    from an AWS shared-credentials (INI) file's `profile`, or from a JSON file: the `Credentials` of an STS
+    answer (`AccessKeyId`, `SecretAccessKey`, `SessionToken`) or the same snake-case names as the INI.
+
+    A file that group or other may read or write is refused: a key others can read is not the node's own."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise CredentialsFileError(f"credentials file {path}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CredentialsFileError(f"credentials file {path}: not a regular file")
+    if st.st_mode & 0o077:
+        raise CredentialsFileError(
+            f"credentials file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group/other read or write it; "
+            f"make it 0600 (chmod 600 {path})"
+        )
+    text = path.read_text()
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CredentialsFileError(f"credentials file {path}: invalid JSON ({e.msg}, line {e.lineno})") from None
+        doc = doc.get("Credentials", doc) if isinstance(doc, dict) else {}
+        section = {
+            "aws_access_key_id": doc.get("AccessKeyId") or doc.get("aws_access_key_id"),
+            "aws_secret_access_key": doc.get("SecretAccessKey") or doc.get("aws_secret_access_key"),
+            "aws_session_token": doc.get("SessionToken") or doc.get("aws_session_token"),
+        }
+    else:
+        ini = configparser.ConfigParser(interpolation=None)
+        try:
+            ini.read_string(text, source=str(path))
+        except configparser.Error as e:
+            raise CredentialsFileError(f"credentials file {path}: invalid INI ({e})") from None
+        if not ini.has_section(profile):
+            raise CredentialsFileError(f"credentials file {path}: no profile [{profile}] (has {ini.sections()})")
+        section = {k: ini.get(profile, k, fallback=None)
+                   for k in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")}
+    creds = {k: v.strip() for k, v in section.items() if isinstance(v, str) and v.strip()}
+    missing = [k for k in ("aws_access_key_id", "aws_secret_access_key") if k not in creds]
+    if missing:
+        raise CredentialsFileError(f"credentials file {path} (profile {profile}): missing {', '.join(missing)}")
+    return creds
+
+
+def write_credentials_file(path: Path, profile: str, access_key_id: str, secret_access_key: str) -> Path:
+    """Set `profile` in an AWS shared-credentials file (other profiles kept: nodes may share a file), 0600
+    from its first byte and swapped in atomically (a reader never sees half a key); its folder is created
+    0700."""
+    ini = configparser.ConfigParser(interpolation=None)
+    if path.exists():
+        ini.read_string(path.read_text(), source=str(path))
+    ini[profile] = {"aws_access_key_id": access_key_id, "aws_secret_access_key": secret_access_key}
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        ini.write(f)
+    tmp.replace(path)
+    return path
+
+
 Zone = Literal["landing", "curated", "quarantine", "cold", "checkpoints", "models", "ops"]
 
 
 class ObjectStore(Block):
     """An S3-compatible object store (AWS S3, MinIO, Ceph RGW, SeaweedFS) and where each zone lives.
 
-    Credentials left empty come from the environment or the instance role (boto3's default chain),
-    which is what production should use; keys in the block are stored encrypted by Prefect.
+    Where the keys come from, most private first:
+    - `credentials_file` (+ `profile`): a 0600 file on the host that runs the flow, read at each client
+      creation (so a rotated key is picked up); the block holds only its path. Edge nodes use this: a
+      block is readable by every client of the Prefect API, a file on the node is not.
+    - nothing: boto3's default chain (environment, web identity / instance role), for workload identity.
+    - `access_key_id` / `secret_access_key` in the block: stored encrypted by Prefect, but any API client
+      can read them back (`include_secrets`); central roles on a closed API only. See docs/SECURITY.md.
 
     Example:
         ```python
@@ -47,6 +126,13 @@ class ObjectStore(Block):
     secret_access_key: SecretStr | None = Field(
         default=None, description="Secret access key; empty to use the environment or instance role."
     )
+    credentials_file: str | None = Field(
+        default=None,
+        description="Path, on the host running the flow, of a 0600 AWS shared-credentials (INI) or JSON "
+        "(STS `Credentials`) file; the block then holds no key.",
+        examples=["/var/lib/edgehaul/s3-credentials"],
+    )
+    profile: str = Field(default="default", description="Profile (INI section) of `credentials_file`.")
     path_style: bool = Field(default=True, description="Path-style addressing (MinIO, SeaweedFS, Ceph).")
     landing_bucket: str = Field(default="edgehaul-landing", description="Where edge nodes upload bundles.")
     curated_bucket: str = Field(default="edgehaul-curated", description="Versioned datasets and quarantine.")
@@ -61,6 +147,12 @@ class ObjectStore(Block):
         if v and not v.startswith(("http://", "https://")):
             raise ValueError(f"endpoint_url must start with http:// or https://, got {v!r}")
         return v.rstrip("/") if v else v
+
+    @model_validator(mode="after")
+    def _one_credential_source(self) -> ObjectStore:
+        if self.credentials_file and (self.access_key_id or self.secret_access_key):
+            raise ValueError("give either credentials_file or access_key_id/secret_access_key, not both")
+        return self
 
     @field_validator("landing_bucket", "curated_bucket", "cold_bucket", "checkpoints_bucket", "ops_bucket")
     @classmethod
@@ -92,6 +184,9 @@ class ObjectStore(Block):
         return f"s3://{self.bucket(zone)}/{self.key(zone, path)}"
 
     def _credentials(self) -> dict[str, str]:
+        """boto3 credential arguments; empty: boto3's default chain. Raises CredentialsFileError."""
+        if self.credentials_file:
+            return read_credentials_file(Path(self.credentials_file).expanduser(), self.profile)
         if self.access_key_id and self.secret_access_key:
             return {
                 "aws_access_key_id": self.access_key_id.get_secret_value(),
@@ -122,6 +217,7 @@ class ObjectStore(Block):
             config=cfg,
             aws_access_key_id=creds.get("aws_access_key_id"),
             aws_secret_access_key=creds.get("aws_secret_access_key"),
+            aws_session_token=creds.get("aws_session_token"),
         )
 
     def storage_options(self) -> dict[str, str]:
@@ -137,6 +233,8 @@ class ObjectStore(Block):
         if creds:
             opts["AWS_ACCESS_KEY_ID"] = creds["aws_access_key_id"]
             opts["AWS_SECRET_ACCESS_KEY"] = creds["aws_secret_access_key"]
+            if "aws_session_token" in creds:
+                opts["AWS_SESSION_TOKEN"] = creds["aws_session_token"]
         return opts
 
     @classmethod

@@ -4,16 +4,24 @@ For a user who has an S3 endpoint and keys and nothing else (docs/STORAGE.md, se
 are the roles' (`edgehaul.platform.roles`); each role and each node gets its own identity's keys.
 
     store: {endpoint_url: https://s3.example.net, region: us-east-1, path_style: true}
-    identities:                 # one per role, and one per node (named as the node)
+    identities:                 # one per central role; nodes optional (see below)
       central: {access_key_id: AK.., secret_access_key: SK..}
       ingest: {...}
       trainer: {...}
       lifecycle: {...}
       results: {...}
-      node-a: {...}
+      node-a: {...}             # optional: written to node-a's credentials_file, never into a block
     nodes: [{node_id: node-a, team: geo, spool_dir: /var/lib/edgehaul/spool}]
     teams: [{team: geo, accelerator_hours_per_month: 100, storage_bytes: 5497558138880}]
     link: {bandwidth_bps: 50000000}
+
+A node's ObjectStore block holds no key, only the path of a 0600 credentials file on the node
+(`credentials_file`, default `<spool_dir>/../s3-credentials`, profile = the node id), or nothing with
+`credentials_from_environment: true` (keys in the run's environment, e.g. a Kubernetes Secret, or workload
+identity): any client of the Prefect API can read a block's secrets, and every edge worker is such a
+client (docs/SECURITY.md). When
+the node runs on this host (a single-machine setup, the local stack) give its keys under `identities`
+and they are written to that file (0600); otherwise provision the file on the node and leave them out.
 
 The file holds keys: keep it out of version control and readable by its owner only. Errors name the
 field (`identities.trainer: missing`), and nothing is saved until the whole file is valid.
@@ -39,6 +47,7 @@ from edgehaul.blocks import (
     TeamQuota,
     TieringPolicy,
 )
+from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, RESULTS_BLOCK, StoreBlock, node_store
 
 RESULTS_IDENTITY = "results"
@@ -75,6 +84,19 @@ class NodeSpec(_Strict):
     node_group: str = "edge-default"
     spool_dir: str
     spool_cap_bytes: int = Field(default=2 * 1024**3, gt=0)
+    credentials_file: str | None = Field(
+        default=None, description="0600 S3 credentials file on the node; None: <spool_dir>/../s3-credentials.")
+    profile: str | None = Field(default=None, description="Profile in credentials_file; None: the node id.")
+    credentials_from_environment: bool = Field(
+        default=False, description="The node's runs get their keys from their environment or workload identity "
+        "(boto3's default chain, e.g. a Kubernetes Secret as env): the block names no file either.")
+
+    def credentials_path(self) -> Path:
+        return Path(self.credentials_file) if self.credentials_file else Path(self.spool_dir).parent / "s3-credentials"
+
+    def edge_fields(self) -> dict[str, Any]:
+        """The EdgeNode block's fields (where the node's keys live belongs to its ObjectStore block)."""
+        return self.model_dump(exclude={"credentials_file", "profile", "credentials_from_environment"})
 
 
 class TeamSpec(_Strict):
@@ -97,10 +119,13 @@ class Setup(_Strict):
 
     @model_validator(mode="after")
     def _every_identity(self) -> Setup:
-        need = [r.value for r in StoreBlock] + [RESULTS_IDENTITY] + [n.node_id for n in self.nodes]
+        need = [r.value for r in StoreBlock] + [RESULTS_IDENTITY]
         missing = [f"identities.{n}" for n in need if n not in self.identities]
         if missing:
-            raise ValueError(f"missing {', '.join(missing)} (one identity per role and per node)")
+            raise ValueError(f"missing {', '.join(missing)} (one identity per central role)")
+        known = set(need) | {n.node_id for n in self.nodes}
+        if unknown := sorted(set(self.identities) - known):
+            raise ValueError(f"identities {', '.join(unknown)}: neither a role nor a node of `nodes`")
         return self
 
 
@@ -116,10 +141,34 @@ def load(path: Path) -> Setup:
         raise SetupError(f"{path}: {where}") from None
 
 
+def _store_fields(setup: Setup) -> dict[str, Any]:
+    return {k: v for k, v in setup.store.model_dump().items() if v is not None}
+
+
 def store_for(setup: Setup, identity: str) -> ObjectStore:
     keys = setup.identities[identity]
-    fields = {k: v for k, v in setup.store.model_dump().items() if v is not None}
-    return ObjectStore(**fields, access_key_id=keys.access_key_id, secret_access_key=keys.secret_access_key)
+    return ObjectStore(**_store_fields(setup), access_key_id=keys.access_key_id,
+                       secret_access_key=keys.secret_access_key)
+
+
+def node_store_for(setup: Setup, node: NodeSpec) -> ObjectStore:
+    """A node's ObjectStore block: no key, the path of the node's own credentials file (or nothing: the
+    environment's)."""
+    if node.credentials_from_environment:
+        return ObjectStore(**_store_fields(setup))
+    return ObjectStore(**_store_fields(setup), credentials_file=str(node.credentials_path()),
+                       profile=node.profile or node.node_id)
+
+
+def write_node_credentials(setup: Setup) -> list[Path]:
+    """Write the keys `identities` gives for a node into that node's credentials file (0600)."""
+    written = []
+    for node in setup.nodes:
+        if (keys := setup.identities.get(node.node_id)) and not node.credentials_from_environment:
+            written.append(write_credentials_file(
+                node.credentials_path(), node.profile or node.node_id,
+                keys.access_key_id.get_secret_value(), keys.secret_access_key.get_secret_value()))
+    return written
 
 
 def apply(setup: Setup) -> dict[str, list[str]]:
@@ -136,9 +185,11 @@ def apply(setup: Setup) -> dict[str, list[str]]:
         save(store_for(setup, role.value), role.value)
     ensure_result_storage(store_for(setup, RESULTS_IDENTITY))  # cached results: an identity of their own
     saved.setdefault("S3Bucket", []).append(RESULTS_BLOCK)
+    for path in write_node_credentials(setup):
+        saved.setdefault("credentials file", []).append(str(path))
     for node in setup.nodes:
-        save(store_for(setup, node.node_id), node_store(node.node_id))
-        save(EdgeNode(**node.model_dump()), node.node_id)
+        save(node_store_for(setup, node), node_store(node.node_id))
+        save(EdgeNode(**node.edge_fields()), node.node_id)
     save(LinkProfile(**setup.link), DEFAULT_POLICY)
     save(TieringPolicy(**setup.tiering), DEFAULT_POLICY)
     rules = setup.retention_rules or [RetentionRule(data_class="raw", cold_after_days=30,
