@@ -9,11 +9,14 @@ are the roles' (`edgehaul.platform.roles`); each role and each node gets its own
       ingest: {...}
       trainer: {...}
       lifecycle: {...}
-      results: {...}
       node-a: {...}
     nodes: [{node_id: node-a, team: geo, spool_dir: /var/lib/edgehaul/spool}]
     teams: [{team: geo, accelerator_hours_per_month: 100, storage_bytes: 5497558138880}]
     link: {bandwidth_bps: 50000000}
+
+Cached task results of the central flows go to the S3Bucket block `edgehaul-core-results` (ops
+bucket, `prefect-results/core/`), saved here with the ingest identity's keys: the one place result
+storage is created (flows never save blocks; edge nodes cache on their own disk).
 
 The file holds keys: keep it out of version control and readable by its owner only. Errors name the
 field (`identities.trainer: missing`), and nothing is saved until the whole file is valid.
@@ -39,9 +42,8 @@ from edgehaul.blocks import (
     TeamQuota,
     TieringPolicy,
 )
-from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, RESULTS_BLOCK, StoreBlock, node_store
-
-RESULTS_IDENTITY = "results"
+from edgehaul.platform.caching import CORE_RESULTS_BLOCK, core_result_storage_block
+from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, StoreBlock, node_store
 
 
 class SetupError(ValueError):
@@ -97,7 +99,7 @@ class Setup(_Strict):
 
     @model_validator(mode="after")
     def _every_identity(self) -> Setup:
-        need = [r.value for r in StoreBlock] + [RESULTS_IDENTITY] + [n.node_id for n in self.nodes]
+        need = [r.value for r in StoreBlock] + [n.node_id for n in self.nodes]
         missing = [f"identities.{n}" for n in need if n not in self.identities]
         if missing:
             raise ValueError(f"missing {', '.join(missing)} (one identity per role and per node)")
@@ -124,8 +126,6 @@ def store_for(setup: Setup, identity: str) -> ObjectStore:
 
 def apply(setup: Setup) -> dict[str, list[str]]:
     """Create or overwrite the blocks; returns block type -> names saved."""
-    from edgehaul.platform.caching import ensure_result_storage
-
     saved: dict[str, list[str]] = {}
 
     def save(block: Any, name: str) -> None:
@@ -134,8 +134,8 @@ def apply(setup: Setup) -> dict[str, list[str]]:
 
     for role in StoreBlock:
         save(store_for(setup, role.value), role.value)
-    ensure_result_storage(store_for(setup, RESULTS_IDENTITY))  # cached results: an identity of their own
-    saved.setdefault("S3Bucket", []).append(RESULTS_BLOCK)
+    # central cached results, written by the ingest identity: no node holds keys that reach them
+    save(core_result_storage_block(store_for(setup, StoreBlock.INGEST.value)), CORE_RESULTS_BLOCK)
     for node in setup.nodes:
         save(store_for(setup, node.node_id), node_store(node.node_id))
         save(EdgeNode(**node.model_dump()), node.node_id)
