@@ -180,6 +180,27 @@ def test_forged_cache_record_runs_no_code_and_the_bundle_is_validated_for_real(
         ingest.client().head_object(Bucket="edgehaul-ops", Key=central)
 
 
+@pytest.mark.integration
+def test_a_cached_validation_is_bound_to_the_landed_bytes_not_to_the_manifest(stack: localstack.StackState) -> None:
+    """Bytes swapped under an unchanged manifest miss the cache and are validated again (on main the entry
+    was keyed on the manifest's checksum alone: the swap was served 'Cached' and failed the run at commit)."""
+    tag = uuid.uuid4().hex[:8]
+    _, block, results = _central(stack, tag)
+    admin = store_for(stack, prefix=f"t-{tag}")
+    data, m = bundle(30, _nodes(stack)[0], seed=21)
+    key = _put(admin, data, m)
+    first = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[key], result_storage=results))
+    assert first["valid"] == 1 and first["versions"] == {CONTRACT.kind: 1}
+    swapped = data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:]
+    admin.client().put_object(Bucket="edgehaul-landing", Key=key, Body=swapped)  # same size, same manifest
+    state = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[key], result_storage=results),
+                        return_state=True)
+    assert state.is_completed()
+    second = state.result()
+    assert second["valid"] == 0 and [(q["bundle_id"], q["reason"]) for q in second["quarantined"]] == \
+        [(m.bundle_id, "checksum")]
+
+
 # ---- flows save no block; records are JSON -------------------------------------------------------
 
 @pytest.mark.integration
