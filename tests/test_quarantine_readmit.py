@@ -113,3 +113,17 @@ def test_list_and_readmit_quarantined_bundles_through_the_cli(store: ObjectStore
 def test_readmit_refuses_without_a_reason(store: ObjectStore) -> None:
     with pytest.raises(quarantine.QuarantineError, match="needs a reason"):
         quarantine.readmit(store, ["b"], why="  ", by="alice")
+
+
+def test_readmit_of_a_bundle_whose_objects_left_quarantine_names_them_and_changes_nothing(store: ObjectStore) -> None:
+    data, m = bundle(10, "node-a", seed=61)
+    key = _put(store, data, m)
+    hold = ValidationResult(bundle_id=m.bundle_id, node_id="node-a", contract=m.contract, contract_sha256="",
+                            bundle_sha256=m.sha256, rows=m.row_count, success=False, reason="operator-hold")
+    rec = quarantine.quarantine_bundle(store, key, hold, m, emit_event=False)
+    parquet = next(o for o in rec.objects if o.endswith(".parquet"))
+    store.client().delete_object(Bucket=store.bucket("quarantine"), Key=parquet)  # e.g. moved to the cold tier
+    before = _objects(store)
+    with pytest.raises(quarantine.QuarantineError, match=f"{parquet} no longer in quarantine"):
+        quarantine.readmit(store, [m.bundle_id], why="fixed", by="alice")
+    assert _objects(store) == before and quarantine.audit_records(store) == []

@@ -174,6 +174,10 @@ def _find(s3: S3Client, store: ObjectStore, bundle_ids: list[str]) -> dict[str, 
         if names != {f"{b}.parquet", f"{b}.manifest.json"}:
             raise QuarantineError(f"bundle {b} ({rec.node_id}): quarantine holds {sorted(names)}, not the bundle and "
                                   "its manifest; nothing re-admitted")
+        gone = [o for o in rec.objects if not _exists(s3, store.bucket("quarantine"), o)]
+        if gone:  # the lifecycle moves quarantine to the cold tier after a while: restore it first
+            raise QuarantineError(f"bundle {b}: {', '.join(gone)} no longer in quarantine (cold tier?); "
+                                  "nothing re-admitted")
         if not rec.landing_key.startswith(store.key("landing", f"{rec.node_id}/")):
             raise QuarantineError(f"bundle {b}: landing key {rec.landing_key} is not under node {rec.node_id}'s prefix; "
                                   "nothing re-admitted")
