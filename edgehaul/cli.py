@@ -9,7 +9,8 @@
     edgehaul quarantine readmit BUNDLE... --reason TEXT [--by NAME]
                                   back to landing for the next core_ingest to validate (audited)
 
-`edgehaul <command> --help` shows the command's own options. Each command is a module's `main`,
+`edgehaul <command> --help` shows the command's own options. Each command is a module's `main` (quarantine:
+`quarantine_main` below, over `edgehaul.core.quarantine`),
 imported only when it is called, so `edgehaul --help` answers at once. The development commands
 (local stack, demo, drills, verify) are not part of the product: `python -m edgehaul_dev` in a checkout.
 """

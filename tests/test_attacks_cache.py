@@ -152,7 +152,7 @@ def test_forged_cache_record_runs_no_code_and_the_bundle_is_validated_for_real(
     key = _put(admin, data, m)  # the node's upload (under the test's prefix, so the admin puts it)
 
     # The attacker computes the entry core_ingest will look up (public inputs + the ETag it can HEAD too).
-    entry = validation_key(m.sha256, landed_etag(ingest, key), CONTRACT.sha256)
+    entry = validation_key(m.sha256, f"edgehaul-landing/{key}", landed_etag(ingest, key), CONTRACT.sha256)
     marker = tmp_path / "attacker-code-ran"
     forged = _forged_record(marker, entry)
     ResultRecord.deserialize(forged)  # live ammunition: reading this record runs the code

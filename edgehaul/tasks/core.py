@@ -4,9 +4,9 @@ the fault drills call too); these tasks add retries and caching.
 
 Caching (issues 11, 17), results persisted as JSON (never pickle) to the central result storage the
 flow names (`result_storage`; `edgehaul.platform.caching`: a prefix no edge identity can write):
-- `validate_bundle_task` is keyed on the bundle's SHA-256 (from its manifest) + the landed object's
-  ETag and size as the store reports them to the core (a HEAD by the core's identity: the store's own
-  digest of the bytes it holds, not a claim of the node) + the contract file's SHA-256 +
+- `validate_bundle_task` is keyed on the bundle's SHA-256 (from its manifest) + the landed object (bucket,
+  key) and its ETag and size as the store reports them to the core (a HEAD by the core's identity: the
+  store's own digest of the bytes it holds, not a claim of the node) + the contract file's SHA-256 +
   `VALIDATION_VERSION` + `CORE_CACHE_VERSION`. Its value is the `ValidationResult`, a small
   reference (bundle id, checksum, one row per check); the bytes stay in landing. A failing bundle
   raises `BundleRejected` instead of returning: Prefect caches only Completed states, so a failed or
@@ -36,7 +36,7 @@ from edgehaul.core import compaction, datasets, ingest, landed
 from edgehaul.core.ingest import BundleRejected as BundleRejected  # the flow and persisted results name it here
 from edgehaul.core.validation import VALIDATION_VERSION, ValidationResult
 from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
-from edgehaul.platform.s3_errors import IO_RETRY
+from edgehaul.platform.s3_errors import IO_RETRY, error_code
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ def read_manifests_task(store: ObjectStore, keys: list[str]) -> dict[str, dict[s
 # ---------------------------------------------------------------- validation
 
 
-def validation_key(bundle_sha256: str, landed_etag: str, contract_sha256: str) -> str:
-    return cache_key("core-validate", CORE_CACHE_VERSION, VALIDATION_VERSION, bundle_sha256, landed_etag,
+def validation_key(bundle_sha256: str, landed_object: str, landed_etag: str, contract_sha256: str) -> str:
+    return cache_key("core-validate", CORE_CACHE_VERSION, VALIDATION_VERSION, bundle_sha256, landed_object, landed_etag,
                      contract_sha256)
 
 
@@ -74,7 +74,7 @@ def landed_etag(store: ObjectStore, key: str) -> str:
     try:
         head = store.client().head_object(Bucket=store.bucket("landing"), Key=key)
     except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        if error_code(e) in ("404", "NoSuchKey", "NotFound"):
             return "missing"
         raise
     return f"{head['ETag'].strip(chr(34))}:{head['ContentLength']}"
@@ -88,7 +88,9 @@ def _validate_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
         contract_sha = f"unknown:{manifest['contract']}"  # the run fails; nothing is cached under it
     # The manifest's checksum alone is the node's claim: the store's digest of the landed bytes binds the entry
     # to what is actually there (validation then re-hashes the bytes it fetches; the commit does again).
-    return validation_key(manifest["sha256"], landed_etag(params["store"], params["key"]), contract_sha)
+    store: ObjectStore = params["store"]
+    return validation_key(manifest["sha256"], f"{store.bucket('landing')}/{params['key']}",
+                          landed_etag(store, params["key"]), contract_sha)
 
 
 @task(
