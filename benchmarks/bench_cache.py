@@ -41,14 +41,13 @@ def _pipeline(samples: int) -> tuple[float, list[Any]]:
     from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
     from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
     from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
-    from edgehaul.platform.roles import DEFAULT_POLICY, RESULTS_BLOCK, StoreBlock, node_store
+    from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock, node_store
 
     ids = []
     t0 = time.perf_counter()
     for i, node in enumerate(("node-a", "node-b")):
         st = edge_ingest(EdgeIngestParams(edge_node=node, tiering_policy=DEFAULT_POLICY, n_samples=samples,
-                                          batch_size=min(20_000, samples), seed=i,
-                                          result_storage=f"s3-bucket/{RESULTS_BLOCK}"), return_state=True)
+                                          batch_size=min(20_000, samples), seed=i), return_state=True)
         ids.append(st.state_details.flow_run_id)
         st = uplink_drain(UplinkDrainParams(edge_node=node, link_profile=DEFAULT_POLICY,
                                             object_store=node_store(node), simulate=True),

@@ -5,16 +5,23 @@
     edgehaul blocks apply <file>  create every block the flows load from one YAML file (docs/STORAGE.md)
     edgehaul automations [...]    create or update the alert automations on the Prefect server
     edgehaul gateway [...]        run the signed webhook gateway (ground stations -> Prefect events)
+    edgehaul quarantine list      quarantined bundles: bundle, node, reason, samples, age (--node, --reason)
+    edgehaul quarantine readmit BUNDLE... --reason TEXT [--by NAME]
+                                  back to landing for the next core_ingest to validate (audited)
 
-`edgehaul <command> --help` shows the command's own options. Each command is a module's `main`,
+`edgehaul <command> --help` shows the command's own options. Each command is a module's `main` (quarantine:
+`quarantine_main` below, over `edgehaul.core.quarantine`),
 imported only when it is called, so `edgehaul --help` answers at once. The development commands
 (local stack, demo, drills, verify) are not part of the product: `python -m edgehaul_dev` in a checkout.
 """
 
 from __future__ import annotations
 
+import argparse
+import getpass
 import importlib
 import sys
+from datetime import UTC, datetime
 
 COMMANDS = {
     "settings": ("edgehaul.platform.settings", "the effective settings and their sources"),
@@ -22,6 +29,7 @@ COMMANDS = {
     "blocks": ("edgehaul.platform.block_setup", "apply <file>: create every block the flows load from a YAML file"),
     "automations": ("edgehaul.platform.automations", "create or update the alert automations"),
     "gateway": ("edgehaul.platform.gateway", "run the signed webhook gateway"),
+    "quarantine": ("edgehaul.cli", "list | readmit BUNDLE... --reason TEXT: quarantined bundles, audited re-admission"),
 }
 VERBS = {"store": "check", "blocks": "apply"}
 DEV_COMMANDS = ("stack", "deploy", "demo", "drills", "verify")
@@ -53,8 +61,53 @@ def main(argv: list[str] | None = None) -> int:
             print(f"usage: edgehaul {args[0]} {verb} ... (edgehaul {args[0]} {verb} --help)", file=sys.stderr)
             return 2
         rest = rest[1:]
+    if args[0] == "quarantine":
+        return quarantine_main(rest)
     module = importlib.import_module(COMMANDS[args[0]][0])
     return int(module.main(rest) or 0)
+
+
+def _age(iso: str, now: datetime) -> str:
+    s = max(0.0, (now - datetime.fromisoformat(iso)).total_seconds())
+    return f"{s / 86400:.1f}d" if s >= 86400 else f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.0f}m"
+
+
+def quarantine_main(argv: list[str]) -> int:
+    """`edgehaul quarantine list|readmit`: the operator's view of quarantine (edgehaul.core.quarantine)."""
+    from edgehaul.blocks import ObjectStore
+    from edgehaul.core import quarantine
+    from edgehaul.platform.block_loading import load_block
+    from edgehaul.platform.roles import StoreBlock
+
+    ap = argparse.ArgumentParser(prog="edgehaul quarantine", description="List quarantined bundles; re-admit them.")
+    ap.add_argument("--store-block", default=StoreBlock.ADMIN.value,
+                    help="ObjectStore block (default: the operator's 'central'; re-admission writes landing)")
+    sub = ap.add_subparsers(dest="verb", required=True)
+    ls = sub.add_parser("list", help="bundle, node, reason, samples, age")
+    ls.add_argument("--node", help="only this node's bundles")
+    ls.add_argument("--reason", help="only this rejection reason, e.g. expectations")
+    ra = sub.add_parser("readmit", help="back to landing, validated again by the next core_ingest")
+    ra.add_argument("bundles", nargs="+", metavar="BUNDLE")
+    ra.add_argument("--reason", required=True, help="why (the fix), kept in the audit record")
+    ra.add_argument("--by", default=getpass.getuser(), help="who asks (default: this user)")
+    a = ap.parse_args(argv)
+    store = load_block(ObjectStore, a.store_block, param="--store-block")
+    if a.verb == "list":
+        now = datetime.now(UTC)
+        records = quarantine.list_quarantined(store, node=a.node, reason=a.reason)
+        print(f"{'bundle':34} {'node':16} {'reason':18} {'samples':>7} {'age':>6}")
+        for r in records:
+            print(f"{r.bundle_id:34} {r.node_id:16} {r.reason:18} {len(r.sample_ids):7d} {_age(r.quarantined_at, now):>6}")
+        print(f"{len(records)} quarantined", file=sys.stderr)
+        return 0
+    try:
+        done = quarantine.readmit(store, a.bundles, why=a.reason, by=a.by)
+    except quarantine.QuarantineError as e:
+        print(f"edgehaul quarantine readmit: {e}", file=sys.stderr)
+        return 1
+    for d in done:
+        print(f"re-admitted {d.bundle_id} ({d.node_id}) -> {', '.join(d.moved.values())}; audit {d.audit_key}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from edgehaul.blocks import ObjectStore, RetentionRule
-from edgehaul.platform.block_setup import RESULTS_IDENTITY, Keys, NodeSpec, Setup, StoreSpec, TeamSpec, apply
+from edgehaul.platform.block_setup import Keys, NodeSpec, Setup, StoreSpec, TeamSpec, apply
 from edgehaul.platform.roles import StoreBlock
 from edgehaul_dev import localstack
 
@@ -61,8 +61,7 @@ def setup_of(state: localstack.StackState, *, team: str = "geo") -> Setup:
     root = Path(state.root)
     return Setup(
         store=StoreSpec(endpoint_url=state.s3_endpoint),
-        identities={**{name: keys(identity) for name, identity in STORE_BLOCKS.items()},
-                    RESULTS_IDENTITY: keys("results"), **{n: keys(n) for n in nodes}},
+        identities={**{name: keys(identity) for name, identity in STORE_BLOCKS.items()}, **{n: keys(n) for n in nodes}},
         nodes=[NodeSpec(node_id=n, team=team, node_group="edge-default", spool_dir=str(root / "edge" / n / "spool"),
                         spool_cap_bytes=512 * 1024**2, credentials_file=str(state.node_credentials_file(n)))
                for n in nodes],

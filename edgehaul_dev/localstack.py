@@ -51,7 +51,7 @@ from edgehaul_dev.settings import dev_settings
 DEFAULT_ROOT = dev_settings().stack_dir
 
 # Buckets of the product: one per zone, so identities and lifecycle rules can target them.
-ROLES = ("admin", "ingest", "trainer", "lifecycle", "results")
+ROLES = ("admin", "ingest", "trainer", "lifecycle")
 BUCKETS = ("edgehaul-landing", "edgehaul-curated", "edgehaul-cold", "edgehaul-checkpoints", "edgehaul-ops")
 
 
@@ -184,7 +184,10 @@ def _node_actions(node: str) -> list[str]:
 def identities_config(
     creds: dict[str, Credentials], nodes: list[str]
 ) -> dict[str, object]:
-    """SeaweedFS s3.json: least-privilege identities per role and per edge node."""
+    """SeaweedFS s3.json: least-privilege identities per role and per edge node.
+
+    No identity is shared by nodes, and no node has a grant on the ops bucket: central cached task
+    results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
     grants: dict[str, list[str]] = {
         "admin": ["Admin", "Read", "Write", "List", "Tagging"],
         "ingest": [
@@ -203,8 +206,6 @@ def identities_config(
             for b in ("edgehaul-curated", "edgehaul-cold", "edgehaul-landing", "edgehaul-checkpoints", "edgehaul-ops")
             for a in ("Read", "Write", "List", "Tagging")
         ],
-        # Prefect's cached task results (references, not data), shared by every worker and node.
-        "results": [f"{a}:edgehaul-ops/prefect-results/*" for a in ("Read", "Write", "List")],
     }
     for node in nodes:
         grants[node] = _node_actions(node)

@@ -90,7 +90,7 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
             ingest = triggers["core_ingest/on-bundle-landed"]
             assert len(ingest) == 1 and ingest[0].trigger.expect == {"edgehaul.landing.batch"}  # type: ignore[union-attr]
             assert ingest[0].actions[0].parameters == {  # type: ignore[union-attr]
-                "params": {"store_block": "ingest", "result_storage": "s3-bucket/edgehaul-ops-results",
+                "params": {"store_block": "ingest", "result_storage": "s3-bucket/edgehaul-core-results",
                            "bundle_keys": {"__prefect_kind": "json", "value": {
                                "__prefect_kind": "jinja", "template": "{{ event.payload.bundle_keys | tojson }}"}}}
             }

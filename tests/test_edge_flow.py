@@ -30,7 +30,7 @@ from edgehaul.edge.landsat import generate
 from edgehaul.edge.preprocess import preprocess
 from edgehaul.edge.spool import Spool
 from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
-from edgehaul.platform.caching import RESULTS_FOLDER, ensure_result_storage
+from edgehaul.platform.caching import EDGE_RESULTS_DIR
 from edgehaul_dev import localstack
 from tests.builders import bundle
 from tests.conftest import api_auth
@@ -63,10 +63,12 @@ def _run(params: EdgeIngestParams) -> tuple[dict[str, Any], UUID]:
     return state.result(), fr
 
 
-def _ops_objects(store: ObjectStore) -> set[str]:
-    s3 = store.client()
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket("ops"), Prefix=store.key("ops", RESULTS_FOLDER))
-    return {o["Key"] for p in pages for o in p.get("Contents", [])}
+def _records(spool_dir: Path) -> dict[str, int]:
+    """The node's cached result records (on its own disk), each parsed as JSON: name -> mtime."""
+    files = [p for p in (spool_dir / EDGE_RESULTS_DIR).rglob("*") if p.is_file()]
+    for f in files:
+        json.loads(f.read_bytes())  # data, never pickle
+    return {f.name: f.stat().st_mtime_ns for f in files}
 
 
 def _snapshot(spool_dir: Path) -> dict[str, int]:
@@ -79,10 +81,9 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
     stack: localstack.StackState, store: ObjectStore, tmp_path: Path
 ) -> None:
     tag = uuid.uuid4().hex[:8]
-    slug = ensure_result_storage(store, name=f"edge-results-{tag}")
     spool_dir = tmp_path / "spool"
     params = EdgeIngestParams(edge_node=None, node_id=f"node-e{tag}", spool_dir=str(spool_dir), n_samples=3000,
-                              batch_size=1000, result_storage=slug, seed=4)
+                              batch_size=1000, seed=4)  # no result_storage: the node's own disk
     first, fr1 = _run(params)
     assert first["samples_in"] == 3000 and first["batches"] == 3 and first["rejected"] == {}
     assert sum(first["samples"].values()) == 3000 and first["samples"]["low"] > 0 and first["samples"]["high"] > 0
@@ -95,13 +96,13 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
     assert len(held) == 3000 and len(raw_held) == first["samples"]["low"]
     spool.close()
     assert _task_states(fr1, 3) == {"edge-ingest-batch": ["Completed"] * 3}  # one task run per batch
-    objects, files = _ops_objects(store), _snapshot(spool_dir)
-    assert len(objects) == 3  # one result record per task run, in the ops bucket
+    objects, files = _records(spool_dir), _snapshot(spool_dir)
+    assert len(objects) == 3  # one JSON result record per task run, on the node's disk
 
-    # rerun: every task Cached, nothing new in the ops bucket, the spool untouched
+    # rerun: every task Cached, no new record, the spool untouched
     second, fr2 = _run(params)
     assert _task_states(fr2, 3) == {"edge-ingest-batch": ["Cached"] * 3}
-    assert _ops_objects(store) == objects and _snapshot(spool_dir) == files
+    assert _records(spool_dir) == objects and _snapshot(spool_dir) == files
     assert second["bundle_ids"] == first["bundle_ids"]
 
     # a second worker process hits the cache the first one wrote
@@ -116,18 +117,18 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
     fr_other = UUID(json.loads(proc.stdout.strip().splitlines()[-1])["id"])
     assert _task_states(fr_other, 3) == {"edge-ingest-batch": ["Cached"] * 3}
 
-    # the spool is wiped (disk replaced): the cache still answers, but its receipts are gone, so
-    # every batch is recomputed and the bundles are back, same ids, not an error
+    # the spool is wiped (disk replaced): the node's cache goes with it, so every batch is
+    # recomputed and the bundles are back, same ids, not an error
     pending_before = sorted(e.bundle_id for e in Spool(spool_dir, cap_bytes=2 * 1024**3,
                                                         emit=lambda *a, **k: True).pending())
     shutil.rmtree(spool_dir)
     wiped, fr_w = _run(params)
-    assert _task_states(fr_w, 6) == {"edge-ingest-batch": ["Cached"] * 3 + ["Completed"] * 3}
+    assert _task_states(fr_w, 3) == {"edge-ingest-batch": ["Completed"] * 3}
     assert wiped["bundle_ids"] == first["bundle_ids"] and wiped["samples"] == first["samples"]
     spool = Spool(spool_dir, cap_bytes=2 * 1024**3, emit=lambda *a, **k: True)
     assert sorted(e.bundle_id for e in spool.pending()) == pending_before
     spool.close()
-    assert _ops_objects(store) == objects  # same cache keys: the recompute overwrote its own records
+    assert _records(spool_dir).keys() == objects.keys()  # same cache keys as before the wipe
 
     # a new tiering policy re-runs every batch (new cache key) and re-tiers
     TieringPolicy(version="2", low_threshold=0.2, high_threshold=0.9).save(f"edge-policy-{tag}")

@@ -14,7 +14,8 @@ import yaml
 from pydantic import BaseModel
 
 from edgehaul.platform.block_loading import BlockNotFoundError, aload_block, load_block
-from edgehaul.platform.roles import FLOW_STORES, RESULTS_BLOCK, StoreBlock, node_store
+from edgehaul.platform.caching import CORE_RESULTS_BLOCK
+from edgehaul.platform.roles import FLOW_STORES, StoreBlock, node_store
 from edgehaul_dev import configure, deploy, localstack
 
 PRODUCTION = deploy.load_spec()
@@ -77,14 +78,14 @@ def test_the_store_check_fails_on_admin_a_missing_block_and_another_nodes_store(
 
 @pytest.mark.parametrize("spec", [PRODUCTION, DEMO], ids=["production", "demo overlay"])
 def test_no_deployment_rewrites_the_shared_results_block(spec: dict[str, Any]) -> None:
-    """A flow whose `result_storage` defaults to empty saves the results block with its own store's keys
-    (edgehaul.platform.caching.ensure_result_storage); its deployments and triggers name the block instead."""
+    """core_ingest and compact_dataset cache through the central results block saved at deploy time (ingest's
+    keys); their deployments and triggers name it (left empty, a run would cache on the worker's disk only)."""
     from edgehaul.flows.compact_dataset import CompactDatasetParams
     from edgehaul.flows.core_ingest import CoreIngestParams
 
     saving: dict[str, type[BaseModel]] = {"core_ingest": CoreIngestParams, "compact_dataset": CompactDatasetParams}
     assert all(m.model_fields["result_storage"].default == "" for m in saving.values())
-    slug = f"s3-bucket/{RESULTS_BLOCK}"
+    slug = f"s3-bucket/{CORE_RESULTS_BLOCK}"
     wrong = [f"{_flow(d)}/{d['name']} {what}" for d in spec["deployments"] if _flow(d) in saving
              for what, p in [("deployment", _params(d)),
                              *((f"trigger {t.get('name')!r}", t["parameters"].get("params") or {})

@@ -122,3 +122,119 @@ def read_record(store: ObjectStore, node_id: str, bundle_id: str, *, s3: S3Clien
     key = store.key("quarantine", f"{node_id}/{bundle_id}/{RECORD_NAME}")
     doc = json.loads(s3.get_object(Bucket=store.bucket("quarantine"), Key=key)["Body"].read())
     return QuarantineRecord(**doc)
+
+
+# ---------------------------------------------------------------- operator: list and re-admit (issue 17)
+
+AUDIT_PREFIX = "quarantine/audit"  # in the ops bucket: one object per record, written once (If-None-Match)
+
+
+class QuarantineError(ValueError):
+    """An operator request on quarantine cannot be done; the message names the bundle and why."""
+
+
+@dataclass(frozen=True)
+class Readmission:
+    bundle_id: str
+    node_id: str
+    moved: dict[str, str]  # quarantine key -> landing key
+    audit_key: str
+
+
+def _record_keys(s3: S3Client, store: ObjectStore, node: str | None = None) -> list[str]:
+    keys = []
+    prefix = store.key("quarantine", f"{node}/" if node else "")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket("quarantine"), Prefix=prefix):
+        keys += [o["Key"] for o in page.get("Contents", []) if o["Key"].endswith(f"/{RECORD_NAME}")]
+    return sorted(keys)
+
+
+def list_quarantined(store: ObjectStore, *, node: str | None = None, reason: str | None = None,
+                     s3: S3Client | None = None) -> list[QuarantineRecord]:
+    """Quarantine records (oldest first), optionally of one node and/or one reason."""
+    s3 = s3 or store.client()
+    bucket = store.bucket("quarantine")
+    records = [QuarantineRecord(**json.loads(s3.get_object(Bucket=bucket, Key=k)["Body"].read()))
+               for k in _record_keys(s3, store, node)]
+    return sorted((r for r in records if reason is None or r.reason == reason), key=lambda r: r.quarantined_at)
+
+
+def _find(s3: S3Client, store: ObjectStore, bundle_ids: list[str]) -> dict[str, QuarantineRecord]:
+    by_bundle: dict[str, str] = {}
+    for k in _record_keys(s3, store):
+        by_bundle.setdefault(k.rsplit("/", 2)[-2], k)
+    unknown = [b for b in bundle_ids if b not in by_bundle]
+    if unknown:
+        raise QuarantineError(f"not in quarantine: {', '.join(unknown)} (nothing re-admitted)")
+    out = {}
+    for b in bundle_ids:
+        rec = QuarantineRecord(**json.loads(s3.get_object(Bucket=store.bucket("quarantine"),
+                                                          Key=by_bundle[b])["Body"].read()))
+        names = {o.rsplit("/", 1)[-1] for o in rec.objects}
+        if names != {f"{b}.parquet", f"{b}.manifest.json"}:
+            raise QuarantineError(f"bundle {b} ({rec.node_id}): quarantine holds {sorted(names)}, not the bundle and "
+                                  "its manifest; nothing re-admitted")
+        gone = [o for o in rec.objects if not _exists(s3, store.bucket("quarantine"), o)]
+        if gone:  # the lifecycle moves quarantine to the cold tier after a while: restore it first
+            raise QuarantineError(f"bundle {b}: {', '.join(gone)} no longer in quarantine (cold tier?); "
+                                  "nothing re-admitted")
+        if not rec.landing_key.startswith(store.key("landing", f"{rec.node_id}/")):
+            raise QuarantineError(f"bundle {b}: landing key {rec.landing_key} is not under node {rec.node_id}'s prefix; "
+                                  "nothing re-admitted")
+        out[b] = rec
+    return out
+
+
+def readmit(store: ObjectStore, bundle_ids: list[str], *, why: str, by: str, s3: S3Client | None = None,
+            now: datetime | None = None) -> list[Readmission]:
+    """Put quarantined bundles back into landing under their node's prefix, for the next core_ingest to
+    validate for real (re-admission is not a commit). Per bundle: copy the Parquet object, then the manifest
+    (its presence makes the bundle complete), check each copy is byte-identical, write an audit record to
+    the ops bucket (one object, never overwritten), and only then remove the bundle from quarantine.
+    Every id is checked first: an unknown bundle changes nothing at all."""
+    if not why.strip() or not by.strip():
+        raise QuarantineError("a re-admission needs a reason (--reason) and who asks for it (--by)")
+    s3 = s3 or store.client()
+    q_bucket, l_bucket = store.bucket("quarantine"), store.bucket("landing")
+    records = _find(s3, store, list(dict.fromkeys(bundle_ids)))
+    plans = {}
+    for b, rec in records.items():
+        src_of = {o.rsplit("/", 1)[-1]: o for o in rec.objects}
+        plans[b] = {src_of[f"{b}.parquet"]: rec.landing_key, src_of[f"{b}.manifest.json"]: manifest_key_for(rec.landing_key)}
+        for src, dst in plans[b].items():  # another object where the bundle goes back: change nothing, say so
+            if _exists(s3, l_bucket, dst) and (s3.get_object(Bucket=l_bucket, Key=dst)["Body"].read()
+                                               != s3.get_object(Bucket=q_bucket, Key=src)["Body"].read()):
+                raise QuarantineError(f"bundle {b}: landing already holds a different {dst}; nothing re-admitted")
+    done = []
+    for b, rec in records.items():
+        moved = plans[b]
+        for src, dst in moved.items():  # data first, manifest last
+            body = s3.get_object(Bucket=q_bucket, Key=src)["Body"].read()
+            s3.copy_object(Bucket=l_bucket, Key=dst, CopySource={"Bucket": q_bucket, "Key": src})
+            if s3.get_object(Bucket=l_bucket, Key=dst)["Body"].read() != body:
+                raise QuarantineError(f"bundle {b}: copy {dst} differs from {src}; left in quarantine")
+        at = now or datetime.now(UTC)
+        audit_key = store.key("ops", f"{AUDIT_PREFIX}/{at:%Y-%m-%dT%H%M%S.%fZ}-{b}.json")
+        audit = {"action": "readmit", "bundle_id": b, "node_id": rec.node_id, "by": by, "at": at.isoformat(),
+                 "why": why, "quarantine_reason": rec.reason, "quarantine_error": rec.error[:500],
+                 "quarantined_at": rec.quarantined_at, "samples": len(rec.sample_ids),
+                 "from": sorted(moved), "to": [moved[k] for k in sorted(moved)]}
+        s3.put_object(Bucket=store.bucket("ops"), Key=audit_key, Body=json.dumps(audit, indent=1).encode(),
+                      ContentType="application/json", IfNoneMatch="*")
+        for key in [*moved, rec.quarantine_prefix + RECORD_NAME]:
+            s3.delete_object(Bucket=q_bucket, Key=key)
+        log.warning("re-admitted bundle %s of %s to landing (%d samples) by %s: %s", b[:12], rec.node_id,
+                    len(rec.sample_ids), by, why)
+        done.append(Readmission(bundle_id=b, node_id=rec.node_id, moved=moved, audit_key=audit_key))
+    return done
+
+
+def audit_records(store: ObjectStore, *, s3: S3Client | None = None) -> list[dict[str, Any]]:
+    """Every re-admission audit record, oldest first."""
+    s3 = s3 or store.client()
+    out = []
+    prefix = store.key("ops", AUDIT_PREFIX + "/")
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket("ops"), Prefix=prefix)
+    for key in sorted(o["Key"] for p in pages for o in p.get("Contents", [])):
+        out.append(json.loads(s3.get_object(Bucket=store.bucket("ops"), Key=key)["Body"].read()))
+    return out

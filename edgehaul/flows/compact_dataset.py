@@ -4,10 +4,13 @@ Rows are rewritten, not changed: the new version reads exactly what its parent r
 older version still reads its own files (this flow never vacuums). Appends may run concurrently
 (Delta only conflicts when two commits remove the same files).
 
-Blocks: `ObjectStore` (`store_block`, writes curated). Cache policy: keyed on the dataset's current
-file set (sorted data file paths) + target size (tasks/core.py `compact_task`): a rerun over an
-unchanged file set is Cached and rewrites nothing; results persist to the ops bucket.
-`refresh_cache=True` forces a fresh attempt. Runs on the central pool, e.g. nightly.
+Blocks: `ObjectStore` (`store_block`, writes curated); the S3Bucket `result_storage` block (deployments:
+`edgehaul-core-results`, saved by `edgehaul blocks apply`; this flow never saves a block). Cache policy:
+keyed on the dataset's current file set (sorted data file paths) + target size (tasks/core.py
+`compact_task`): a rerun over an unchanged file set is Cached and rewrites nothing; results are JSON
+records in `result_storage` (central identities only); left empty, Prefect's default result storage of
+the worker process (its local disk). `refresh_cache=True` forces a fresh attempt. Runs on the central
+pool, e.g. nightly.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.utilities.annotations import NotSet
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.platform.block_loading import load_block
-from edgehaul.platform.caching import ensure_result_storage
 from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
@@ -32,7 +35,8 @@ class CompactDatasetParams(BaseModel):
     target_size_mb: float = Field(default=256.0, ge=0.01, le=4096.0, description="Target file size in MB.")
     min_files: int = Field(default=2, ge=2, le=100_000, description="Do nothing below this many files.")
     refresh_cache: bool = Field(default=False, description="Recompute even if this file set was compacted before.")
-    result_storage: str = Field(default="", description="Result storage block slug; empty: the store's ops bucket.")
+    result_storage: str = Field(default="", description="Result storage block slug (central identities only, e.g. "
+                                "'s3-bucket/edgehaul-core-results'); empty: the worker's default (local) storage.")
 
 
 @flow(name="compact_dataset", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
@@ -41,9 +45,9 @@ def compact_dataset(params: CompactDatasetParams | None = None) -> dict[str, Any
     p = params or CompactDatasetParams()
     logger = get_run_logger()
     store = load_block(ObjectStore, p.store_block, param="store_block")
-    storage = p.result_storage or ensure_result_storage(store)
     files = file_set_task(store, p.kind)
-    result = compact_task.with_options(result_storage=storage, refresh_cache=p.refresh_cache)(
+    # named, never saved here; NotSet: the worker's default storage
+    result = compact_task.with_options(refresh_cache=p.refresh_cache, result_storage=p.result_storage or NotSet)(
         store, files, int(p.target_size_mb * 1024 * 1024), p.min_files)
     summary_table(
         "compact-dataset", [{"kind": p.kind, "files_before": len(files.files), "bytes": files.total_bytes,

@@ -15,9 +15,13 @@ What it does, in order:
    in the dataset, and publishes the validation results as a table artifact of the run.
 
 Blocks: `ObjectStore` (`store_block`, the core ingest identity: reads landing, writes curated,
-quarantine and ops). Cache policy: validation is cached on bundle SHA-256 + contract SHA-256 (see
-tasks/core.py), persisted to the ops bucket (`result_storage`, default: an S3Bucket block on the
-store's ops bucket); rejections are never cached; `refresh_cache=True` re-validates everything.
+quarantine and ops); the S3Bucket `result_storage` block (deployments: `edgehaul-core-results`, saved by
+`edgehaul blocks apply`; this flow never saves a block). Cache policy: validation is cached on bundle
+SHA-256 + the landed object's ETag + contract SHA-256 (see tasks/core.py), as JSON records in
+`result_storage`, which must be writable by central identities only (`prefect-results/core/`); left
+empty, results go to Prefect's default result storage of the worker process (its local disk, or
+PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK): correct, but a cache no other worker shares.
+Rejections are never cached; `refresh_cache=True` re-validates everything.
 Runs on the central pool; safe to run concurrently with itself (commits are optimistic, bundles
 are claimed).
 """
@@ -29,6 +33,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import NotSet
 from pydantic import BaseModel, Field
 
 from edgehaul import events
@@ -36,7 +41,6 @@ from edgehaul.blocks import ObjectStore
 from edgehaul.core.validation import ValidationResult
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
-from edgehaul.platform.caching import ensure_result_storage
 from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
@@ -60,7 +64,8 @@ class CoreIngestParams(BaseModel):
     lease_s: float = Field(default=900.0, ge=1, le=86_400,
                            description="A claim older than this is presumed dead and taken over.")
     refresh_cache: bool = Field(default=False, description="Re-validate even bundles with a cached result.")
-    result_storage: str = Field(default="", description="Result storage block slug; empty: the store's ops bucket.")
+    result_storage: str = Field(default="", description="Result storage block slug (central identities only, e.g. "
+                                "'s3-bucket/edgehaul-core-results'); empty: the worker's default (local) storage.")
 
 
 def _full_key(store: ObjectStore, key: str) -> str:
@@ -101,8 +106,8 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "put-if-match-quoted|put-if-match-unquoted": "core_ingest (taking over a dead run's claims)",
     })
     run_id = str(flow_run.get_id() or uuid.uuid4())
-    storage = p.result_storage or ensure_result_storage(store)
-    validate = validate_bundle_task.with_options(result_storage=storage, refresh_cache=p.refresh_cache)
+    # named, never saved here (issue 17): a flow that saved it would hand its keys to every reader of the block
+    validate = validate_bundle_task.with_options(refresh_cache=p.refresh_cache, result_storage=p.result_storage or NotSet)
 
     keys = [_full_key(store, k) for k in dict.fromkeys(p.bundle_keys)][: p.max_bundles] if p.bundle_keys else \
         discover_task(store, p.prefix, p.max_bundles)

@@ -10,12 +10,13 @@ spool TTL expiry, watermark check, and artifacts (a per-tier table with value ca
 byte against the no-tiering baseline, progress).
 
 Blocks: `edgehaul-edge-node` (or inline `node_id` + `spool_dir`), `edgehaul-tiering-policy`
-(default policy if none), `edgehaul-object-store` (only for the model scorer), and the
-prefect-aws `S3Bucket` result-storage block of the ops bucket (`edgehaul.platform.caching.ensure_result_storage`).
-Cache policy: one entry per batch, keyed on the raw batch's content key (per-sample pixel SHA-256s
-+ the other columns' bytes) + contract SHA-256 + code version + scorer version + policy
-fingerprint + node; values are references (bundle ids, sizes, checksums), never the data; a
-cached batch whose receipt is missing from the spool (spool wiped) is recomputed;
+(default policy if none), `edgehaul-object-store` (only for the model scorer). No result-storage block:
+cached results are JSON records on the node's own disk (`<spool_dir>/prefect-results/`,
+`edgehaul.platform.caching.edge_result_storage`), which nothing central ever reads (`result_storage`
+names another block only for tests and benchmarks). Cache policy: one entry per batch, keyed on the
+raw batch's content key (per-sample pixel SHA-256s + the other columns' bytes) + contract SHA-256 +
+code version + scorer version + policy fingerprint + node; values are references (bundle ids, sizes,
+checksums), never the data; a cached batch whose receipt is missing from the spool is recomputed;
 `refresh_cache=True` recomputes everything for this run. Runs in the node's work pool (edge-*).
 """
 
@@ -37,8 +38,9 @@ from edgehaul.edge.preprocess import batch_key
 from edgehaul.edge.spool import Spool
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.caching import edge_result_storage
 from edgehaul.platform.reporting import Progress, summary_table
-from edgehaul.platform.roles import EXAMPLE_NODE, RESULTS_BLOCK
+from edgehaul.platform.roles import EXAMPLE_NODE
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, merge_reports, scorer_key
 
@@ -60,7 +62,7 @@ class EdgeIngestParams(BaseModel):
     start_seq: int = Field(default=0, ge=0, description="First sequence number of generated samples.")
     class_weights: dict[int, float] | None = Field(default=None, description="Generated class mix.")
     result_storage: str | None = Field(
-        default=f"s3-bucket/{RESULTS_BLOCK}", description="Result storage block slug (ops bucket); None: default."
+        default=None, description="Result storage block slug; None: the node's disk (<spool_dir>/prefect-results)."
     )
     refresh_cache: bool = Field(default=False, description="Recompute every cached step of this run.")
 
@@ -103,9 +105,9 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     logger = get_run_logger()
     node, policy, store = _resolve(p)
     contract = contract_by_id(p.contract)
-    opts: dict[str, Any] = {"refresh_cache": p.refresh_cache}
-    if p.result_storage:
-        opts["result_storage"] = p.result_storage
+    # the node's own disk unless named: an edge cache is never shared with the core or another node
+    opts: dict[str, Any] = {"refresh_cache": p.refresh_cache,
+                            "result_storage": p.result_storage or edge_result_storage(node.spool_dir)}
     batch_task = ingest_batch.with_options(**opts)
     expected = max(1, -(-p.n_samples // p.batch_size)) if p.source == "generate" else 0
     # A model scorer's version (its model id) is fixed for the run: resolve it once, not per batch.

@@ -9,7 +9,6 @@ are the roles' (`edgehaul.platform.roles`); each role and each node gets its own
       ingest: {...}
       trainer: {...}
       lifecycle: {...}
-      results: {...}
       node-a: {...}             # optional: written to node-a's credentials_file, never into a block
     nodes: [{node_id: node-a, team: geo, spool_dir: /var/lib/edgehaul/spool}]
     teams: [{team: geo, accelerator_hours_per_month: 100, storage_bytes: 5497558138880}]
@@ -22,6 +21,10 @@ identity): any client of the Prefect API can read a block's secrets, and every e
 client (docs/SECURITY.md). When
 the node runs on this host (a single-machine setup, the local stack) give its keys under `identities`
 and they are written to that file (0600); otherwise provision the file on the node and leave them out.
+
+Cached task results of the central flows go to the S3Bucket block `edgehaul-core-results` (ops
+bucket, `prefect-results/core/`), saved here with the ingest identity's keys: the one place result
+storage is created (flows never save blocks; edge nodes cache on their own disk).
 
 The file holds keys: keep it out of version control and readable by its owner only. Errors name the
 field (`identities.trainer: missing`), and nothing is saved until the whole file is valid.
@@ -48,9 +51,8 @@ from edgehaul.blocks import (
     TieringPolicy,
 )
 from edgehaul.blocks.object_store import write_credentials_file
-from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, RESULTS_BLOCK, StoreBlock, node_store
-
-RESULTS_IDENTITY = "results"
+from edgehaul.platform.caching import CORE_RESULTS_BLOCK, core_result_storage_block
+from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, StoreBlock, node_store
 
 
 class SetupError(ValueError):
@@ -119,7 +121,7 @@ class Setup(_Strict):
 
     @model_validator(mode="after")
     def _every_identity(self) -> Setup:
-        need = [r.value for r in StoreBlock] + [RESULTS_IDENTITY]
+        need = [r.value for r in StoreBlock]
         missing = [f"identities.{n}" for n in need if n not in self.identities]
         if missing:
             raise ValueError(f"missing {', '.join(missing)} (one identity per central role)")
@@ -173,8 +175,6 @@ def write_node_credentials(setup: Setup) -> list[Path]:
 
 def apply(setup: Setup) -> dict[str, list[str]]:
     """Create or overwrite the blocks; returns block type -> names saved."""
-    from edgehaul.platform.caching import ensure_result_storage
-
     saved: dict[str, list[str]] = {}
 
     def save(block: Any, name: str) -> None:
@@ -183,8 +183,8 @@ def apply(setup: Setup) -> dict[str, list[str]]:
 
     for role in StoreBlock:
         save(store_for(setup, role.value), role.value)
-    ensure_result_storage(store_for(setup, RESULTS_IDENTITY))  # cached results: an identity of their own
-    saved.setdefault("S3Bucket", []).append(RESULTS_BLOCK)
+    # central cached results, written by the ingest identity: no node holds keys that reach them
+    save(core_result_storage_block(store_for(setup, StoreBlock.INGEST.value)), CORE_RESULTS_BLOCK)
     for path in write_node_credentials(setup):
         saved.setdefault("credentials file", []).append(str(path))
     for node in setup.nodes:

@@ -1,26 +1,39 @@
-"""Prefect result storage in the ops bucket, and cache keys from content.
+"""Where cached task results live, in which format, and cache keys from content (issue 17, item 1).
 
-Cached task results must be visible to every worker (an edge node's rerun, a central worker on
-another machine), so they live in object storage through a prefect-aws `S3Bucket` block, not on a
-worker's disk. Cached values are small references (paths/keys + checksums); the data stays where
-it lives.
+A cached result is deserialised by whoever reads it, and Prefect decodes a record with the
+serializer the record itself names (pickle included). So the trust rule is about storage: nothing a
+central worker reads as a cached result may be writable by an edge identity.
 
-    slug = ensure_result_storage(store)          # saves the block, returns "s3-bucket/<name>"
-    my_task.with_options(result_storage=slug, persist_result=True)
+- Central results (core_ingest, compact_dataset): the S3Bucket block `CORE_RESULTS_BLOCK`, folder
+  `prefect-results/core/` of the ops bucket, written with the ingest identity's keys. Nodes have no
+  grant on the ops bucket. The block is saved once, at deploy time (`edgehaul blocks apply`,
+  `core_result_storage_block`), and named by the deployments; flows never save blocks.
+- Edge results (edge_ingest): on the node's own disk (`edge_result_storage`: a folder under the
+  spool folder), never shared with another node or the core.
+- Every cached task writes JSON (`RESULT_SERIALIZER`): values are small references (ids, keys,
+  checksums, counts) that round-trip as data, never pickle.
+
+    validate_bundle_task.with_options(result_storage=f"s3-bucket/{CORE_RESULTS_BLOCK}")
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prefect_aws import S3Bucket
+
     from edgehaul.blocks.object_store import ObjectStore
 
-from edgehaul.platform.roles import RESULTS_BLOCK
+__all__ = ["CORE_RESULTS_BLOCK", "CORE_RESULTS_FOLDER", "EDGE_RESULTS_DIR", "RESULT_SERIALIZER", "cache_key",
+           "core_result_storage_block", "edge_result_storage"]
 
-__all__ = ["RESULTS_BLOCK", "cache_key", "ensure_result_storage"]
-RESULTS_FOLDER = "prefect-results"
+RESULT_SERIALIZER = "json"  # Prefect's JSONSerializer; a record is data a reader can inspect, never code
+CORE_RESULTS_BLOCK = "edgehaul-core-results"  # S3Bucket block (ingest identity), saved by `edgehaul blocks apply`
+CORE_RESULTS_FOLDER = "prefect-results/core"  # in the ops bucket; only central identities may write it
+EDGE_RESULTS_DIR = "prefect-results"  # under the node's spool folder
 
 
 def cache_key(stage: str, *parts: str) -> str:
@@ -29,8 +42,10 @@ def cache_key(stage: str, *parts: str) -> str:
     return f"{stage}-{h.hexdigest()[:40]}"
 
 
-def ensure_result_storage(store: ObjectStore, name: str = RESULTS_BLOCK, folder: str = RESULTS_FOLDER) -> str:
-    """Save (or update) an S3Bucket block pointing at the ops bucket; returns its slug for `result_storage`."""
+def core_result_storage_block(store: ObjectStore, folder: str = CORE_RESULTS_FOLDER) -> S3Bucket:
+    """The central result storage as an (unsaved) S3Bucket block on `store`'s ops bucket, with `store`'s keys.
+
+    `store` must be a central identity (ingest): the folder must not be writable by any node."""
     from prefect_aws import AwsCredentials, S3Bucket
     from prefect_aws.client_parameters import AwsClientParameters
     from pydantic import SecretStr
@@ -47,7 +62,12 @@ def ensure_result_storage(store: ObjectStore, name: str = RESULTS_BLOCK, folder:
         region_name=store.region,
         aws_client_parameters=params,
     )
-    S3Bucket(bucket_name=store.bucket("ops"), credentials=credentials, bucket_folder=store.key("ops", folder)).save(
-        name, overwrite=True
-    )
-    return f"s3-bucket/{name}"
+    return S3Bucket(bucket_name=store.bucket("ops"), credentials=credentials, bucket_folder=store.key("ops", folder))
+
+
+def edge_result_storage(spool_dir: str | Path) -> Path:
+    """The node's own result storage, `<spool_dir>/prefect-results/` on its disk: a `result_storage` path
+    (Prefect reads it as a LocalFileSystem; an unsaved block would be refused, and flows save none)."""
+    path = Path(spool_dir) / EDGE_RESULTS_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    return path

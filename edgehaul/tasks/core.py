@@ -2,9 +2,12 @@
 compact a dataset. The ingest steps' bodies are the plain functions of `edgehaul.core.ingest` (which
 the fault drills call too); these tasks add retries and caching.
 
-Caching (issue 11), results persisted to the ops bucket by the flow (`result_storage`):
-- `validate_bundle_task` is keyed on the bundle's SHA-256 (from its manifest) + the contract file's
-  SHA-256 + `VALIDATION_VERSION` + `CORE_CACHE_VERSION`. Its value is the `ValidationResult`, a small
+Caching (issues 11, 17), results persisted as JSON (never pickle) to the central result storage the
+flow names (`result_storage`; `edgehaul.platform.caching`: a prefix no edge identity can write):
+- `validate_bundle_task` is keyed on the bundle's SHA-256 (from its manifest) + the landed object (bucket,
+  key) and its ETag and size as the store reports them to the core (a HEAD by the core's identity: the
+  store's own digest of the bytes it holds, not a claim of the node) + the contract file's SHA-256 +
+  `VALIDATION_VERSION` + `CORE_CACHE_VERSION`. Its value is the `ValidationResult`, a small
   reference (bundle id, checksum, one row per check); the bytes stay in landing. A failing bundle
   raises `BundleRejected` instead of returning: Prefect caches only Completed states, so a failed or
   quarantined result is never cached as success. The commit re-checks the bytes against the
@@ -22,6 +25,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+from botocore.exceptions import ClientError
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
@@ -31,12 +35,12 @@ from edgehaul.contracts import ContractError, contract_by_id
 from edgehaul.core import compaction, datasets, ingest, landed
 from edgehaul.core.ingest import BundleRejected as BundleRejected  # the flow and persisted results name it here
 from edgehaul.core.validation import VALIDATION_VERSION, ValidationResult
-from edgehaul.platform.caching import cache_key
-from edgehaul.platform.s3_errors import IO_RETRY
+from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
+from edgehaul.platform.s3_errors import IO_RETRY, error_code
 
 log = logging.getLogger(__name__)
 
-CORE_CACHE_VERSION = "core-1"  # bump to invalidate every cached validation / compaction result
+CORE_CACHE_VERSION = "core-2"  # bump to invalidate every cached validation / compaction result
 
 
 # ---------------------------------------------------------------- discovery
@@ -59,8 +63,21 @@ def read_manifests_task(store: ObjectStore, keys: list[str]) -> dict[str, dict[s
 # ---------------------------------------------------------------- validation
 
 
-def validation_key(bundle_sha256: str, contract_sha256: str) -> str:
-    return cache_key("core-validate", CORE_CACHE_VERSION, VALIDATION_VERSION, bundle_sha256, contract_sha256)
+def validation_key(bundle_sha256: str, landed_object: str, landed_etag: str, contract_sha256: str) -> str:
+    return cache_key("core-validate", CORE_CACHE_VERSION, VALIDATION_VERSION, bundle_sha256, landed_object, landed_etag,
+                     contract_sha256)
+
+
+def landed_etag(store: ObjectStore, key: str) -> str:
+    """`<ETag>:<size>` of the landed object as the store reports it to the core; 'missing' when it is not there
+    (validation then rejects it, and rejections are never cached)."""
+    try:
+        head = store.client().head_object(Bucket=store.bucket("landing"), Key=key)
+    except ClientError as e:
+        if error_code(e) in ("404", "NoSuchKey", "NotFound"):
+            return "missing"
+        raise
+    return f"{head['ETag'].strip(chr(34))}:{head['ContentLength']}"
 
 
 def _validate_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
@@ -69,12 +86,16 @@ def _validate_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
         contract_sha = contract_by_id(manifest["contract"]).sha256
     except ContractError:
         contract_sha = f"unknown:{manifest['contract']}"  # the run fails; nothing is cached under it
-    return validation_key(manifest["sha256"], contract_sha)
+    # The manifest's checksum alone is the node's claim: the store's digest of the landed bytes binds the entry
+    # to what is actually there (validation then re-hashes the bytes it fetches; the commit does again).
+    store: ObjectStore = params["store"]
+    return validation_key(manifest["sha256"], f"{store.bucket('landing')}/{params['key']}",
+                          landed_etag(store, params["key"]), contract_sha)
 
 
 @task(
     name="core-validate", cache_key_fn=_validate_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
-    **IO_RETRY,
+    result_serializer=RESULT_SERIALIZER, **IO_RETRY,
     task_run_name="validate-{manifest[bundle_id]}",
 )
 def validate_bundle_task(store: ObjectStore, key: str, manifest: dict[str, Any]) -> ValidationResult:
@@ -121,7 +142,7 @@ def _compact_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
 
 
 @task(name="core-compact", cache_key_fn=_compact_cache_key, persist_result=True, cache_expiration=timedelta(days=7),
-      **IO_RETRY)
+      result_serializer=RESULT_SERIALIZER, **IO_RETRY)
 def compact_task(store: ObjectStore, files: compaction.FileSet, target_size: int, min_files: int) -> dict[str, Any]:
     """Compact the dataset whose current file set is `files` (the cache key); returns the result."""
     return compaction.compact(store, files.kind, target_size, min_files=min_files).to_dict()

@@ -5,7 +5,8 @@ task (an Arrow file written, fsynced, read back and checksummed twice) cost more
 preprocessing it let a policy change skip (benchmarks/bench_edge.py), so a new policy or scorer
 re-runs the whole batch.
 
-Caching (issue 11), results persisted to the ops bucket by the flow (`result_storage`):
+Caching (issues 11, 17), results persisted as JSON on the node's own disk by the flow (`result_storage`,
+default `edgehaul.platform.caching.edge_result_storage`: `<spool>/prefect-results/`), shared with nobody:
 - `ingest_batch` is keyed on the raw batch's content key (`edgehaul.edge.preprocess.batch_key`, computed
   by the caller) + contract sha256 + preprocess code version + scorer cache version + policy
   fingerprint + node. Its value lists the bundles it spooled (ids, sizes, checksums), the reject
@@ -38,7 +39,7 @@ from edgehaul.edge.preprocess import CODE_VERSION
 from edgehaul.edge.scoring import NoveltyScorer, NoveltyState, Scorer, get_scorer, scorer_cache_version
 from edgehaul.edge.spool import Spool, SpoolError
 from edgehaul.edge.tiering import TierReport
-from edgehaul.platform.caching import cache_key
+from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
 
 BATCH_CACHE_VERSION = "edge-batch-1"  # bump to invalidate every cached edge batch result
 NOVELTY_STATE = Path("scorer") / "novelty-state.json"
@@ -124,7 +125,7 @@ def scorer_key(policy: TieringPolicy, node: EdgeNode, ctx_key: str, store: Objec
 
 @task(
     name="edge-ingest-batch", cache_key_fn=_batch_cache_key, cache_expiration=timedelta(days=1), persist_result=True,
-    retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=retry_on_disk_errors,
+    result_serializer=RESULT_SERIALIZER, retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=retry_on_disk_errors,
 )
 def ingest_batch(
     raw: pa.Table, raw_key: str, contract_id: str, policy: TieringPolicy, node: EdgeNode, scorer_version: str,
