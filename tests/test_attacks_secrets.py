@@ -271,7 +271,7 @@ def test_blocks_apply_puts_a_nodes_keys_in_its_file_never_in_its_block(tmp_path:
     keys = {"access_key_id": "AK", "secret_access_key": "SK"}
     setup = Setup.model_validate({
         "store": {"endpoint_url": "http://127.0.0.1:9"},
-        "identities": {**{r: keys for r in ("central", "ingest", "trainer", "lifecycle", "results")},
+        "identities": {**{r: keys for r in ("central", "ingest", "trainer", "lifecycle")},
                        "node-a": {"access_key_id": "AKA", "secret_access_key": "SKA"},
                        "node-b": {"access_key_id": "AKB", "secret_access_key": "SKB"}},
         "nodes": [{"node_id": "node-a", "spool_dir": str(tmp_path / "spool" / "node-a")},  # both share a file
@@ -291,4 +291,4 @@ def test_blocks_apply_puts_a_nodes_keys_in_its_file_never_in_its_block(tmp_path:
     assert "SKA" not in blocks["node-a"].model_dump_json() and "SKA" not in repr(blocks["node-a"])
     with pytest.raises(ValueError, match="node-z: neither a role nor a node"):
         Setup.model_validate({**setup.model_dump(mode="json"), "identities": {
-            **{r: keys for r in ("central", "ingest", "trainer", "lifecycle", "results")}, "node-z": keys}})
+            **{r: keys for r in ("central", "ingest", "trainer", "lifecycle")}, "node-z": keys}})

@@ -39,7 +39,7 @@ from tests.builders import bundle
 
 IAM = Path(__file__).resolve().parents[1] / "infra" / "iam"
 BUCKETS = ("edgehaul-landing", "edgehaul-curated", "edgehaul-cold", "edgehaul-checkpoints", "edgehaul-ops")
-ROLES = ("ingest", "trainer", "lifecycle", "results")
+ROLES = ("ingest", "trainer", "lifecycle")
 NODES = ("node-a", "node-b")
 MiB = 1024 * 1024
 # the central operator identity has no document in infra/iam ("full access to the five buckets")
@@ -289,15 +289,20 @@ def test_lifecycle_copies_between_tiers_and_journals_in_ops(engine: Engine) -> N
     denied(life.delete_bucket, Bucket="edgehaul-cold")
 
 
-def test_results_identity_reaches_only_prefect_results(engine: Engine) -> None:
+def test_only_central_identities_reach_the_central_results(engine: Engine) -> None:
+    # cached results the core deserialises (prefect-results/core/): written by ingest, never by a node
     tag = uuid.uuid4().hex[:8]
-    res = engine.client("results")
-    res.put_object(Bucket="edgehaul-ops", Key=f"prefect-results/{tag}", Body=b"r")
-    assert body(res, "edgehaul-ops", f"prefect-results/{tag}") == b"r"
-    res.delete_object(Bucket="edgehaul-ops", Key=f"prefect-results/{tag}")
-    denied(res.put_object, Bucket="edgehaul-ops", Key=f"metering/usage/{tag}.jsonl", Body=b"x")
-    denied(res.get_object, Bucket="edgehaul-ops", Key=f"lifecycle/journal/{tag}.json")
-    denied(res.get_object, Bucket="edgehaul-curated", Key=f"datasets/{tag}")
+    key = f"prefect-results/core/{tag}"
+    ingest = engine.client("ingest")
+    ingest.put_object(Bucket="edgehaul-ops", Key=key, Body=b"r")
+    assert body(ingest, "edgehaul-ops", key) == b"r"
+    for node in NODES:
+        c = engine.client(node)
+        denied(c.put_object, Bucket="edgehaul-ops", Key=key, Body=b"forged")
+        denied(c.put_object, Bucket="edgehaul-ops", Key=f"prefect-results/{tag}", Body=b"forged")
+        denied(c.get_object, Bucket="edgehaul-ops", Key=key)
+    denied(engine.client("trainer").put_object, Bucket="edgehaul-ops", Key=key, Body=b"x")
+    assert body(ingest, "edgehaul-ops", key) == b"r"
 
 
 # ---- what this engine cannot say (kept in tests/test_access.py) --------------------------------
