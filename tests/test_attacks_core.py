@@ -357,12 +357,14 @@ def test_a_resent_sample_id_is_a_recorded_duplicate_not_a_second_row(stack: loca
 
 
 @pytest.mark.integration
-def test_concurrent_commits_keep_sample_ids_unique(stack: localstack.StackState) -> None:
+def test_concurrent_commits_keep_sample_ids_unique(stack: localstack.StackState,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
     """Three committers, each with its own open table (three identities, one table), commit overlapping
     bundles at once: every commit re-checks its ids when it loses the race for a version."""
     prefix = f"t-{uuid.uuid4().hex[:10]}"
     stores = [store_for(stack, role, prefix) for role in ("admin", "ingest", "lifecycle")]
     datasets.ensure_table(stores[0], CONTRACT)
+    caplog.set_level("INFO", logger="edgehaul.core.datasets")
     all_bundles: list[ValidatedBundle] = []
     results: list[datasets.CommitResult] = []
     for _ in range(3):
@@ -397,8 +399,9 @@ def test_concurrent_commits_keep_sample_ids_unique(stack: localstack.StackState)
         mine = data.filter(pc.equal(data.column(BUNDLE_ID_COLUMN), b)).column("sample_id").to_pylist()
         assert sorted(mine + dups.get(b, [])) == sorted(vb.manifest.sample_ids)
     assert len(ids) == 3 * 50
-    print(f"concurrent commits: {sum(len(v) for v in dups.values())} duplicate ids dropped, "
-          f"versions {sorted(r.version for r in results if r.version is not None)}")
+    races = sum("lost the race" in r.getMessage() for r in caplog.records)
+    print(f"concurrent commits: {sum(len(v) for v in dups.values())} duplicate ids dropped, {races} lost races "
+          f"re-checked, versions {sorted(r.version for r in results if r.version is not None)}")
 
 
 @pytest.mark.integration
@@ -448,3 +451,16 @@ def test_a_broken_contract_fails_the_run_and_moves_nothing(stack: localstack.Sta
     summary, state = _run(store_block=ingest_block, bundle_keys=[key])  # contract fixed: it commits
     assert state.is_completed() and summary["commits"][0]["bundles"] == [m.bundle_id]
 
+
+
+@pytest.mark.integration
+def test_a_manifest_rewritten_after_validation_is_not_committed(stack: localstack.StackState) -> None:
+    """Same bytes, manifest now naming node-b between validation and commit: the commit leaves it in landing."""
+    node_a, ingest_store = store_for(stack, "node-a"), store_for(stack, "ingest")
+    d, m = bundle(8, "node-a", start_seq=_seq())
+    key = ingest_store.key("landing", _land(node_a, d, m))
+    result = ingest.validate_landed(ingest_store, key, ingest.read_manifests(ingest_store, [key]).manifests[key])
+    _land(node_a, d, m, node="node-a", manifest=replace(m, node_id="node-b").to_json())
+    c = ingest.commit_validated(ingest_store, CONTRACT.id, [(key, result)], "run-rewrite", 60)
+    assert c.version is None and not c.bundles and m.bundle_id not in c.already_committed
+    assert _exists(ingest_store, "landing", key)

@@ -562,6 +562,8 @@ def _commit_locked(
                 released = release_claims(store, contract.kind, h, claims.claimed, s3)
                 raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles lost {attempt} races, "
                                    f"nothing written ({released} claims released): {e}") from e
+            log.info("dataset %s: lost the race for v%d (attempt %d); re-checking sample ids", contract.kind,
+                     dt.version() + 1, attempt)
             time.sleep(random.uniform(0.0, 0.02 * min(attempt, 10)))
             h.refresh(s3)  # another commit won this version: re-read it, then check our ids again
         except (DeltaError, OSError) as e:

@@ -72,6 +72,7 @@ class LandedBundle:
     data: bytes | None  # None when the object is missing
     manifest: BundleManifest | None  # None when missing or malformed
     error: str = ""  # why data or manifest could not be read
+    too_large: bool = False  # a piece was over its limit (not downloaded)
 
     @property
     def nbytes(self) -> int:
@@ -86,12 +87,14 @@ def fetch(store: ObjectStore, key: str, *, s3: S3Client | None = None) -> Landed
     bucket = store.bucket("landing")
     manifest_key = key.removesuffix(".parquet") + MANIFEST_SUFFIX
     errors = []
+    too_large = False
     manifest = None
     try:
         manifest = BundleManifest.from_json(read_limited(s3, bucket, manifest_key, max_manifest_bytes()))
     except s3.exceptions.NoSuchKey:
         errors.append(f"manifest {manifest_key} missing")
     except (BundleError, TooLarge) as e:
+        too_large = isinstance(e, TooLarge)
         errors.append(f"{manifest_key}: {e}")
     data = None
     try:
@@ -99,5 +102,6 @@ def fetch(store: ObjectStore, key: str, *, s3: S3Client | None = None) -> Landed
     except s3.exceptions.NoSuchKey:
         errors.append(f"object {key} missing")
     except TooLarge as e:
+        too_large = True
         errors.append(str(e))
-    return LandedBundle(key=key, data=data, manifest=manifest, error="; ".join(errors))
+    return LandedBundle(key=key, data=data, manifest=manifest, error="; ".join(errors), too_large=too_large)
