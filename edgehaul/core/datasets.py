@@ -228,6 +228,13 @@ class TableHandle:
             self.samples_upto = v
         return self.samples
 
+    def note_commit(self, version: int, data: pa.Table) -> None:
+        """Our own commit at `version`: fold its rows into the id index without reading them back, when
+        the index was current just before it (else the next `sample_index` reads what it missed)."""
+        if self.samples is not None and self.samples_upto == version - 1:
+            self._fold(data.select(["sample_id", BUNDLE_ID_COLUMN]))
+            self.samples_upto = version
+
     def _fold(self, ids: pa.Table) -> None:
         assert self.samples is not None
         bundles = {b: sys.intern(b) for b in pc.unique(ids.column(BUNDLE_ID_COLUMN)).to_pylist()}
@@ -571,6 +578,7 @@ def _commit_locked(
             raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles failed, nothing written "
                                f"({released} claims released): {e}") from e
     version = h.absorb(s3, commit_id, after=parent)
+    h.note_commit(version, data)
     nodes = sorted({vb.manifest.node_id for vb in todo})
     n_dups = sum(len(v) for v in dups.values())
     log.info("dataset %s v%d: %d bundles, %d rows from %s, %d duplicate sample ids dropped", contract.kind, version,
