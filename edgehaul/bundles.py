@@ -13,6 +13,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 
@@ -43,6 +46,22 @@ class BundleError(ValueError):
     """A bundle is corrupt, truncated, or does not match its manifest."""
 
 
+# Ids become parts of object keys (landing, quarantine, claims) and Delta txn ids: only characters that
+# are safe in every one of them, and never a path step ("..", "/"). Node ids as `EdgeNode.node_id`;
+# bundle ids are hex digests (see `bundle_id_for`), letters, digits, "-" and "_" also accepted.
+NODE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+BUNDLE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+DAY_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def id_problem(node_id: object, bundle_id: object) -> str:
+    """Why these ids must not be used in a key ("" when they are safe); names the offending value."""
+    for what, value, pattern in (("node_id", node_id, NODE_ID_PATTERN), ("bundle_id", bundle_id, BUNDLE_ID_PATTERN)):
+        if not isinstance(value, str) or not pattern.fullmatch(value):
+            return f"{what} {str(value)[:80]!r} does not match {pattern.pattern}"
+    return ""
+
+
 @dataclass(frozen=True)
 class BundleManifest:
     bundle_id: str
@@ -71,9 +90,28 @@ class BundleManifest:
     def from_json(cls, data: bytes | str) -> BundleManifest:
         try:
             doc = json.loads(data)
-            return cls(**doc)
-        except (json.JSONDecodeError, TypeError) as e:
+            m = cls(**doc)
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
             raise BundleError(f"malformed bundle manifest: {e}") from e
+        m.check_types()
+        return m
+
+    def check_types(self) -> None:
+        """Every field has its declared type (a manifest is untrusted JSON): BundleError naming the field."""
+        hints = typing.get_type_hints(BundleManifest)
+        for f in fields(self):
+            want, value = hints[f.name], getattr(self, f.name)
+            if typing.get_origin(want) is list:
+                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+            elif want is float:
+                ok = isinstance(value, int | float) and not isinstance(value, bool)
+            elif want is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, want) if isinstance(want, type | types.UnionType) else True
+            if not ok:
+                raise BundleError(f"malformed bundle manifest: field {f.name} is {type(value).__name__}, "
+                                  f"expected {getattr(want, '__name__', want)}")
 
     @property
     def object_key(self) -> str:

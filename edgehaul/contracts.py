@@ -44,6 +44,19 @@ class ContractError(ValueError):
     """A contract file is missing or malformed, or data refers to an unknown contract."""
 
 
+class ContractInvalid(ContractError):
+    """A contract file exists but is broken (YAML, a field, an expectation): the operator's error, so a run
+    that needs it fails loudly and moves nothing (never a reason to quarantine the data)."""
+
+
+# Limits on what an edge node may send (`limits:` in a contract); checked before anything is downloaded.
+DEFAULT_LIMITS: dict[str, int] = {
+    "max_manifest_bytes": 16 * 2**20,  # ~400k sample ids
+    "max_bundle_bytes": 512 * 2**20,
+    "max_rows": 250_000,
+}
+
+
 @dataclass(frozen=True)
 class Contract:
     kind: str
@@ -59,6 +72,11 @@ class Contract:
     raw_columns: dict[str, str]
     expectations: tuple[dict[str, Any], ...]
     sha256: str = field(repr=False)
+    source: str = ""  # the contract file, for errors
+    max_manifest_bytes: int = DEFAULT_LIMITS["max_manifest_bytes"]
+    max_bundle_bytes: int = DEFAULT_LIMITS["max_bundle_bytes"]
+    max_rows: int = DEFAULT_LIMITS["max_rows"]
+    allow_nonfinite: tuple[str, ...] = ()  # float columns where NaN/inf are data, not an error
 
     @property
     def id(self) -> str:
@@ -100,14 +118,40 @@ class Contract:
         return pa.schema(fields, metadata={b"edgehaul.contract": self.id.encode()})
 
 
+def _limits(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    raw = doc.get("limits") or {}
+    if not isinstance(raw, dict):
+        raise ContractInvalid(f"{path}: field limits must be a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - {*DEFAULT_LIMITS, "allow_nonfinite"})
+    if unknown:
+        raise ContractInvalid(f"{path}: field limits has unknown keys {unknown}")
+    out: dict[str, Any] = {}
+    for name, default in DEFAULT_LIMITS.items():
+        v = raw.get(name, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ContractInvalid(f"{path}: field limits.{name} must be a positive integer, got {v!r}")
+        out[name] = v
+    allow = raw.get("allow_nonfinite", [])
+    if not isinstance(allow, list) or not all(isinstance(c, str) for c in allow):
+        raise ContractInvalid(f"{path}: field limits.allow_nonfinite must be a list of column names")
+    out["allow_nonfinite"] = tuple(allow)
+    return out
+
+
 def _parse(path: Path) -> Contract:
     raw = path.read_bytes()
     try:
         doc = yaml.safe_load(raw)
+        if not isinstance(doc, dict):
+            raise ContractInvalid(f"{path}: not a YAML mapping")
         t = doc["tensor"]
         for name, typ in doc["raw_columns"].items():
             if typ not in _ARROW_TYPES:
-                raise ContractError(f"{path}: column {name!r} has unknown type {typ!r}")
+                raise ContractInvalid(f"{path}: field raw_columns.{name} has unknown type {typ!r}")
+        expectations = doc.get("expectations", [])
+        for i, e in enumerate(expectations):
+            if not isinstance(e, dict) or not isinstance(e.get("type"), str) or not isinstance(e.get("kwargs"), dict):
+                raise ContractInvalid(f"{path}: field expectations[{i}] needs a string `type` and a `kwargs` mapping")
         return Contract(
             kind=str(doc["kind"]),
             version=int(doc["version"]),
@@ -120,11 +164,17 @@ def _parse(path: Path) -> Contract:
             label_column=str(doc["label"]["column"]),
             label_values=tuple(int(v) for v in doc["label"]["values"]),
             raw_columns=dict(doc["raw_columns"]),
-            expectations=tuple(doc.get("expectations", [])),
+            expectations=tuple(expectations),
             sha256=hashlib.sha256(raw).hexdigest(),
+            source=str(path),
+            **_limits(path, doc),
         )
-    except (KeyError, TypeError, yaml.YAMLError) as e:
-        raise ContractError(f"{path}: malformed contract ({type(e).__name__}: {e})") from e
+    except KeyError as e:
+        raise ContractInvalid(f"{path}: malformed contract (missing field {e})") from e
+    except (TypeError, ValueError, AttributeError, yaml.YAMLError) as e:
+        if isinstance(e, ContractInvalid):
+            raise
+        raise ContractInvalid(f"{path}: malformed contract ({type(e).__name__}: {e})") from e
 
 
 def load_contract(kind: str, version: int | None = None, directory: Path | None = None) -> Contract:
@@ -148,8 +198,22 @@ def _load_contract(kind: str, version: int | None, directory: Path) -> Contract:
         raise ContractError(f"unknown contract {kind}.v{version}; known: {', '.join(known) or 'none'}")
     c = _parse(path)
     if c.kind != kind or c.version != version:
-        raise ContractError(f"{path}: declares {c.id}, file name says {kind}.v{version}")
+        raise ContractInvalid(f"{path}: declares {c.id}, file name says {kind}.v{version}")
     return c
+
+
+def max_manifest_bytes(directory: Path | None = None) -> int:
+    """The largest manifest any readable contract accepts: the limit before a manifest (and so its
+    contract) is known; each manifest is then held to its own contract's limit."""
+    directory = directory or get_settings().contracts_dir
+    limits = []
+    for p in sorted(directory.glob("*.v*.yaml")):
+        kind, _, ver = p.stem.rpartition(".v")
+        try:
+            limits.append(load_contract(kind, int(ver), directory).max_manifest_bytes)
+        except (ContractError, ValueError):
+            continue  # a broken contract fails the runs whose bundles name it, not this bound
+    return max(limits, default=DEFAULT_LIMITS["max_manifest_bytes"])
 
 
 def contract_by_id(contract_id: str, directory: Path | None = None) -> Contract:

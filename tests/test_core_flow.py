@@ -100,7 +100,9 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
 
     runs0, bundles0 = batching_stats()
     summary, run1 = _run(CoreIngestParams(store_block=block), core_ingest)
-    assert summary["bundles"] == 6 and summary["valid"] == 3 and not summary["errors"]
+    assert summary["bundles"] == 7 and summary["valid"] == 3 and not summary["errors"]
+    # the data without its manifest is reported as waiting, and left in landing (see below)
+    assert summary["waiting"] == [store.key("landing", partial_m.object_key)]
     # every validate task run went through the process's batcher (concurrent ones share a GE run)
     runs, bundles = batching_stats()
     assert bundles - bundles0 == 6 and 1 <= runs - runs0 <= 6

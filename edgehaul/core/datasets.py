@@ -16,6 +16,12 @@ as a conflict, so before committing, a run claims each bundle with a conditional
 `datasets/_claims/<kind>/<bundle>.json`: exactly one of two racing runs wins; the other skips the
 bundle (committed) or defers it (claim held by a live run; taken over when older than the lease,
 which covers a run killed mid-commit).
+
+A sample id enters a dataset once, too. A commit checks its bundles' sample ids against the table
+version it is based on (the handle's id index, see `TableHandle.sample_index`) and against each other;
+a duplicate row is dropped (the rest of its bundle commits) and named in a record
+(`quarantine.record_duplicates`). The commit is attempted at exactly base + 1 (no delta-rs rebase):
+a lost race refreshes the table and checks the ids again against what the winner added.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import io
 import json
 import logging
 import os
+import random
+import sys
 import threading
 import time
 import uuid
@@ -40,10 +48,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from botocore.exceptions import ClientError
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from deltalake.exceptions import DeltaError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from edgehaul.bundles import BundleManifest
 from edgehaul.contracts import Contract
+from edgehaul.core import quarantine
 from edgehaul.core.validation import ValidationResult
 from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import error_code
@@ -60,6 +69,7 @@ COMMIT_KEYS = ("edgehaul.commit_id", "edgehaul.run", "edgehaul.contract", "edgeh
                "edgehaul.bundles", "edgehaul.nodes", "edgehaul.validation", "edgehaul.stats")
 DEFAULT_LEASE_S = 900.0
 CHECKPOINT_INTERVAL = 10
+COMMIT_ATTEMPTS = 50  # lost races before a commit gives up (each one re-checks the sample ids)
 
 Reader = Literal["pyarrow", "polars", "duckdb"]
 
@@ -164,6 +174,8 @@ class TableHandle:
         self.txns: dict[str, int] = {}
         self.indexed_upto = -1  # the index holds every txn of versions <= this
         self.exact = True  # False: the index could not be built; fall back to delta-rs lookups
+        self.samples: dict[str, str] | None = None  # sample id -> bundle id, built on first commit
+        self.samples_upto = -1
         try:
             self.indexed_upto, self.txns = _checkpoint_txns(store, kind, s3)
         except (DatasetError, ClientError, pa.ArrowException, ValueError, KeyError) as e:
@@ -192,6 +204,42 @@ class TableHandle:
         if self.dt.version() < self.indexed_upto:  # the table was recreated under us: start again
             raise DatasetError(f"dataset {self.kind}: version went back from {self.indexed_upto} to {self.dt.version()}")
         self._index(s3)
+
+    def sample_index(self, s3: S3Client) -> dict[str, str]:
+        """sample id -> bundle id of every row of the handle's current version. Built once (the two id
+        columns of the table), then folded forward from each new version's added files; a version
+        that removes data rows (a delete, not a compaction) makes it rebuild."""
+        v = self.dt.version()
+        if self.samples is not None and v > self.samples_upto:
+            added: list[str] = []
+            for u in range(self.samples_upto + 1, v + 1):
+                actions = _log_actions(self.store, self.kind, u, s3)
+                if any(a.get("remove", {}).get("dataChange", False) for a in actions):
+                    self.samples = None
+                    break
+                added += [a["add"]["path"] for a in actions if "add" in a and a["add"].get("dataChange", True)]
+            if self.samples is not None:
+                for path in added:
+                    self._fold(_read_ids(self.store, self.kind, path, s3))
+                self.samples_upto = v
+        if self.samples is None:
+            self.samples = {}
+            self._fold(self.dt.to_pyarrow_dataset().to_table(columns=["sample_id", BUNDLE_ID_COLUMN]))
+            self.samples_upto = v
+        return self.samples
+
+    def note_commit(self, version: int, data: pa.Table) -> None:
+        """Our own commit at `version`: fold its rows into the id index without reading them back, when
+        the index was current just before it (else the next `sample_index` reads what it missed)."""
+        if self.samples is not None and self.samples_upto == version - 1:
+            self._fold(data.select(["sample_id", BUNDLE_ID_COLUMN]))
+            self.samples_upto = version
+
+    def _fold(self, ids: pa.Table) -> None:
+        assert self.samples is not None
+        bundles = {b: sys.intern(b) for b in pc.unique(ids.column(BUNDLE_ID_COLUMN)).to_pylist()}
+        for sid, b in zip(ids.column("sample_id").to_pylist(), ids.column(BUNDLE_ID_COLUMN).to_pylist(), strict=True):
+            self.samples[sid] = bundles[b]
 
     def is_committed(self, bundle_id: str) -> bool:
         if self.exact:
@@ -246,6 +294,15 @@ def _log_actions(store: ObjectStore, kind: str, version: int, s3: S3Client) -> l
     except ClientError as e:
         raise DatasetError(f"dataset {kind}: no commit log entry for version {version} ({key})") from e
     return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def _read_ids(store: ObjectStore, kind: str, path: str, s3: S3Client) -> pa.Table:
+    """The sample and bundle ids of one data file of the table (a relative `add` path)."""
+    from urllib.parse import unquote
+
+    key = store.key("curated", f"{kind}/{unquote(path)}")
+    body = s3.get_object(Bucket=store.bucket("curated"), Key=key)["Body"].read()
+    return pq.read_table(io.BytesIO(body), columns=["sample_id", BUNDLE_ID_COLUMN])
 
 
 def _checkpoint_txns(store: ObjectStore, kind: str, s3: S3Client) -> tuple[int, dict[str, int]]:
@@ -400,6 +457,7 @@ class CommitResult:
     deferred: list[str]
     stats: dict[str, Any]
     seconds: float
+    duplicates: dict[str, list[str]] = field(default_factory=dict)  # bundle -> sample ids dropped as duplicates
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -488,45 +546,90 @@ def _commit_locked(
     if not todo:
         return CommitResult(contract.kind, None, dt.version(), commit_id, [], [], 0, claims.committed,
                             claims.deferred, {}, time.perf_counter() - t0)
-    schema = dataset_schema(contract)
-    parts = []
-    for vb in todo:
-        t = vb.table.cast(contract.bundle_schema)
-        parts.append(t.append_column(schema.field(BUNDLE_ID_COLUMN), pa.array([vb.manifest.bundle_id] * t.num_rows)))
-    data = pa.concat_tables(parts)
+    parent = dt.version()
+    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        # Checked against the version this attempt commits on top of: a lost race re-checks (see below).
+        data, kept, dups = _without_duplicates(contract, todo, h.sample_index(s3))
+        for b, ids in dups.items():
+            quarantine.record_duplicates(store, contract.kind, by_id[b].manifest, ids, kept.get(b, 0),
+                                         base_version=dt.version(), run_id=run_id, s3=s3)
+        metadata = _commit_metadata(contract, todo, kept, dups, data, commit_id, run_id)
+        txns = [Transaction(app_id=txn_app_id(vb.manifest.bundle_id), version=1) for vb in todo]
+        try:
+            # The open table at exactly its version + 1: no delta-rs rebase over a concurrent append,
+            # whose rows our duplicate check has not seen.
+            write_deltalake(
+                dt, data, mode="append",
+                commit_properties=CommitProperties(custom_metadata=metadata, app_transactions=txns,
+                                                   max_commit_retries=0),
+            )
+            break
+        except CommitFailedError as e:
+            if attempt == COMMIT_ATTEMPTS:
+                released = release_claims(store, contract.kind, h, claims.claimed, s3)
+                raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles lost {attempt} races, "
+                                   f"nothing written ({released} claims released): {e}") from e
+            log.info("dataset %s: lost the race for v%d (attempt %d); re-checking sample ids", contract.kind,
+                     dt.version() + 1, attempt)
+            time.sleep(random.uniform(0.0, 0.02 * min(attempt, 10)))
+            h.refresh(s3)  # another commit won this version: re-read it, then check our ids again
+        except (DeltaError, OSError) as e:
+            released = release_claims(store, contract.kind, h, claims.claimed, s3)
+            raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles failed, nothing written "
+                               f"({released} claims released): {e}") from e
+    version = h.absorb(s3, commit_id, after=parent)
+    h.note_commit(version, data)
     nodes = sorted({vb.manifest.node_id for vb in todo})
-    stats = summary_stats(data, contract)
+    n_dups = sum(len(v) for v in dups.values())
+    log.info("dataset %s v%d: %d bundles, %d rows from %s, %d duplicate sample ids dropped", contract.kind, version,
+             len(todo), data.num_rows, nodes, n_dups)
+    return CommitResult(contract.kind, version, version - 1, commit_id, [vb.manifest.bundle_id for vb in todo], nodes,
+                        data.num_rows, claims.committed, claims.deferred, json.loads(metadata["edgehaul.stats"]),
+                        time.perf_counter() - t0, dups)
+
+
+def _without_duplicates(
+    contract: Contract, todo: list[ValidatedBundle], held: dict[str, str],
+) -> tuple[pa.Table, dict[str, int], dict[str, list[str]]]:
+    """The rows to append (dataset schema), rows kept per bundle, and per bundle the sample ids dropped
+    because the table (`held`) or an earlier bundle of this commit (by bundle id) already has them."""
+    schema = dataset_schema(contract)
+    parts, kept, dups = [], {}, {}
+    seen: set[str] = set()
+    for vb in sorted(todo, key=lambda v: v.manifest.bundle_id):
+        t = vb.table.cast(contract.bundle_schema)
+        ids = t.column("sample_id").to_pylist()
+        fresh = [sid not in held and sid not in seen for sid in ids]
+        if not all(fresh):
+            dups[vb.manifest.bundle_id] = [sid for sid, ok in zip(ids, fresh, strict=True) if not ok]
+            t = t.filter(pa.array(fresh))
+        seen.update(ids)
+        kept[vb.manifest.bundle_id] = t.num_rows
+        parts.append(t.append_column(schema.field(BUNDLE_ID_COLUMN), pa.array([vb.manifest.bundle_id] * t.num_rows,
+                                                                               pa.string())))
+    return pa.concat_tables(parts), kept, dups
+
+
+def _commit_metadata(
+    contract: Contract, todo: list[ValidatedBundle], kept: dict[str, int], dups: dict[str, list[str]], data: pa.Table,
+    commit_id: str, run_id: str,
+) -> dict[str, str]:
     lineage = [
         {"bundle_id": vb.manifest.bundle_id, "node_id": vb.manifest.node_id, "sha256": vb.manifest.sha256,
-         "rows": vb.manifest.row_count, "tier": vb.manifest.tier, "created_at": vb.manifest.created_at}
+         "rows": kept[vb.manifest.bundle_id], "tier": vb.manifest.tier, "created_at": vb.manifest.created_at,
+         **({"duplicates": len(dups[vb.manifest.bundle_id])} if vb.manifest.bundle_id in dups else {})}
         for vb in todo
     ]
-    metadata = {
+    return {
         "edgehaul.commit_id": commit_id,
         "edgehaul.run": run_id,
         "edgehaul.contract": contract.id,
         "edgehaul.contract_sha256": contract.sha256,
         "edgehaul.bundles": json.dumps(lineage),
-        "edgehaul.nodes": json.dumps(nodes),
+        "edgehaul.nodes": json.dumps(sorted({vb.manifest.node_id for vb in todo})),
         "edgehaul.validation": json.dumps([vb.result.summary() for vb in todo]),
-        "edgehaul.stats": json.dumps(stats),
+        "edgehaul.stats": json.dumps(summary_stats(data, contract)),
     }
-    txns = [Transaction(app_id=txn_app_id(vb.manifest.bundle_id), version=1) for vb in todo]
-    parent = dt.version()
-    try:
-        # The open table: no snapshot load; on a lost race delta-rs re-reads only the new commits.
-        write_deltalake(
-            dt, data, mode="append",
-            commit_properties=CommitProperties(custom_metadata=metadata, app_transactions=txns, max_commit_retries=50),
-        )
-    except (DeltaError, OSError) as e:
-        released = release_claims(store, contract.kind, h, claims.claimed, s3)
-        raise DatasetError(f"dataset {contract.kind}: commit of {len(todo)} bundles failed, nothing written "
-                           f"({released} claims released): {e}") from e
-    version = h.absorb(s3, commit_id, after=parent)
-    log.info("dataset %s v%d: %d bundles, %d rows from %s", contract.kind, version, len(todo), data.num_rows, nodes)
-    return CommitResult(contract.kind, version, version - 1, commit_id, [vb.manifest.bundle_id for vb in todo], nodes,
-                        data.num_rows, claims.committed, claims.deferred, stats, time.perf_counter() - t0)
 
 
 def find_commit(store: ObjectStore, kind: str, commit_id: str, *, after: int, upto: int) -> int:

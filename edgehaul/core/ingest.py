@@ -8,21 +8,31 @@ implementation of each step and the drills' accounting is a claim about it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+from botocore.exceptions import ClientError
 
-from edgehaul.bundles import BundleManifest, read_bundle
-from edgehaul.contracts import contract_by_id
+from edgehaul.bundles import DAY_PATTERN, BundleError, BundleManifest, id_problem, read_bundle
+from edgehaul.contracts import ContractError, ContractInvalid, contract_by_id, max_manifest_bytes
 from edgehaul.core import datasets, landed, quarantine
-from edgehaul.core.validation import ValidationResult, expecting_validation, validate_bundle_batched
+from edgehaul.core.validation import ValidationResult, expecting_validation, suite_for, validate_bundle_batched
+from edgehaul.platform.s3_errors import error_code
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
     from edgehaul.blocks import ObjectStore
+
+log = logging.getLogger(__name__)
+
+# A data object whose manifest is not there yet is still uploading: it waits this long before it is
+# quarantined as `manifest_missing` (an uplink resumes for days at worst; a hook may come early).
+MANIFEST_WAIT_S = 24 * 3600.0
 
 Validator = Callable[[bytes, BundleManifest], tuple[pa.Table | None, ValidationResult]]
 
@@ -38,27 +48,132 @@ class BundleRejected(Exception):
         return (BundleRejected, (self.result,))
 
 
-def read_manifests(store: ObjectStore, keys: list[str], *, s3: S3Client | None = None) -> dict[str, dict[str, Any] | str]:
-    """key -> manifest (as a dict), or an error string for a missing or malformed manifest."""
+def landing_owner(store: ObjectStore, key: str) -> tuple[str, str] | str:
+    """(node, bundle) of a landing key `<landing base><node>/<day>/<bundle>.parquet`, or why the key is
+    not one. The node is the one whose landing prefix holds the object (a node's identity can write only
+    there), so this, not a manifest or a row, says who a bundle belongs to."""
+    base = store.key("landing", "")
+    if not key.startswith(base):
+        return f"key {key[:200]!r} is not under the landing prefix {base!r}"
+    parts = key[len(base):].split("/")
+    if len(parts) != 3 or not parts[2].endswith(".parquet"):
+        return f"key {key[:200]!r} is not <node>/<day>/<bundle>.parquet under {base!r}"
+    node, day, name = parts
+    if not DAY_PATTERN.fullmatch(day):
+        return f"key {key[:200]!r}: day {day[:40]!r} is not yyyy-mm-dd"
+    problem = id_problem(node, name.removesuffix(".parquet"))
+    return f"key {key[:200]!r}: {problem}" if problem else (node, name.removesuffix(".parquet"))
+
+
+def manifest_problem(owner: tuple[str, str], m: BundleManifest) -> tuple[str, str]:
+    """(reason, error) when a manifest's ids are unsafe or disagree with where the bundle landed."""
+    node, bundle = owner
+    problem = id_problem(m.node_id, m.bundle_id)
+    if problem:
+        return "bad_id", f"bundle {bundle} of {node}: manifest {problem}"
+    if m.node_id != node:
+        return "wrong_node", f"bundle {bundle} landed under {node}/ but its manifest says node {m.node_id!r}"
+    if m.bundle_id != bundle:
+        return "bad_id", f"bundle {bundle} of {node}: manifest says bundle {m.bundle_id!r}"
+    return "", ""
+
+
+def limits_problem(m: BundleManifest, manifest_bytes: int) -> tuple[str, str]:
+    """(reason, error) when the manifest's contract is broken (raises), or the manifest exceeds its limits.
+    An unknown contract is the bundle's problem: validation quarantines it as `unknown_contract`."""
+    try:
+        c = contract_by_id(m.contract)
+        suite_for(c)  # builds the expectation suite: an unknown expectation is found before anything moves
+    except ContractInvalid:
+        raise
+    except ContractError:
+        return "", ""
+    for what, have, limit in (("manifest", manifest_bytes, c.max_manifest_bytes), ("rows", m.row_count, c.max_rows),
+                              ("bundle bytes", m.nbytes, c.max_bundle_bytes)):
+        if have > limit:
+            return "too_large", f"bundle {m.bundle_id}: {what} {have} over the {c.id} limit {limit}"
+    return "", ""
+
+
+@dataclass
+class LandedScan:
+    """What `read_manifests` found for each landing key; every key is in exactly one field."""
+
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)  # ready to validate
+    rejected: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (reason, error): quarantine
+    waiting: list[str] = field(default_factory=list)  # data without a manifest yet: left in landing
+    skipped: dict[str, str] = field(default_factory=dict)  # not a bundle we can name or move: left, logged
+
+
+def read_manifests(
+    store: ObjectStore, keys: list[str], *, s3: S3Client | None = None, manifest_wait_s: float = MANIFEST_WAIT_S,
+    now: datetime | None = None,
+) -> LandedScan:
+    """Sort landing keys before any key is built from their content: keys that are not
+    `<node>/<day>/<bundle>.parquet` with safe ids are skipped; a data object without its manifest waits
+    (quarantined as `manifest_missing` once older than `manifest_wait_s`); a manifest that is too large
+    (a ranged read: never downloaded whole), malformed, has unsafe ids, names another node or bundle
+    than its key, or exceeds its contract's limits is rejected. Raises ContractInvalid when a manifest
+    names a broken contract, before anything has moved."""
     s3 = s3 or store.client()
-    out: dict[str, dict[str, Any] | str] = {}
+    bucket = store.bucket("landing")
+    now = now or datetime.now(UTC)
+    out = LandedScan()
+    limit = max_manifest_bytes()
     for key in keys:
+        owner = landing_owner(store, key)
+        if isinstance(owner, str):
+            out.skipped[key] = owner
+            continue
         mkey = quarantine.manifest_key_for(key)
         try:
-            raw = s3.get_object(Bucket=store.bucket("landing"), Key=mkey)["Body"].read()
-            out[key] = asdict(BundleManifest.from_json(raw))
-        except s3.exceptions.NoSuchKey:
-            out[key] = f"manifest {mkey} missing"
-        except ValueError as e:  # BundleError: malformed
-            out[key] = f"{mkey}: {e}"
+            raw = landed.read_limited(s3, bucket, mkey, limit)
+        except landed.TooLarge:
+            out.rejected[key] = ("too_large", f"manifest {mkey} is larger than {limit} bytes")
+            continue
+        except ClientError as e:
+            if error_code(e) not in ("NoSuchKey", "404", "NotFound"):
+                raise
+            age = _age_s(s3, bucket, key, now)
+            if age is None:
+                out.skipped[key] = f"no object {key} (nor its manifest) in landing"
+            elif age < manifest_wait_s:
+                out.waiting.append(key)
+            else:
+                out.rejected[key] = ("manifest_missing", f"manifest {mkey} missing {age / 3600:.1f} h after the data "
+                                                         f"(limit {manifest_wait_s / 3600:.1f} h)")
+            continue
+        try:
+            m = BundleManifest.from_json(raw)
+        except BundleError as e:
+            out.rejected[key] = ("unreadable", f"{mkey}: {e}")
+            continue
+        reason, error = manifest_problem(owner, m)
+        if not reason:
+            reason, error = limits_problem(m, len(raw))
+        if reason:
+            out.rejected[key] = (reason, error)
+        else:
+            out.manifests[key] = asdict(m)
     return out
 
 
-def unreadable(key: str, error: str) -> ValidationResult:
-    """The rejection of a bundle whose manifest cannot be read (node and bundle from its key)."""
+def _age_s(s3: S3Client, bucket: str, key: str, now: datetime) -> float | None:
+    """Seconds since the object was written; None when there is no such object."""
+    try:
+        head = s3.head_object(Bucket=bucket, Key=key)
+    except ClientError as e:
+        if error_code(e) in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise
+    return (now - head["LastModified"]).total_seconds()
+
+
+def unreadable(key: str, error: str, reason: str = "unreadable") -> ValidationResult:
+    """The rejection of a bundle whose manifest cannot be used (node and bundle from its key)."""
     node, bundle = quarantine.ids_from_key(key)
     return ValidationResult(bundle_id=bundle, node_id=node, contract="", contract_sha256="", bundle_sha256="", rows=0,
-                            success=False, reason="unreadable", error=error)
+                            success=False, reason=reason, error=error)
 
 
 def validate_landed(
@@ -68,6 +183,11 @@ def validate_landed(
     """Validate one landed bundle: returns the result on success, raises BundleRejected otherwise.
     `validate` is the check itself (default: the GE run shared with concurrent callers)."""
     m = BundleManifest(**manifest)
+    m.check_types()
+    owner = quarantine.ids_from_key(key)
+    reason, error = manifest_problem(owner, m)
+    if reason:  # `read_manifests` sorted these out; checked again because the manifest is a task input
+        raise BundleRejected(unreadable(key, error, reason).to_dict())
     # Announced before the fetch: concurrent validations in this process wait for this one, and
     # one Great Expectations run checks them all.
     with expecting_validation():
@@ -75,7 +195,8 @@ def validate_landed(
         if lb.data is None:
             raise BundleRejected(ValidationResult(
                 bundle_id=m.bundle_id, node_id=m.node_id, contract=m.contract, contract_sha256="",
-                bundle_sha256="", rows=m.row_count, success=False, reason="unreadable", error=lb.error,
+                bundle_sha256="", rows=m.row_count, success=False, reason="too_large" if lb.too_large else "unreadable",
+                error=lb.error,
             ).to_dict())
         _, result = validate(lb.data, m)
     if not result.success:
@@ -116,6 +237,13 @@ def fetch_validated(
         if lb.manifest.sha256 != result.bundle_sha256:
             raise datasets.DatasetError(f"bundle {key} changed since validation ({result.bundle_sha256[:12]} -> "
                                         f"{lb.manifest.sha256[:12]}); rerun validation")
+        reason, error = manifest_problem(quarantine.ids_from_key(key), lb.manifest)
+        if reason or lb.manifest.node_id != result.node_id:
+            # the manifest was rewritten since validation (same bytes, other owner or id): not this run's to
+            # commit; left in landing, the next run validates it again (and quarantines it)
+            log.warning("bundle %s: manifest changed since validation (%s); left for the next run", key,
+                        error or f"node {result.node_id} -> {lb.manifest.node_id}")
+            continue
         items.append(datasets.ValidatedBundle(lb.manifest, read_bundle(lb.data, lb.manifest), result))
     return items
 

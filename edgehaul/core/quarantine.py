@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from botocore.exceptions import ClientError
 
 from edgehaul import events
-from edgehaul.bundles import BundleManifest
+from edgehaul.bundles import BundleManifest, id_problem
 from edgehaul.core.validation import ValidationResult
 from edgehaul.platform.s3_errors import error_code
 
@@ -88,7 +88,11 @@ def quarantine_bundle(
     """
     s3 = s3 or store.client()
     src_bucket, dst_bucket = store.bucket("landing"), store.bucket("quarantine")
-    node, bundle = (manifest.node_id, manifest.bundle_id) if manifest else ids_from_key(data_key)
+    # The landing key says whose bundle it is (a node writes only under its own prefix), never the manifest.
+    node, bundle = ids_from_key(data_key)
+    problem = id_problem(node, bundle)
+    if problem:
+        raise ValueError(f"cannot quarantine {data_key!r}: {problem}")
     prefix = store.key("quarantine", f"{node}/{bundle}/")
     moved = []
     for src in (data_key, manifest_key_for(data_key)):
@@ -115,6 +119,29 @@ def quarantine_bundle(
             **{"edgehaul.node": node},
         )
     return record
+
+
+def duplicates_key(store: ObjectStore, kind: str, node_id: str, bundle_id: str) -> str:
+    return store.key("quarantine", f"_duplicates/{kind}/{node_id}/{bundle_id}.json")
+
+
+def record_duplicates(
+    store: ObjectStore, kind: str, manifest: BundleManifest, sample_ids: list[str], kept_rows: int, *,
+    base_version: int, run_id: str, s3: S3Client | None = None,
+) -> str:
+    """Name the sample ids of a committed bundle that were dropped because the dataset (or an earlier
+    bundle of the same commit) already holds them: a re-sent id is accounted for by this record, not a
+    second row. Written before the commit; rewritten by a retry (the set can only grow). Returns the key."""
+    s3 = s3 or store.client()
+    key = duplicates_key(store, kind, manifest.node_id, manifest.bundle_id)
+    doc = {"bundle_id": manifest.bundle_id, "node_id": manifest.node_id, "kind": kind, "reason": "duplicate",
+           "sample_ids": sample_ids, "kept_rows": kept_rows, "base_version": base_version, "run": run_id,
+           "recorded_at": datetime.now(UTC).isoformat()}
+    s3.put_object(Bucket=store.bucket("quarantine"), Key=key, Body=json.dumps(doc, indent=1).encode(),
+                  ContentType="application/json")
+    log.warning("bundle %s from %s: %d sample ids already in dataset %s (v%d), dropped", manifest.bundle_id[:12],
+                manifest.node_id, len(sample_ids), kind, base_version)
+    return key
 
 
 def read_record(store: ObjectStore, node_id: str, bundle_id: str, *, s3: S3Client | None = None) -> QuarantineRecord:

@@ -30,19 +30,19 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from edgehaul.bundles import BundleError, BundleManifest, check_schema, read_bundle
-from edgehaul.contracts import Contract, ContractError, contract_by_id
+from edgehaul.contracts import Contract, ContractError, ContractInvalid, contract_by_id
 
 log = logging.getLogger(__name__)
 
 # Bump when the checks below change meaning: cached validation results keyed on it go stale.
-VALIDATION_VERSION = "1"
+VALIDATION_VERSION = "2"  # 2: ids, owner, size limits, tensor lengths, finite floats
 
 # Reasons, most specific first; "ok" means the bundle may enter a dataset version.
 SLOT_COLUMN = "__bundle"  # which bundle a row of a batched GE run came from
 
 REASONS = (
-    "ok", "checksum", "unreadable", "unknown_contract", "row_count", "manifest_mismatch",
-    "schema_drift", "expectations", "bundle_error",
+    "ok", "bad_id", "wrong_node", "too_large", "manifest_missing", "checksum", "unreadable", "unknown_contract",
+    "row_count", "manifest_mismatch", "schema_drift", "tensor_length", "non_finite", "expectations", "bundle_error",
 )
 
 
@@ -114,11 +114,12 @@ class _Suite:
         asset = self.context.data_sources.add_pandas("edgehaul").add_dataframe_asset(contract.id)
         self.batch_definition = asset.add_batch_definition_whole_dataframe("bundle")
         suite = gx.ExpectationSuite(name=f"{contract.id}-{contract.sha256[:12]}")
-        for exp in contract.expectations:
+        for i, exp in enumerate(contract.expectations):
             try:
                 suite.add_expectation_configuration(ExpectationConfiguration(type=exp["type"], kwargs=exp["kwargs"]))
             except Exception as e:  # GE raises several types for a bad expectation name/kwargs
-                raise ContractError(f"contract {contract.id}: bad expectation {exp!r}: {e}") from e
+                raise ContractInvalid(f"{contract.source or contract.id}: field expectations[{i}] "
+                                      f"({exp.get('type')}): {type(e).__name__}: {str(e)[:300]}") from e
         self.suite = self.context.suites.add(suite)
         self.columns = sorted({str(e["kwargs"]["column"]) for e in contract.expectations if "column" in e["kwargs"]})
         self.lock = threading.Lock()  # a GE context is not meant for concurrent use
@@ -333,11 +334,56 @@ def _read_lean(data: bytes, manifest: BundleManifest, contract: Contract) -> pa.
     if pf.metadata.num_rows != manifest.row_count:
         raise BundleError(f"bundle {manifest.bundle_id}: {pf.metadata.num_rows} rows, manifest says {manifest.row_count}")
     check_schema(schema, contract)
-    wanted = sorted({*suite_for(contract).columns, "sample_id", "node_id"} & set(schema.names))
+    # + what `row_problems` reads: pixels (for their lengths only: dropped after the check) and the floats
+    wanted = sorted({*suite_for(contract).columns, "sample_id", "node_id", "pixels", "is_summary",
+                     *_float_columns(contract)} & set(schema.names))
     try:
         return pf.read(columns=wanted)
     except (pa.ArrowInvalid, OSError) as e:
         raise BundleError(f"bundle {manifest.bundle_id}: not a readable Parquet file ({e})") from e
+
+
+def _float_columns(contract: Contract) -> list[str]:
+    return [f.name for f in contract.bundle_schema if pa.types.is_floating(f.type)]
+
+
+def _examples(table: pa.Table, mask: pa.ChunkedArray | pa.Array, n: int = 5) -> list[str]:
+    return [str(v) for v in table.column("sample_id").filter(mask).to_pylist()[:n]]
+
+
+def row_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
+    """(reason, error) of the first per-row check that fails, ("", "") when all pass: at most the
+    contract's rows; each full row's `pixels` exactly the contract's tensor (shape x dtype) and a summary
+    row's null; no NaN/inf in a float column the contract does not list in `limits.allow_nonfinite`.
+    Errors give the counts and the first sample ids, so a node's operator can find the rows."""
+    if table.num_rows > contract.max_rows:
+        return "too_large", f"{table.num_rows} rows, contract {contract.id} allows {contract.max_rows}"
+    if "pixels" in table.column_names and "is_summary" in table.column_names:
+        want = contract.sample_nbytes
+        lengths = pc.binary_length(table.column("pixels"))
+        summary = table.column("is_summary")
+        full_bad = pc.and_(pc.invert(summary), pc.fill_null(pc.not_equal(lengths, want), True))
+        summary_bad = pc.and_(summary, pc.is_valid(lengths))
+        bad = pc.or_(full_bad, summary_bad)
+        n_bad = int(pc.sum(bad).as_py() or 0)
+        if n_bad:
+            observed = sorted({str(v) for v in lengths.filter(bad).to_pylist()})[:5]
+            return "tensor_length", (f"{n_bad} rows with pixels not {want} bytes (shape {list(contract.shape)} "
+                                     f"{contract.dtype}; summary rows: none), lengths {observed}, "
+                                     f"e.g. samples {_examples(table, bad)}")
+    problems = []
+    first: list[str] = []
+    for col in _float_columns(contract):
+        if col in contract.allow_nonfinite or col not in table.column_names:
+            continue
+        bad = pc.invert(pc.fill_null(pc.is_finite(table.column(col)), True))
+        n_bad = int(pc.sum(bad).as_py() or 0)
+        if n_bad:
+            problems.append(f"{col}: {n_bad}")
+            first = first or _examples(table, bad)
+    if problems:
+        return "non_finite", f"NaN/inf in {', '.join(problems)} rows, e.g. samples {first}"
+    return "", ""
 
 
 def _prechecks(
@@ -351,6 +397,8 @@ def _prechecks(
     )
     try:
         contract = contract_by_id(manifest.contract)
+    except ContractInvalid:
+        raise  # the contract file is broken, not the bundle: fail loudly, quarantine nothing
     except ContractError as e:
         return None, None, replace(base, reason="unknown_contract", error=str(e),
                                    bundle_sha256=hashlib.sha256(data).hexdigest())
@@ -361,9 +409,18 @@ def _prechecks(
         return contract, None, replace(base, reason=_classify(e), error=str(e),
                                        bundle_sha256=hashlib.sha256(data).hexdigest())
     # past the checksum check: the bytes' sha256 is the manifest's
+    nodes = pc.unique(table.column("node_id")).to_pylist()
+    if nodes != [manifest.node_id]:  # the manifest's node is the landing prefix's (`ingest.manifest_problem`)
+        return contract, table, replace(base, reason="wrong_node", error=f"bundle {manifest.bundle_id} of "
+                                        f"{manifest.node_id}: rows name nodes {[str(n)[:40] for n in nodes[:5]]}")
     mismatch = check_manifest_matches(table, manifest)
     if mismatch:
         return contract, table, replace(base, reason="manifest_mismatch", error=mismatch)
+    reason, error = row_problems(table, contract)
+    if reason:
+        return contract, table, replace(base, reason=reason, error=f"bundle {manifest.bundle_id}: {error}")
+    if not full and "pixels" in table.column_names:
+        table = table.drop_columns(["pixels"])  # read for its lengths only
     return contract, table, replace(base, reason="pending")
 
 
@@ -418,12 +475,8 @@ def validate_bundles(
         out.append((table, res))
     for contract, idx in todo.values():
         tables = [t for t in (out[i][0] for i in idx) if t is not None]
-        try:
-            per_bundle = run_expectations_batch(tables, contract)
-        except ContractError as e:
-            for i in idx:
-                out[i] = (out[i][0], replace(out[i][1], reason="bundle_error", error=str(e)))
-            continue
+        # a ContractInvalid (bad expectation) propagates: the contract is broken, not these bundles
+        per_bundle = run_expectations_batch(tables, contract)
         for i, rows in zip(idx, per_bundle, strict=True):
             table = out[i][0]
             assert table is not None  # `todo` holds only bundles whose table was read

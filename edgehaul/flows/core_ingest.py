@@ -2,7 +2,12 @@
 
 What it does, in order:
 1. takes the landing keys of bundles (`bundle_keys`, e.g. the `key` of `edgehaul.bundle.landed` events) or
-   discovers every complete bundle (manifest present) under the landing `prefix`;
+   discovers every bundle under the landing `prefix`; everything in landing is untrusted input
+   (`edgehaul.core.ingest.read_manifests`): a key that is not `<node>/<day>/<bundle>.parquet` with safe ids is
+   skipped (logged, named); a bundle without its manifest waits (left in landing, reported) until
+   `manifest_wait_s` old; a manifest over its contract's limits (ranged reads, never a whole download),
+   malformed, or naming another node or bundle than the prefix holding it is quarantined. A broken
+   contract (YAML, a field, an unknown expectation) fails the run before anything moves;
 2. validates each bundle (one task run per bundle: checksum, manifest row count and sample ids,
    schema, the contract's Great Expectations suite); the task runs running at once in a worker
    process share one GE run (`edgehaul.core.validation.validate_bundle_batched`), verdicts per bundle;
@@ -38,6 +43,8 @@ from pydantic import BaseModel, Field
 
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
+from edgehaul.contracts import ContractInvalid
+from edgehaul.core.ingest import LandedScan
 from edgehaul.core.validation import ValidationResult
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
@@ -63,6 +70,8 @@ class CoreIngestParams(BaseModel):
     max_bundles: int = Field(default=500, ge=1, le=10_000, description="At most this many bundles per run.")
     lease_s: float = Field(default=900.0, ge=1, le=86_400,
                            description="A claim older than this is presumed dead and taken over.")
+    manifest_wait_s: float = Field(default=24 * 3600.0, ge=0, le=30 * 86_400,
+                                   description="A bundle without its manifest waits this long, then is quarantined.")
     refresh_cache: bool = Field(default=False, description="Re-validate even bundles with a cached result.")
     result_storage: str = Field(default="", description="Result storage block slug (central identities only, e.g. "
                                 "'s3-bucket/edgehaul-core-results'); empty: the worker's default (local) storage.")
@@ -74,10 +83,10 @@ def _full_key(store: ObjectStore, key: str) -> str:
     return key if base and key.startswith(base) else store.key("landing", key)
 
 
-def _rejection(key: str, error: str) -> dict[str, Any]:
+def _rejection(key: str, reason: str, error: str) -> dict[str, Any]:
     from edgehaul.core.ingest import unreadable
 
-    return unreadable(key, error).to_dict()
+    return unreadable(key, error, reason).to_dict()
 
 
 def _artifact_rows(passed: list[ValidationResult], rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,12 +120,19 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
 
     keys = [_full_key(store, k) for k in dict.fromkeys(p.bundle_keys)][: p.max_bundles] if p.bundle_keys else \
         discover_task(store, p.prefix, p.max_bundles)
-    manifests = read_manifests_task(store, keys) if keys else {}
+    # raises ContractInvalid (a broken contract) before anything moves: the run fails, naming file and field
+    scan = read_manifests_task(store, keys, p.manifest_wait_s) if keys else LandedScan()
+    for key, why in scan.skipped.items():
+        logger.warning("core_ingest: skipped %s: %s", key, why)
+    if scan.waiting:
+        logger.info("core_ingest: %d bundles waiting for their manifest (left in landing): %s", len(scan.waiting),
+                    ", ".join(scan.waiting[:20]) + (" ..." if len(scan.waiting) > 20 else ""))
 
-    futures = {k: validate.submit(store, k, m) for k, m in manifests.items() if isinstance(m, dict)}
-    rejected: dict[str, dict[str, Any]] = {k: _rejection(k, m) for k, m in manifests.items() if isinstance(m, str)}
+    futures = {k: validate.submit(store, k, m) for k, m in scan.manifests.items()}
+    rejected: dict[str, dict[str, Any]] = {k: _rejection(k, r, e) for k, (r, e) in scan.rejected.items()}
     passed: dict[str, ValidationResult] = {}
     errors: dict[str, str] = {}
+    broken: list[BaseException] = []
     for key, fut in futures.items():
         fut.wait()
         state = fut.state
@@ -126,10 +142,14 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         exc = state.result(raise_on_failure=False)
         if isinstance(exc, BundleRejected):
             rejected[key] = exc.result
+        elif isinstance(exc, ContractInvalid):
+            broken.append(exc)
         else:  # transport trouble after retries: leave it in landing for the next run
             errors[key] = str(exc)[:300]
+    if broken:  # the contract changed under the run: fail before quarantining anything
+        raise broken[0]
 
-    usable = {k: m for k, m in manifests.items() if isinstance(m, dict)}
+    usable = scan.manifests
     q_futures = [quarantine_task.submit(store, k, r, usable.get(k)) for k, r in rejected.items()]
     quarantined = [f.result() for f in q_futures]
 
@@ -158,6 +178,8 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     summary = {
         "bundles": len(keys),
         "valid": len(passed),
+        "waiting": scan.waiting,
+        "skipped": scan.skipped,
         "quarantined": [{"bundle_id": q["bundle_id"], "reason": q["reason"], "prefix": q["quarantine_prefix"],
                          "samples": len(q["sample_ids"])} for q in quarantined],
         "errors": errors,
@@ -166,8 +188,9 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     }
     deferred = sorted(b for c in commits for b in c.deferred)
     summary["deferred"] = deferred
-    logger.info("core_ingest: %d bundles, %d valid, %d quarantined, %d errors, %d deferred; versions %s", len(keys),
-                len(passed), len(quarantined), len(errors), len(deferred), summary["versions"])
+    logger.info("core_ingest: %d bundles, %d valid, %d quarantined, %d waiting, %d skipped, %d errors, %d deferred; "
+                "versions %s", len(keys), len(passed), len(quarantined), len(scan.waiting), len(scan.skipped),
+                len(errors), len(deferred), summary["versions"])
     if deferred:
         # Left in landing for the next run (another live run holds their claims); said, never silent.
         logger.warning("core_ingest: %d bundles deferred (claimed by another live run, retried by the next run): %s",

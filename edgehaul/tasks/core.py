@@ -49,15 +49,17 @@ CORE_CACHE_VERSION = "core-2"  # bump to invalidate every cached validation / co
 @task(name="core-discover", **IO_RETRY,
       cache_policy=NO_CACHE)
 def discover_task(store: ObjectStore, prefix: str, limit: int) -> list[str]:
-    """Landing keys of complete bundles (manifest present) under `prefix`, oldest day first."""
-    return landed.complete_bundles(store, prefix)[:limit]
+    """Landing keys of complete bundles (manifest present) under `prefix`, oldest day first, then those
+    still without a manifest (reported as waiting, quarantined once past the wait limit)."""
+    complete, incomplete = landed.discover(store, prefix)
+    return [*complete, *incomplete][:limit]
 
 
 @task(name="core-read-manifests", **IO_RETRY,
       cache_policy=NO_CACHE)
-def read_manifests_task(store: ObjectStore, keys: list[str]) -> dict[str, dict[str, Any] | str]:
-    """key -> manifest (as a dict), or an error string for a missing or malformed manifest."""
-    return ingest.read_manifests(store, keys)
+def read_manifests_task(store: ObjectStore, keys: list[str], manifest_wait_s: float) -> ingest.LandedScan:
+    """Each key's manifest, rejection, wait or skip (see `ingest.read_manifests`)."""
+    return ingest.read_manifests(store, keys, manifest_wait_s=manifest_wait_s)
 
 
 # ---------------------------------------------------------------- validation

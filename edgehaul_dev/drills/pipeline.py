@@ -120,9 +120,9 @@ def validate_landed(store: ObjectStore, s3: Any, keys: Sequence[str] | None = No
     bundle and quarantine the rejected ones. Returns key -> result of the bundles that passed; a
     bundle whose check failed for another reason (transport) stays in landing for the next run."""
     keys = list(keys) if keys is not None else landed.complete_bundles(store, s3=s3)
-    manifests = ingest.read_manifests(store, keys, s3=s3) if keys else {}
-    usable = {k: m for k, m in manifests.items() if isinstance(m, dict)}
-    rejected = {k: ingest.unreadable(k, m).to_dict() for k, m in manifests.items() if isinstance(m, str)}
+    scan = ingest.read_manifests(store, keys, s3=s3) if keys else ingest.LandedScan()
+    usable = scan.manifests  # waiting and skipped keys stay in landing, as the flow leaves them
+    rejected = {k: ingest.unreadable(k, e, r).to_dict() for k, (r, e) in scan.rejected.items()}
     passed: dict[str, ValidationResult] = {}
     # One thread per bundle, like the flow's submitted task runs: misses share one GE run.
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(usable)))) as pool:
