@@ -35,7 +35,7 @@ from edgehaul.platform.caching import CORE_RESULTS_FOLDER, EDGE_RESULTS_DIR, cor
 from edgehaul.tasks.core import landed_etag, validation_key
 from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
-from tests.conftest import store_for
+from tests.conftest import api_auth, store_for
 
 CONTRACT = load_contract("landsat_patch")
 
@@ -97,7 +97,7 @@ def _block_documents(api: str) -> dict[str, tuple[Any, ...]]:
     for anonymous in (False, True):
         offset = 0
         while True:
-            r = httpx.post(f"{api}/block_documents/filter", timeout=30, json={
+            r = httpx.post(f"{api}/block_documents/filter", timeout=30, auth=api_auth(), json={
                 "block_documents": {"is_anonymous": {"eq_": anonymous}}, "offset": offset, "limit": 200})
             r.raise_for_status()
             page = r.json()
