@@ -37,6 +37,7 @@ from edgehaul.uplink.pass_plan import (
 from edgehaul.uplink.transfer import Drainer, Uplink
 from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
+from tests.conftest import api_auth
 from tests.doubles import MemorySource
 
 T0 = datetime(2026, 12, 4, 10, 0, tzinfo=UTC)
@@ -289,7 +290,7 @@ def test_drain_by_plan_sends_the_planned_bundles_and_leaves_the_rest_spooled(
     (nxt,) = metrics["later_passes"]
     assert nxt["planned_bundles"] == len(items) - len(planned)
     arts = httpx.post(f"{stack.prefect_api_url}/artifacts/filter",
-                      json={"artifacts": {"key": {"any_": [f"uplink-{node_id}"]}}}, timeout=10).json()
+                      json={"artifacts": {"key": {"any_": [f"uplink-{node_id}"]}}}, timeout=10, auth=api_auth()).json()
     assert arts and any(r["metric"] == "pass sent_bytes" for r in _table_rows(arts[0]))
     spool.close()
 
