@@ -1,0 +1,115 @@
+"""Durable, ordered outbox of the events an edge node raises (issue #18 item 2, part 1).
+
+While the central Prefect API is out of reach, events are appended here instead of being lost;
+a forwarder (not yet written) sends them in sequence order and deletes them only after a 2xx.
+
+Storage: SQLite in the node's state dir, WAL + synchronous=FULL like the spool's ledger, so a
+committed append survives kill -9. ``seq`` is an AUTOINCREMENT key, hence strictly increasing
+and never reused, even after the newest rows were deleted.
+
+Cap: at most ``cap`` rows. When full, the oldest row of the lowest priority present is dropped
+first (stats/summaries before alerts; among alerts level 3 before 2 before 1), and every drop is
+counted per event name in ``dropped`` so the loss is accounted for, never silent.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+# Lower number = more important = dropped last. Alerts carry their level (1 most severe).
+PRIO_ALERT_L1 = 1
+PRIO_ALERT_L2 = 2
+PRIO_ALERT_L3 = 3
+PRIO_STATS = 9
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEvent:
+    seq: int
+    node_id: str
+    event: str
+    occurred: datetime
+    priority: int
+    payload: dict[str, Any]
+
+
+class Outbox:
+    def __init__(self, path: Path, node_id: str, *, cap: int = 10_000) -> None:
+        if cap < 1:
+            raise ValueError(f"outbox cap must be >= 1, got {cap} for {path}")
+        self.path = Path(path)
+        self.node_id = node_id
+        self.cap = cap
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL,"
+            " event TEXT NOT NULL, occurred TEXT NOT NULL, priority INTEGER NOT NULL, payload TEXT NOT NULL)"
+        )
+        self._db.execute("CREATE TABLE IF NOT EXISTS dropped (event TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+
+    def append(
+        self, event: str, payload: dict[str, Any], *, priority: int = PRIO_STATS, occurred: datetime | None = None
+    ) -> int:
+        """Append one event; returns its sequence number. Drops by priority if the cap is reached."""
+        when = (occurred or datetime.now(UTC)).isoformat()
+        body = json.dumps(payload, sort_keys=True, default=str)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                (n,) = self._db.execute("SELECT COUNT(*) FROM outbox").fetchone()
+                for _ in range(n - self.cap + 1):
+                    # Oldest row among the least important priority present.
+                    seq, name = self._db.execute(
+                        "SELECT seq, event FROM outbox ORDER BY priority DESC, seq ASC LIMIT 1"
+                    ).fetchone()
+                    self._db.execute("DELETE FROM outbox WHERE seq = ?", (seq,))
+                    self._db.execute(
+                        "INSERT INTO dropped(event, n) VALUES (?, 1) ON CONFLICT(event) DO UPDATE SET n = n + 1",
+                        (name,),
+                    )
+                cur = self._db.execute(
+                    "INSERT INTO outbox(node_id, event, occurred, priority, payload) VALUES (?, ?, ?, ?, ?)",
+                    (self.node_id, event, when, priority, body),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def peek(self, limit: int) -> list[OutboxEvent]:
+        """The oldest ``limit`` events in sequence order, left in place."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, node_id, event, occurred, priority, payload FROM outbox ORDER BY seq LIMIT ?", (limit,)
+            ).fetchall()
+        return [OutboxEvent(s, nd, e, datetime.fromisoformat(o), p, json.loads(b)) for s, nd, e, o, p, b in rows]
+
+    def ack(self, upto_seq: int) -> int:
+        """Delete every event with seq <= upto_seq (after the gateway's 2xx); returns how many."""
+        with self._lock:
+            cur = self._db.execute("DELETE FROM outbox WHERE seq <= ?", (upto_seq,))
+        return cur.rowcount
+
+    def __len__(self) -> int:
+        with self._lock:
+            (n,) = self._db.execute("SELECT COUNT(*) FROM outbox").fetchone()
+        return int(n)
+
+    def dropped(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._db.execute("SELECT event, n FROM dropped").fetchall())
+
+    def close(self) -> None:
+        self._db.close()
