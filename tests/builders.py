@@ -6,6 +6,8 @@ depend on each other's internals. Rows come from real Landsat patches via the ge
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pyarrow as pa
 
@@ -14,6 +16,9 @@ from edgehaul.contracts import Contract, load_contract
 from edgehaul.edge.landsat import generate, table_sha256
 from edgehaul.edge.preprocess import preprocess
 from edgehaul.edge.scoring import NoveltyScorer
+
+if TYPE_CHECKING:
+    from edgehaul.blocks import ObjectStore
 
 
 def processed_rows(
@@ -34,3 +39,13 @@ def processed_rows(
 def bundle(n: int, node_id: str = "node-a", *, seed: int = 0, start_seq: int = 0) -> tuple[bytes, BundleManifest]:
     contract = load_contract("landsat_patch")
     return write_bundle(processed_rows(n, node_id, seed=seed, start_seq=start_seq), contract, tier="normal")
+
+
+def land(store: ObjectStore, data: bytes, m: BundleManifest, manifest_body: bytes | None = None) -> str:
+    """Put a bundle and its manifest (or `manifest_body`) in the landing zone as a node would; returns the key."""
+    s3 = store.client()
+    key = store.key("landing", m.object_key)
+    s3.put_object(Bucket=store.bucket("landing"), Key=key, Body=data)
+    s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.manifest_key),
+                  Body=m.to_json() if manifest_body is None else manifest_body)
+    return key

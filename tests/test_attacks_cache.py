@@ -34,7 +34,7 @@ from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
 from edgehaul.platform.caching import CORE_RESULTS_FOLDER, EDGE_RESULTS_DIR, core_result_storage_block
 from edgehaul.tasks.core import landed_etag, validation_key
 from edgehaul_dev import localstack
-from tests.builders import bundle, processed_rows
+from tests.builders import bundle, land, processed_rows
 from tests.conftest import api_auth, store_for
 
 CONTRACT = load_contract("landsat_patch")
@@ -72,14 +72,6 @@ def _scaled_bundle(node: str, seed: int) -> tuple[bytes, BundleManifest]:
     for name in CONTRACT.feature_columns:
         t = t.set_column(t.schema.get_field_index(name), name, pc.multiply(t.column(name), pa.scalar(255.0, pa.float32())))
     return write_bundle(t, CONTRACT, tier="normal")
-
-
-def _put(store: ObjectStore, data: bytes, m: BundleManifest) -> str:
-    s3 = store.client()
-    key = store.key("landing", m.object_key)
-    s3.put_object(Bucket=store.bucket("landing"), Key=key, Body=data)
-    s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.manifest_key), Body=m.to_json())
-    return key
 
 
 def _central(stack: localstack.StackState, tag: str) -> tuple[ObjectStore, str, str]:
@@ -149,7 +141,7 @@ def test_forged_cache_record_runs_no_code_and_the_bundle_is_validated_for_real(
     ingest, block, results = _central(stack, tag)
     admin = store_for(stack, prefix=f"t-{tag}")
     data, m = _scaled_bundle(node, seed=31)
-    key = _put(admin, data, m)  # the node's upload (under the test's prefix, so the admin puts it)
+    key = land(admin, data, m)  # the node's upload (under the test's prefix, so the admin puts it)
 
     # The attacker computes the entry core_ingest will look up (public inputs + the ETag it can HEAD too).
     entry = validation_key(m.sha256, f"edgehaul-landing/{key}", landed_etag(ingest, key), CONTRACT.sha256)
@@ -188,7 +180,7 @@ def test_a_cached_validation_is_bound_to_the_landed_bytes_not_to_the_manifest(st
     _, block, results = _central(stack, tag)
     admin = store_for(stack, prefix=f"t-{tag}")
     data, m = bundle(30, _nodes(stack)[0], seed=21)
-    key = _put(admin, data, m)
+    key = land(admin, data, m)
     first = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[key], result_storage=results))
     assert first["valid"] == 1 and first["versions"] == {CONTRACT.kind: 1}
     swapped = data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:]
@@ -210,13 +202,13 @@ def test_flows_save_no_block_and_cached_results_are_json(stack: localstack.Stack
     admin = store_for(stack, prefix=f"t-{tag}")
     node = _nodes(stack)[0]
     good = [bundle(30, node, seed=41), bundle(20, node, seed=42, start_seq=100)]
-    keys = [_put(admin, d, m) for d, m in good]
+    keys = [land(admin, d, m) for d, m in good]
     before = _block_documents(stack.prefect_api_url)
 
     summary = core_ingest(CoreIngestParams(store_block=block, bundle_keys=keys, result_storage=results))
     assert summary["valid"] == 2 and summary["versions"] == {CONTRACT.kind: 1}
     d, m = bundle(10, node, seed=43, start_seq=200)
-    core_ingest(CoreIngestParams(store_block=block, bundle_keys=[_put(admin, d, m)], result_storage=results))
+    core_ingest(CoreIngestParams(store_block=block, bundle_keys=[land(admin, d, m)], result_storage=results))
     compacted = compact_dataset(CompactDatasetParams(store_block=block, kind=CONTRACT.kind, result_storage=results))
     assert compacted["files_removed"] >= 2
     # and with no result storage named (on main this path saved the shared results block with ingest's keys)

@@ -21,26 +21,17 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 
 from edgehaul.blocks import ObjectStore
-from edgehaul.bundles import BundleManifest, write_bundle
+from edgehaul.bundles import write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.core.datasets import content_sha256, lineage, open_table, read_version
 from edgehaul.core.quarantine import read_record
 from edgehaul.core.validation import batching_stats
 from edgehaul.flows.compact_dataset import CompactDatasetParams, compact_dataset
 from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
-from tests.builders import bundle, processed_rows
+from tests.builders import bundle, land, processed_rows
 
 CONTRACT = load_contract("landsat_patch")
 pytestmark = pytest.mark.integration
-
-
-def _put(store: ObjectStore, data: bytes, m: BundleManifest, manifest_body: bytes | None = None) -> str:
-    s3 = store.client()
-    key = store.key("landing", m.object_key)
-    s3.put_object(Bucket=store.bucket("landing"), Key=key, Body=data)
-    s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.manifest_key),
-                  Body=m.to_json() if manifest_body is None else manifest_body)
-    return key
 
 
 def _keys(store: ObjectStore, zone: Any) -> set[str]:
@@ -81,19 +72,19 @@ def _run(params: Any, flow: Any) -> tuple[dict[str, Any], Any]:
 
 def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store: ObjectStore, block: str) -> None:
     good = [bundle(40, "node-a", seed=1), bundle(30, "node-a", seed=2, start_seq=100), bundle(20, "node-b", seed=3)]
-    good_keys = [_put(store, d, m) for d, m in good]
+    good_keys = [land(store, d, m) for d, m in good]
     # wrong scale: features computed from raw counts (x255)
     t = processed_rows(25, "node-b", seed=4, start_seq=200)
     for name in CONTRACT.feature_columns:
         t = t.set_column(t.schema.get_field_index(name), name, pc.multiply(t.column(name), pa.scalar(255.0, pa.float32())))
     scaled, scaled_m = write_bundle(t, CONTRACT, tier="normal")
-    _put(store, scaled, scaled_m)
+    land(store, scaled, scaled_m)
     # corrupted in flight / at rest
     d, corrupt_m = bundle(15, "node-a", seed=5, start_seq=300)
-    _put(store, d[:100] + bytes(b ^ 0xFF for b in d[100:200]) + d[200:], corrupt_m)
+    land(store, d[:100] + bytes(b ^ 0xFF for b in d[100:200]) + d[200:], corrupt_m)
     # unknown contract version
     d, unknown_m = bundle(10, "node-b", seed=6, start_seq=400)
-    _put(store, d, replace(unknown_m, contract="landsat_patch.v7"))
+    land(store, d, replace(unknown_m, contract="landsat_patch.v7"))
     # still uploading: data without a manifest is not a bundle yet
     d, partial_m = bundle(10, "node-a", seed=7, start_seq=500)
     store.client().put_object(Bucket=store.bucket("landing"), Key=store.key("landing", partial_m.object_key), Body=d)
@@ -167,7 +158,7 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
 def test_compact_dataset_flow_keeps_versions_and_caches_on_its_file_set(store: ObjectStore, block: str) -> None:
     for seed in range(3):
         d, m = bundle(20, "node-a", seed=10 + seed, start_seq=seed * 100)
-        core_ingest(CoreIngestParams(store_block=block, bundle_keys=[_put(store, d, m)]))
+        core_ingest(CoreIngestParams(store_block=block, bundle_keys=[land(store, d, m)]))
     versions = {v: content_sha256(read_version(store, "landsat_patch", v)) for v in (1, 2, 3)}
     params = CompactDatasetParams(store_block=block, target_size_mb=32)
     r1, _ = _run(params, compact_dataset)

@@ -15,24 +15,16 @@ import pytest
 
 from edgehaul import cli
 from edgehaul.blocks import ObjectStore
-from edgehaul.bundles import BundleManifest, write_bundle
+from edgehaul.bundles import write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.core import quarantine
 from edgehaul.core.datasets import read_version
 from edgehaul.core.validation import ValidationResult
 from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
-from tests.builders import bundle, processed_rows
+from tests.builders import bundle, land, processed_rows
 
 CONTRACT = load_contract("landsat_patch")
 pytestmark = pytest.mark.integration
-
-
-def _put(store: ObjectStore, data: bytes, m: BundleManifest) -> str:
-    s3 = store.client()
-    key = store.key("landing", m.object_key)
-    s3.put_object(Bucket=store.bucket("landing"), Key=key, Body=data)
-    s3.put_object(Bucket=store.bucket("landing"), Key=store.key("landing", m.manifest_key), Body=m.to_json())
-    return key
 
 
 def _objects(store: ObjectStore) -> dict[tuple[str, str], str]:
@@ -51,12 +43,12 @@ def test_list_and_readmit_quarantined_bundles_through_the_cli(store: ObjectStore
     block = f"q-{uuid.uuid4().hex[:10]}"
     store.save(block, overwrite=True)
     good_data, good = bundle(30, "node-a", seed=51)
-    good_key = _put(store, good_data, good)
+    good_key = land(store, good_data, good)
     t = processed_rows(20, "node-b", seed=52, start_seq=100)
     for name in CONTRACT.feature_columns:  # features at x255: validation rejects them, every time
         t = t.set_column(t.schema.get_field_index(name), name, pc.multiply(t.column(name), pa.scalar(255.0, pa.float32())))
     bad_data, bad = write_bundle(t, CONTRACT, tier="normal")
-    _put(store, bad_data, bad)
+    land(store, bad_data, bad)
     # a good bundle held back by a forced reason (the false positive an operator fixes), a bad one by validation
     hold = ValidationResult(bundle_id=good.bundle_id, node_id="node-a", contract=good.contract, contract_sha256="",
                             bundle_sha256=good.sha256, rows=good.row_count, success=False, reason="operator-hold",
@@ -117,7 +109,7 @@ def test_readmit_refuses_without_a_reason(store: ObjectStore) -> None:
 
 def test_readmit_of_a_bundle_whose_objects_left_quarantine_names_them_and_changes_nothing(store: ObjectStore) -> None:
     data, m = bundle(10, "node-a", seed=61)
-    key = _put(store, data, m)
+    key = land(store, data, m)
     hold = ValidationResult(bundle_id=m.bundle_id, node_id="node-a", contract=m.contract, contract_sha256="",
                             bundle_sha256=m.sha256, rows=m.row_count, success=False, reason="operator-hold")
     rec = quarantine.quarantine_bundle(store, key, hold, m, emit_event=False)
