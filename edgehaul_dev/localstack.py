@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from edgehaul.blocks.object_store import write_credentials_file
+from edgehaul.platform.private_files import write_private
 from edgehaul.platform.settings import get_settings
 from edgehaul_dev.settings import dev_settings
 
@@ -145,7 +146,7 @@ class StackState:
     def save(self) -> None:
         path = Path(self.root) / "state.json"
         data = asdict(self)
-        _write_private(path, json.dumps(data, indent=2))
+        write_private(path, json.dumps(data, indent=2))
 
     @classmethod
     def load(cls, root: Path) -> StackState | None:
@@ -155,16 +156,6 @@ class StackState:
         data = json.loads(path.read_text())
         data["identities"] = {k: Credentials(**v) for k, v in data["identities"].items()}
         return cls(**data)
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Replace `path` with `text`, 0600 from its first byte (never briefly readable by others)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    tmp.replace(path)
 
 
 WEED_JWT_VARS = ("WEED_JWT_SIGNING_KEY", "WEED_JWT_SIGNING_READ_KEY",  # master -> volume writes / reads
@@ -425,7 +416,7 @@ def start_s3(state: StackState) -> None:
     (d / "logs").mkdir(parents=True, exist_ok=True)
     cfg = d / "s3.json"
     nodes = [k for k in state.identities if k not in ROLES]
-    _write_private(cfg, json.dumps(identities_config(state.identities, nodes)))
+    write_private(cfg, json.dumps(identities_config(state.identities, nodes)))
     if not state.weed_jwt:  # a stack created before the keys existed
         state.weed_jwt = new_weed_jwt()
         state.save()
@@ -690,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.root / "gateway.url").exists():
             exports.append(f"export EDGEHAUL_GATEWAY_URL={(args.root / 'gateway.url').read_text().strip()}")
         if args.env_file:  # it holds the admin key and the API auth string: owner-only
-            _write_private(args.env_file, "\n".join(exports) + "\n")
+            write_private(args.env_file, "\n".join(exports) + "\n")
             print(f"env: {args.env_file} (0600)", file=sys.stderr)
         else:
             print("\n".join(exports))

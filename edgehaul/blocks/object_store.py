@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import configparser
+import io
 import json
-import os
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from edgehaul.platform.private_files import write_private
 from edgehaul.platform.s3_errors import CLIENT_MAX_ATTEMPTS
 from edgehaul.platform.settings import get_settings
 
@@ -78,12 +79,9 @@ def write_credentials_file(path: Path, profile: str, access_key_id: str, secret_
         ini.read_string(path.read_text(), source=str(path))
     ini[profile] = {"aws_access_key_id": access_key_id, "aws_secret_access_key": secret_access_key}
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        ini.write(f)
-    tmp.replace(path)
+    text = io.StringIO()
+    ini.write(text)
+    write_private(path, text.getvalue())
     return path
 
 

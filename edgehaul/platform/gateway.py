@@ -77,6 +77,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from edgehaul import events
+from edgehaul.platform.private_files import write_private
 from edgehaul.platform.settings import Settings, get_settings
 
 log = logging.getLogger("edgehaul.platform.gateway")
@@ -768,11 +769,7 @@ def write_senders(path: Path, senders: dict[str, dict[str, Any]]) -> None:
     """Write a senders file (mode 0600, atomically), validating it first."""
     doc = {"senders": senders}
     parse_senders(doc)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-    os.replace(tmp, path)
+    write_private(path, json.dumps(doc, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
