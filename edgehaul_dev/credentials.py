@@ -8,7 +8,8 @@ downtime): the old key is refused from then on. The edge spool is never touched:
 stay on disk and the next uplink drain sends them with the new key (an upload cut by the switch is
 retried from the spool). The new key is printed only as the name of the file that holds it, never
 on stdout or in a log. A node's key is also rewritten into the node's 0600 credentials file
-(`StackState.node_credentials_file`), which its ObjectStore block names: the node's next client uses it.
+(`StackState.node_credentials_file`), which its ObjectStore block names: the node's next client uses it;
+a central role's into the central credentials file (`StackState.central_credentials_file`), likewise.
 
 On AWS the same operation is `aws iam create-access-key` / `update-access-key --status Inactive` /
 `delete-access-key` for the node's user (see infra/iam/README.md).
@@ -72,6 +73,8 @@ def rotate(root: Path, identity: str, *, timeout: float = 30) -> Credentials:
     state.save()
     if identity in nodes:
         state.write_node_credentials()
+    else:  # a central role's block names the central file: its next client reads the new key
+        state.write_central_credentials()
     pid = localstack._read_pid(Path(state.root), "seaweedfs")
     if pid is None:
         # not running: the new s3.json is read at the next start
