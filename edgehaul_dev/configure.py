@@ -2,10 +2,10 @@
 
 Each role gets its own ObjectStore block with its own least-privilege identity, named as in
 `edgehaul.platform.roles`: one per node (own landing prefix), `ingest`, `trainer`, `lifecycle`, and
-`central` (operator/admin, by hand only). Central keys come from the stack's state file and are stored
-as SecretStr in Prefect (encrypted at rest, readable only with the API auth string). A node's block
-holds no key: only the path of the node's 0600 credentials file (`StackState.node_credentials_file`),
-which `blocks apply` (re)writes from the state file. See docs/SECURITY.md.
+`central` (operator/admin, by hand only). No block holds a key: a role's block names the stack's central
+0600 credentials file (`StackState.central_credentials_file`, one profile per role), a node's block the
+node's own (`StackState.node_credentials_file`); `blocks apply` (re)writes both from the state file.
+See docs/SECURITY.md.
 
     python -m edgehaul_dev.configure          # against $PREFECT_API_URL, stack in $EDGEHAUL_STACK_DIR
 """
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 # role block name -> stack identity
 STORE_BLOCKS = {b.value: b.identity for b in StoreBlock}
+ROLE_OF_IDENTITY = {b.identity: b.value for b in StoreBlock}
 
 
 def register_block_types() -> None:
@@ -38,17 +39,14 @@ def register_block_types() -> None:
     )
 
 
-def store_block(state: localstack.StackState, identity: str) -> ObjectStore:
-    """The store of a role with its keys in the block; a node's store reads its credentials file."""
+def store_block(state: localstack.StackState, identity: str, prefix: str = "") -> ObjectStore:
+    """The store of a stack identity, holding no key: a role's reads the central credentials file (profile =
+    its block name), a node's its own file."""
     if identity not in localstack.ROLES:
         return ObjectStore(endpoint_url=state.s3_endpoint, credentials_file=str(state.node_credentials_file(identity)),
-                           profile=identity)
-    c = state.identities[identity]
-    return ObjectStore(
-        endpoint_url=state.s3_endpoint,
-        access_key_id=SecretStr(c.access_key_id),
-        secret_access_key=SecretStr(c.secret_access_key),
-    )
+                           profile=identity, prefix=prefix)
+    return ObjectStore(endpoint_url=state.s3_endpoint, credentials_file=str(state.central_credentials_file()),
+                       profile=ROLE_OF_IDENTITY[identity], prefix=prefix)
 
 
 def setup_of(state: localstack.StackState, *, team: str = "geo") -> Setup:
@@ -61,6 +59,7 @@ def setup_of(state: localstack.StackState, *, team: str = "geo") -> Setup:
     root = Path(state.root)
     return Setup(
         store=StoreSpec(endpoint_url=state.s3_endpoint),
+        central_credentials_file=str(state.central_credentials_file()),
         identities={**{name: keys(identity) for name, identity in STORE_BLOCKS.items()}, **{n: keys(n) for n in nodes}},
         nodes=[NodeSpec(node_id=n, team=team, node_group="edge-default", spool_dir=str(root / "edge" / n / "spool"),
                         spool_cap_bytes=512 * 1024**2, credentials_file=str(state.node_credentials_file(n)))

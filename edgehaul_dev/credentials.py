@@ -8,7 +8,8 @@ downtime): the old key is refused from then on. The edge spool is never touched:
 stay on disk and the next uplink drain sends them with the new key (an upload cut by the switch is
 retried from the spool). The new key is printed only as the name of the file that holds it, never
 on stdout or in a log. A node's key is also rewritten into the node's 0600 credentials file
-(`StackState.node_credentials_file`), which its ObjectStore block names: the node's next client uses it.
+(`StackState.node_credentials_file`), which its ObjectStore block names: the node's next client uses it;
+a central role's into the central credentials file (`StackState.central_credentials_file`), likewise.
 
 On AWS the same operation is `aws iam create-access-key` / `update-access-key --status Inactive` /
 `delete-access-key` for the node's user (see infra/iam/README.md).
@@ -26,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from edgehaul.platform.private_files import write_private
 from edgehaul_dev import localstack
 from edgehaul_dev.localstack import Credentials, StackState
 
@@ -47,13 +49,6 @@ def spool_digest(spool: Path) -> dict[str, str]:
     }
 
 
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
-
-
 def rotate(root: Path, identity: str, *, timeout: float = 30) -> Credentials:
     """Give `identity` a new key on the stack at `root`; the old one stops working. Returns the new key."""
     state = StackState.load(root)
@@ -68,10 +63,12 @@ def rotate(root: Path, identity: str, *, timeout: float = 30) -> Credentials:
     state.identities[identity] = new
     nodes = [k for k in state.identities if k not in localstack.ROLES]
     cfg = Path(state.root) / "seaweedfs" / "s3.json"
-    _write_private(cfg, json.dumps(localstack.identities_config(state.identities, nodes)))
+    write_private(cfg, json.dumps(localstack.identities_config(state.identities, nodes)))
     state.save()
     if identity in nodes:
         state.write_node_credentials()
+    else:  # a central role's block names the central file: its next client reads the new key
+        state.write_central_credentials()
     pid = localstack._read_pid(Path(state.root), "seaweedfs")
     if pid is None:
         # not running: the new s3.json is read at the next start

@@ -180,7 +180,7 @@ def default_alert_target() -> tuple[str, str | None]:
     if state is None:
         raise RuntimeError("no alert receiver: set EDGEHAUL_ALERT_WEBHOOK_URL or run 'make up' first")
     base = localstack.start_gateway(state)
-    return f"{base}/alerts", gateway.alert_token(gateway.load_secret())
+    return f"{base}/alerts", gateway.alert_token(gateway.load_secret(Path(state.root) / "gateway"))
 
 
 def start_workers(pools: list[str], root: Path | None = None) -> int:

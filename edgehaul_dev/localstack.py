@@ -17,7 +17,8 @@ Closed by default (docs/SECURITY.md): the Prefect API asks for the stack's auth 
 (PREFECT_SERVER_API_AUTH_STRING; clients send PREFECT_API_AUTH_STRING, which `env()` includes);
 SeaweedFS's filer and volume HTTP ports refuse unsigned reads and writes (JWT signing keys passed in its
 environment, never in a file); each edge node's S3 keys live in a 0600 file in the node's folder
-(`node_credentials_file`), never in a block; the stack folder, the Prefect home and every file the servers
+(`node_credentials_file`), the central roles' keys in `<root>/central/s3-credentials` (0600, one profile per
+role), never in a block; the stack folder, the Prefect home and every file the servers
 create are owner-only (umask 077).
     python -m edgehaul_dev.localstack health
     python -m edgehaul_dev.localstack down
@@ -46,6 +47,7 @@ from pathlib import Path
 
 from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.private_files import write_private
+from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.settings import get_settings
 from edgehaul_dev.settings import dev_settings
 
@@ -125,6 +127,17 @@ class StackState:
         """The 0600 file that holds `node`'s S3 keys (profile = the node id), beside its spool."""
         return Path(self.root) / "edge" / node / "s3-credentials"
 
+    def central_credentials_file(self) -> Path:
+        """The 0600 file that holds the central roles' S3 keys (profile = the role's block name)."""
+        return Path(self.root) / "central" / "s3-credentials"
+
+    def write_central_credentials(self) -> Path:
+        path = self.central_credentials_file()
+        for role in StoreBlock:
+            c = self.identities[role.identity]
+            write_credentials_file(path, role.value, c.access_key_id, c.secret_access_key)
+        return path
+
     def write_node_credentials(self) -> list[Path]:
         return [write_credentials_file(self.node_credentials_file(n), n, c.access_key_id, c.secret_access_key)
                 for n, c in self.identities.items() if n not in ROLES]
@@ -138,6 +151,8 @@ class StackState:
             "AWS_ACCESS_KEY_ID": admin.access_key_id,
             "AWS_SECRET_ACCESS_KEY": admin.secret_access_key,
             "AWS_DEFAULT_REGION": "us-east-1",
+            # the central results block names the `ingest` profile and no key: boto3 finds it here
+            "AWS_SHARED_CREDENTIALS_FILE": str(self.central_credentials_file()),
         }
         if self.api_auth_string:
             env["PREFECT_API_AUTH_STRING"] = self.api_auth_string
@@ -544,7 +559,7 @@ def start_gateway(state: StackState, port: int | None = None) -> str:
     """Start the webhook gateway (edgehaul.platform.gateway) against this stack; return its base URL.
 
     Its senders file and SQLite state live in <root>/gateway/ (`gateway_sender` gives the local sender's
-    key); its own secret (the /alerts token) in the Prefect Secret block `edgehaul-gateway-hmac` (created,
+    key); its own secret (the /alerts token) in <root>/gateway/gateway-secret (0600, created,
     random, if missing); the URL is kept in <root>/gateway.url.
     """
     root = Path(state.root)
@@ -606,6 +621,7 @@ def up(root: Path = DEFAULT_ROOT, *, fixed_ports: bool = True, api_auth: bool = 
             raise RuntimeError(f"the Prefect server of {root} runs without API auth: stop the stack first (make down)")
         state.api_auth_string = f"edgehaul:{secrets.token_urlsafe(16)}"
     state.save()
+    state.write_central_credentials()
     state.write_node_credentials()
     start_s3(state)
     for attempt in range(3):

@@ -17,10 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr
 
 from edgehaul.blocks import ObjectStore
-from edgehaul_dev import localstack
+from edgehaul_dev import configure, localstack
 from tests.s3_quirk_proxy import MODES, QuirkProxy
 
 
@@ -59,13 +58,8 @@ def api_auth() -> tuple[str, str] | None:
 
 
 def store_for(state: localstack.StackState, role: str = "admin", prefix: str = "") -> ObjectStore:
-    c = state.identities[role]
-    return ObjectStore(
-        endpoint_url=state.s3_endpoint,
-        access_key_id=SecretStr(c.access_key_id),
-        secret_access_key=SecretStr(c.secret_access_key),
-        prefix=prefix,
-    )
+    """A stack identity's store, holding no key (the stack's 0600 credentials files): tests may save it."""
+    return configure.store_block(state, role, prefix)
 
 
 @pytest.fixture

@@ -292,3 +292,120 @@ def test_blocks_apply_puts_a_nodes_keys_in_its_file_never_in_its_block(tmp_path:
     with pytest.raises(ValueError, match="node-z: neither a role nor a node"):
         Setup.model_validate({**setup.model_dump(mode="json"), "identities": {
             **{r: keys for r in ("central", "ingest", "trainer", "lifecycle")}, "node-z": keys}})
+
+
+def _every_block_document(api: str) -> list[dict[str, Any]]:
+    """Every block document on the server, named and anonymous, with secrets: what an edge worker can read."""
+    from tests.conftest import api_auth
+
+    docs: list[dict[str, Any]] = []
+    for anonymous in (False, True):
+        offset = 0
+        while True:
+            r = httpx.post(f"{api}/block_documents/filter", auth=api_auth(), timeout=30, json={
+                "include_secrets": True, "block_documents": {"is_anonymous": {"eq_": anonymous}},
+                "offset": offset, "limit": 200})
+            assert r.status_code == 200, r.text[:300]
+            docs += r.json()
+            if len(r.json()) < 200:
+                break
+            offset += 200
+    return docs
+
+
+@pytest.mark.integration
+def test_with_the_api_no_block_holds_any_s3_key_or_the_gateway_secret(blocks_saved: localstack.StackState) -> None:
+    """An edge worker (auth string in hand) dumps every block document with `include_secrets`: no identity's
+    S3 secret key (central roles included) and no gateway secret is in any of them. The central blocks still
+    work: from the 0600 central credentials file (roles) and the `ingest` profile (cached results)."""
+    from prefect_aws import S3Bucket
+
+    from edgehaul.platform import gateway
+    from edgehaul.platform.caching import CORE_RESULTS_BLOCK
+    from edgehaul.platform.roles import StoreBlock
+
+    localstack.start_gateway(blocks_saved)  # --create-secret: the gateway's own secret exists from here on
+    gateway_secret = gateway.load_secret(Path(blocks_saved.root) / "gateway")
+    docs = _every_block_document(blocks_saved.prefect_api_url)
+    slugs = {d["block_type"]["slug"] for d in docs}
+    assert {"edgehaul-object-store", "s3-bucket"} <= slugs, slugs  # the dump is not empty
+    assert "secret" not in slugs  # no Prefect Secret block: the gateway's secret is a file
+    dump = json.dumps(docs)
+    leaked = [name for name, secret in _all_secrets(blocks_saved).items() if secret in dump]
+    assert not leaked, f"S3 secret keys of {leaked} are in block documents"
+    assert gateway_secret not in dump
+    central = blocks_saved.central_credentials_file()
+    assert stat.S_IMODE(central.stat().st_mode) == 0o600
+    assert stat.S_IMODE(gateway.secret_path(Path(blocks_saved.root) / "gateway").stat().st_mode) == 0o600
+    for role in StoreBlock:
+        data = next(d for d in docs if d["name"] == role.value and d["block_type"]["slug"] == "edgehaul-object-store")
+        assert (data["data"]["credentials_file"], data["data"]["profile"]) == (str(central), role.value)
+
+    # the role blocks reach S3 as their own identity, from the file
+    ingest = ObjectStore.load(StoreBlock.INGEST.value)
+    s3 = ingest.client()
+    key = ingest.key("ops", f"attack-{uuid.uuid4().hex[:8]}.txt")
+    s3.put_object(Bucket=ingest.bucket("ops"), Key=key, Body=b"central")
+    assert s3.get_object(Bucket=ingest.bucket("ops"), Key=key)["Body"].read() == b"central"
+    with pytest.raises(ClientError) as e:  # trainer may not write landing: its block is the trainer's key
+        trainer = ObjectStore.load(StoreBlock.TRAINER.value)
+        trainer.client().put_object(Bucket=trainer.bucket("landing"), Key=trainer.key("landing", "x"), Body=b"x")
+    assert e.value.response["Error"]["Code"] == "AccessDenied"
+    # the results block names the ingest profile, no key; boto3 resolves it as ingest, not the shell's admin env
+    results = S3Bucket.load(CORE_RESULTS_BLOCK)
+    assert results.credentials.aws_access_key_id is None and results.credentials.aws_secret_access_key is None
+    assert results.credentials.profile_name == StoreBlock.INGEST.value
+    session = results.credentials.get_boto3_session()
+    assert session.get_credentials().access_key == blocks_saved.identities["ingest"].access_key_id
+    path = f"attack-{uuid.uuid4().hex[:8]}"
+    results.write_path(path, b"cached")
+    assert results.read_path(path) == b"cached"
+
+
+def test_blocks_apply_puts_central_keys_in_one_file_never_in_a_block(tmp_path: Path) -> None:
+    from edgehaul.platform.block_setup import Setup, store_for, write_central_credentials
+    from edgehaul.platform.caching import core_result_storage_block
+
+    roles = ("central", "ingest", "trainer", "lifecycle")
+    central = tmp_path / "central" / "s3-credentials"
+    setup = Setup.model_validate({
+        "store": {"endpoint_url": "http://127.0.0.1:9"}, "central_credentials_file": str(central),
+        "identities": {r: {"access_key_id": f"AK{r}", "secret_access_key": f"SK{r}"} for r in roles},
+        "nodes": [{"node_id": "node-a", "spool_dir": str(tmp_path / "spool")}],
+    })
+    assert write_central_credentials(setup) == central
+    assert stat.S_IMODE(central.stat().st_mode) == 0o600
+    for role in roles:
+        block = store_for(setup, role)
+        assert block.access_key_id is None and block.secret_access_key is None
+        assert (block.credentials_file, block.profile) == (str(central), role)
+        assert block.storage_options()["AWS_SECRET_ACCESS_KEY"] == f"SK{role}"  # from the file, per role
+    results = core_result_storage_block(store_for(setup, "ingest"))
+    assert results.credentials.profile_name == "ingest" and results.credentials.aws_secret_access_key is None
+    assert "SKingest" not in results.model_dump_json()
+    with pytest.raises(ValueError, match="the store holds keys"):
+        core_result_storage_block(ObjectStore(access_key_id="AK", secret_access_key="SK"))  # type: ignore[arg-type]
+    # Kubernetes: keys from the environment, so no role identity is needed and no file is written
+    env = Setup.model_validate({"store": {}, "central_credentials_from_environment": True, "identities": {},
+                                "nodes": [{"node_id": "node-a", "spool_dir": str(tmp_path / "s2")}]})
+    assert write_central_credentials(env) is None
+    block = store_for(env, "ingest")
+    assert block.credentials_file is None and block.access_key_id is None
+    assert core_result_storage_block(block).credentials.profile_name is None
+    default = Setup.model_validate({**{"store": {}, "nodes": [{"node_id": "node-a", "spool_dir": "/s"}]},
+                                    "identities": setup.model_dump()["identities"]})
+    assert default.central_credentials_path() == Path.home() / ".config" / "edgehaul" / "s3-credentials"
+
+
+def test_the_gateway_secret_is_an_owner_only_file(tmp_path: Path) -> None:
+    from edgehaul.platform import gateway
+
+    with pytest.raises(RuntimeError, match="cannot read"):
+        gateway.load_secret(tmp_path)
+    path = gateway.ensure_secret_file(tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.parent == tmp_path
+    first = gateway.load_secret(tmp_path)
+    assert len(first) >= 32 and gateway.ensure_secret_file(tmp_path) == path and gateway.load_secret(tmp_path) == first
+    path.chmod(0o640)
+    with pytest.raises(RuntimeError, match=r"gateway-secret: mode 0640"):
+        gateway.load_secret(tmp_path)

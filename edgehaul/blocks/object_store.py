@@ -97,7 +97,8 @@ class ObjectStore(Block):
       block is readable by every client of the Prefect API, a file on the node is not.
     - nothing: boto3's default chain (environment, web identity / instance role), for workload identity.
     - `access_key_id` / `secret_access_key` in the block: stored encrypted by Prefect, but any API client
-      can read them back (`include_secrets`); central roles on a closed API only. See docs/SECURITY.md.
+      can read them back (`include_secrets`): unsaved, one-off stores only; `edgehaul blocks apply` saves
+      none (docs/SECURITY.md).
 
     Example:
         ```python

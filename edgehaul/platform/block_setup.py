@@ -4,6 +4,7 @@ For a user who has an S3 endpoint and keys and nothing else (docs/STORAGE.md, se
 are the roles' (`edgehaul.platform.roles`); each role and each node gets its own identity's keys.
 
     store: {endpoint_url: https://s3.example.net, region: us-east-1, path_style: true}
+    central_credentials_file: ~/.config/edgehaul/s3-credentials  # default; or central_credentials_from_environment: true
     identities:                 # one per central role; nodes optional (see below)
       central: {access_key_id: AK.., secret_access_key: SK..}
       ingest: {...}
@@ -22,9 +23,16 @@ client (docs/SECURITY.md). When
 the node runs on this host (a single-machine setup, the local stack) give its keys under `identities`
 and they are written to that file (0600); otherwise provision the file on the node and leave them out.
 
+The central role blocks (`central`, `ingest`, `trainer`, `lifecycle`) hold no key either: the same
+mechanism, one 0600 file on the central host with one profile per role (`central_credentials_file`,
+default `~/.config/edgehaul/s3-credentials`, written here from `identities`), or nothing with
+`central_credentials_from_environment: true` (Kubernetes Secret per role as env, workload identity).
+
 Cached task results of the central flows go to the S3Bucket block `edgehaul-core-results` (ops
-bucket, `prefect-results/core/`), saved here with the ingest identity's keys: the one place result
-storage is created (flows never save blocks; edge nodes cache on their own disk).
+bucket, `prefect-results/core/`), saved here with AwsCredentials that name the `ingest` profile and no
+key (the central workers' environment sets AWS_SHARED_CREDENTIALS_FILE to the central file, or gives the
+ingest keys as env): the one place result storage is created (flows never save blocks; edge nodes cache
+on their own disk).
 
 The file holds keys: keep it out of version control and readable by its owner only. Errors name the
 field (`identities.trainer: missing`), and nothing is saved until the whole file is valid.
@@ -107,8 +115,17 @@ class TeamSpec(_Strict):
     storage_bytes: int = Field(gt=0)
 
 
+DEFAULT_CENTRAL_CREDENTIALS = "~/.config/edgehaul/s3-credentials"
+
+
 class Setup(_Strict):
     store: StoreSpec
+    central_credentials_file: str = Field(
+        default=DEFAULT_CENTRAL_CREDENTIALS,
+        description="0600 S3 credentials file on the central host, one profile per role (its block name).")
+    central_credentials_from_environment: bool = Field(
+        default=False, description="Central runs get their keys from their environment or workload identity: the "
+        "role blocks name no file, and the results block no profile.")
     identities: dict[str, Keys]
     nodes: list[NodeSpec] = Field(min_length=1)
     teams: list[TeamSpec] = Field(default_factory=list)
@@ -119,13 +136,16 @@ class Setup(_Strict):
     retention_rules: list[RetentionRule] | None = Field(
         default=None, description="None: raw data cold after 30 days in STANDARD_IA (check the probe's classes).")
 
+    def central_credentials_path(self) -> Path:
+        return Path(self.central_credentials_file).expanduser()
+
     @model_validator(mode="after")
     def _every_identity(self) -> Setup:
-        need = [r.value for r in StoreBlock]
+        need = [] if self.central_credentials_from_environment else [r.value for r in StoreBlock]
         missing = [f"identities.{n}" for n in need if n not in self.identities]
         if missing:
             raise ValueError(f"missing {', '.join(missing)} (one identity per central role)")
-        known = set(need) | {n.node_id for n in self.nodes}
+        known = {r.value for r in StoreBlock} | {n.node_id for n in self.nodes}
         if unknown := sorted(set(self.identities) - known):
             raise ValueError(f"identities {', '.join(unknown)}: neither a role nor a node of `nodes`")
         return self
@@ -147,10 +167,24 @@ def _store_fields(setup: Setup) -> dict[str, Any]:
     return {k: v for k, v in setup.store.model_dump().items() if v is not None}
 
 
-def store_for(setup: Setup, identity: str) -> ObjectStore:
-    keys = setup.identities[identity]
-    return ObjectStore(**_store_fields(setup), access_key_id=keys.access_key_id,
-                       secret_access_key=keys.secret_access_key)
+def store_for(setup: Setup, role: str) -> ObjectStore:
+    """A central role's ObjectStore block: no key, the central credentials file and the role's profile (or
+    nothing: the environment's)."""
+    if setup.central_credentials_from_environment:
+        return ObjectStore(**_store_fields(setup))
+    return ObjectStore(**_store_fields(setup), credentials_file=str(setup.central_credentials_path()), profile=role)
+
+
+def write_central_credentials(setup: Setup) -> Path | None:
+    """Write every central role's keys into the central credentials file (0600), one profile per role."""
+    if setup.central_credentials_from_environment:
+        return None
+    path = setup.central_credentials_path()
+    for role in StoreBlock:
+        keys = setup.identities[role.value]  # every role: checked by Setup
+        write_credentials_file(path, role.value, keys.access_key_id.get_secret_value(),
+                               keys.secret_access_key.get_secret_value())
+    return path
 
 
 def node_store_for(setup: Setup, node: NodeSpec) -> ObjectStore:
@@ -181,6 +215,9 @@ def apply(setup: Setup) -> dict[str, list[str]]:
         block.save(name, overwrite=True)
         saved.setdefault(type(block).__name__, []).append(name)
 
+    # keys first: a block that names the file is only useful once the file holds its profile
+    if central := write_central_credentials(setup):
+        saved.setdefault("credentials file", []).append(str(central))
     for role in StoreBlock:
         save(store_for(setup, role.value), role.value)
     # central cached results, written by the ingest identity: no node holds keys that reach them

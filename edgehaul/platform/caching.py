@@ -5,7 +5,8 @@ serializer the record itself names (pickle included). So the trust rule is about
 central worker reads as a cached result may be writable by an edge identity.
 
 - Central results (core_ingest, compact_dataset): the S3Bucket block `CORE_RESULTS_BLOCK`, folder
-  `prefect-results/core/` of the ops bucket, written with the ingest identity's keys. Nodes have no
+  `prefect-results/core/` of the ops bucket, written by the ingest identity (the block names its profile,
+  never a key: the central workers' AWS_SHARED_CREDENTIALS_FILE or environment holds it). Nodes have no
   grant on the ops bucket. The block is saved once, at deploy time (`edgehaul blocks apply`,
   `core_result_storage_block`), and named by the deployments; flows never save blocks.
 - Edge results (edge_ingest): on the node's own disk (`edge_result_storage`: a folder under the
@@ -31,7 +32,7 @@ __all__ = ["CORE_RESULTS_BLOCK", "CORE_RESULTS_FOLDER", "EDGE_RESULTS_DIR", "RES
            "core_result_storage_block", "edge_result_storage"]
 
 RESULT_SERIALIZER = "json"  # Prefect's JSONSerializer; a record is data a reader can inspect, never code
-CORE_RESULTS_BLOCK = "edgehaul-core-results"  # S3Bucket block (ingest identity), saved by `edgehaul blocks apply`
+CORE_RESULTS_BLOCK = "edgehaul-core-results"  # S3Bucket block (ingest profile, no key), saved by `edgehaul blocks apply`
 CORE_RESULTS_FOLDER = "prefect-results/core"  # in the ops bucket; only central identities may write it
 EDGE_RESULTS_DIR = "prefect-results"  # under the node's spool folder
 
@@ -43,22 +44,24 @@ def cache_key(stage: str, *parts: str) -> str:
 
 
 def core_result_storage_block(store: ObjectStore, folder: str = CORE_RESULTS_FOLDER) -> S3Bucket:
-    """The central result storage as an (unsaved) S3Bucket block on `store`'s ops bucket, with `store`'s keys.
+    """The central result storage as an (unsaved) S3Bucket block on `store`'s ops bucket, holding no key.
 
-    `store` must be a central identity (ingest): the folder must not be writable by any node."""
+    `store` must be a central identity (ingest): the folder must not be writable by any node. Its
+    AwsCredentials name `store.profile` (boto3 reads it from AWS_SHARED_CREDENTIALS_FILE, the central
+    credentials file, in the workers' environment) or nothing (the default chain: env keys, workload
+    identity). A store with keys in its block is refused: they would be copied into this block."""
     from prefect_aws import AwsCredentials, S3Bucket
     from prefect_aws.client_parameters import AwsClientParameters
-    from pydantic import SecretStr
 
-    creds = store._credentials()
-    secret = creds.get("aws_secret_access_key")
+    if store.access_key_id is not None or store.secret_access_key is not None:
+        raise ValueError("core results block: the store holds keys; give it a credentials_file (or none: the "
+                         "environment's) so no key is copied into a block (docs/SECURITY.md)")
     params = AwsClientParameters(
         endpoint_url=store.endpoint_url,
         config={"s3": {"addressing_style": "path" if store.path_style else "auto"}},
     )
     credentials = AwsCredentials(
-        aws_access_key_id=creds.get("aws_access_key_id"),
-        aws_secret_access_key=SecretStr(secret) if secret else None,
+        profile_name=store.profile if store.credentials_file else None,
         region_name=store.region,
         aws_client_parameters=params,
     )

@@ -35,7 +35,8 @@ A batch leaves the queue only once Prefect has the event; one that failed is re-
 event id (Prefect's triggers skip an event id they have seen, and core_ingest commits a bundle once).
 `contact-window-opened` is emitted at once (one per node contact, nothing to coalesce).
 
-`POST /alerts` (bearer token derived from the gateway's own secret, `alert_token`) is the local
+`POST /alerts` (bearer token derived from the gateway's own secret, `alert_token`; the secret is the 0600 file
+`gateway-secret` in the state dir or EDGEHAUL_GATEWAY_SECRET, never a Prefect block) is the local
 receiver of the alert automations' webhook notifications: it appends them to `alerts.jsonl`.
 
 Answers, all with a short JSON body `{"error": ...}`: 202 accepted (queued or emitted); 400 malformed
@@ -62,6 +63,7 @@ import logging
 import os
 import re
 import sqlite3
+import stat
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -70,7 +72,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -78,7 +80,7 @@ from starlette.routing import Route
 
 from edgehaul import events
 from edgehaul.platform.private_files import write_private
-from edgehaul.platform.settings import Settings, get_settings
+from edgehaul.platform.settings import get_settings
 
 log = logging.getLogger("edgehaul.platform.gateway")
 
@@ -88,7 +90,6 @@ SIGNATURE_HEADER = "webhook-signature"
 SECRET_PREFIX = "whsec_"
 SECRET_ENV = "EDGEHAUL_GATEWAY_SECRET"  # names for messages; the values come from get_settings()
 SENDERS_ENV = "EDGEHAUL_GATEWAY_SENDERS"
-DEFAULT_SECRET_BLOCK = Settings.model_fields["gateway_secret_block"].default
 
 _NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 _MSG_ID = re.compile(r"^[\x21-\x7e]{1,256}$")  # visible ASCII, as Standard Webhooks ids are
@@ -726,43 +727,47 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
     )
 
 
-def load_secret() -> str:
-    """The gateway's own secret (the /alerts token is derived from it): EDGEHAUL_GATEWAY_SECRET, else
-    the Prefect Secret block named by EDGEHAUL_GATEWAY_SECRET_BLOCK (default `edgehaul-gateway-hmac`)."""
+SECRET_FILE = "gateway-secret"  # in the gateway's state dir, 0600: never a Prefect block (any API client reads those)
+
+
+def secret_path(state_dir: Path | None = None) -> Path:
+    return (state_dir or get_settings().gateway_state_dir) / SECRET_FILE
+
+
+def load_secret(state_dir: Path | None = None) -> str:
+    """The gateway's own secret (the /alerts token is derived from it): EDGEHAUL_GATEWAY_SECRET, else the
+    0600 file `gateway-secret` in the gateway's state dir (EDGEHAUL_GATEWAY_STATE_DIR, or `state_dir`)."""
     settings = get_settings()
     if settings.gateway_secret:
         return settings.gateway_secret.get_secret_value()
-    from prefect.blocks.system import Secret
-
-    from edgehaul.platform.block_loading import load_block
-
-    name = settings.gateway_secret_block
+    path = secret_path(state_dir)
     try:
-        value = load_block(Secret, name).get()
-    except ValueError as e:
-        raise RuntimeError(f"gateway secret: Secret block {name!r} not found ({e}); create it or set {SECRET_ENV}") from e
-    if not isinstance(value, str) or not value:
-        raise RuntimeError(f"gateway secret: Secret block {name!r} must hold a non-empty string")
+        st = path.stat()
+        value = path.read_text().strip()
+    except OSError as e:
+        raise RuntimeError(f"gateway secret: {path}: cannot read ({e.strerror}); run the gateway with "
+                           f"--create-secret or set {SECRET_ENV}") from None
+    if st.st_mode & 0o077:
+        raise RuntimeError(f"gateway secret: {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group/other read "
+                           f"or write it; make it 0600")
+    if not value:
+        raise RuntimeError(f"gateway secret: {path} is empty")
     return value
 
 
-def ensure_secret_block(name: str = DEFAULT_SECRET_BLOCK) -> str:
-    """Create the Secret block with a random value if it does not exist; return its value."""
+def ensure_secret_file(state_dir: Path | None = None) -> Path:
+    """Create the secret file (random value, 0600 from its first byte) if it does not exist; return its path."""
     import secrets as _secrets
 
-    from prefect.blocks.system import Secret
-
-    from edgehaul.platform.block_loading import load_block
-
+    path = secret_path(state_dir)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
-        value = load_block(Secret, name).get()
-        if isinstance(value, str) and value:
-            return value
-    except ValueError:
-        pass
-    value = _secrets.token_urlsafe(32)
-    Secret(value=SecretStr(value)).save(name, overwrite=True)
-    return value
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(_secrets.token_urlsafe(32))
+    return path
 
 
 def write_senders(path: Path, senders: dict[str, dict[str, Any]]) -> None:
@@ -782,13 +787,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-capacity", type=int, default=100_000)
     ap.add_argument("--alert-log", default=str(settings.alert_log),
                     help="where POST /alerts appends alert notifications (JSON lines; default: EDGEHAUL_ALERT_LOG)")
-    ap.add_argument("--create-secret", action="store_true", help="create the Secret block (random value) if missing")
+    ap.add_argument("--create-secret", action="store_true",
+                    help="create the secret file in the state dir (random value, 0600) if missing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import uvicorn
 
     if args.create_secret and not settings.gateway_secret:
-        ensure_secret_block(settings.gateway_secret_block)
+        ensure_secret_file(settings.gateway_state_dir)
     if settings.gateway_senders is None:
         log.warning("no senders registry (%s): every hook is refused", SENDERS_ENV)
     try:
