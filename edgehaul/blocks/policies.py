@@ -210,6 +210,9 @@ class PriceSheet(Block):
 
     currency: str = Field(default="USD", min_length=3, max_length=3, description="ISO currency code.")
     uplink_per_gb: float = Field(default=0.50, ge=0, description="Price of 1 GB uplinked (metered on its own).")
+    backup_uplink_per_gb: float = Field(
+        default=5.00, ge=0, description="Price of 1 GB over a node's backup link (fail-over; dearer)."
+    )
     storage_per_gb_month: dict[str, float] = Field(
         default_factory=lambda: {
             "STANDARD": 0.023, "STANDARD_IA": 0.0125, "ONEZONE_IA": 0.01, "GLACIER_IR": 0.004,
