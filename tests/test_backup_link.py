@@ -14,6 +14,7 @@ from edgehaul.blocks.policies import PriceSheet
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.ops import costs
+from edgehaul.uplink.backup import BackupLedger
 from edgehaul.uplink.link import SimulatedLink
 from edgehaul.uplink.transfer import Drainer, DrainReport, Uplink
 from tests.builders import bundle, processed_rows
@@ -69,6 +70,11 @@ def test_primary_down_urgent_goes_over_backup_bulk_waits_then_lands_on_primary(
     assert set(src.acked) == hi and {e.bundle_id for e in src.pending()} == lo  # bulk still spooled
     assert "LinkDown" in " ".join(rep.failed[b] for b in lo)
     assert rep.bytes_by_link == {"backup": sum(r.nbytes for r in rep.landed)}
+    # The node's durable meter: counted once per bundle, across ledger instances (re-runs).
+    at = datetime.now(UTC)
+    assert BackupLedger(tmp_path / "ledger").add(at, rep.landed) == rep.bytes_by_link["backup"]
+    assert BackupLedger(tmp_path / "ledger").add(at, rep.landed) == 0
+    assert BackupLedger(tmp_path / "ledger").read(f"{at:%Y-%m}")["bundles"].keys() == hi
 
     back = drain(store, tmp_path, src, primary_down=False)  # primary back: bulk goes, on the primary
     assert {r.bundle_id for r in back.landed} == lo and {r.link for r in back.landed} == {"primary"}

@@ -83,6 +83,9 @@ class LinkProfile(Block):
     chunk_bytes: int = Field(default=1 * MiB, ge=64 * 1024, description="Shaping/preemption granularity.")
     multipart_threshold_bytes: int = Field(default=16 * MiB, ge=5 * MiB, description="Multipart from this size.")
     part_bytes: int = Field(default=8 * MiB, ge=5 * MiB, description="Multipart part size (S3 minimum 5 MiB).")
+    monthly_budget_bytes: int | None = Field(
+        default=None, ge=0, description="Bytes a month this link may carry (a backup link's budget; None: unlimited)."
+    )
 
     @property
     def rate_cap_bytes_per_s(self) -> float:
