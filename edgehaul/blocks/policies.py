@@ -83,6 +83,9 @@ class LinkProfile(Block):
     chunk_bytes: int = Field(default=1 * MiB, ge=64 * 1024, description="Shaping/preemption granularity.")
     multipart_threshold_bytes: int = Field(default=16 * MiB, ge=5 * MiB, description="Multipart from this size.")
     part_bytes: int = Field(default=8 * MiB, ge=5 * MiB, description="Multipart part size (S3 minimum 5 MiB).")
+    monthly_budget_bytes: int | None = Field(
+        default=None, ge=0, description="Bytes a month this link may carry (a backup link's budget; None: unlimited)."
+    )
 
     @property
     def rate_cap_bytes_per_s(self) -> float:
@@ -210,6 +213,9 @@ class PriceSheet(Block):
 
     currency: str = Field(default="USD", min_length=3, max_length=3, description="ISO currency code.")
     uplink_per_gb: float = Field(default=0.50, ge=0, description="Price of 1 GB uplinked (metered on its own).")
+    backup_uplink_per_gb: float = Field(
+        default=5.00, ge=0, description="Price of 1 GB over a node's backup link (fail-over; dearer)."
+    )
     storage_per_gb_month: dict[str, float] = Field(
         default_factory=lambda: {
             "STANDARD": 0.023, "STANDARD_IA": 0.0125, "ONEZONE_IA": 0.01, "GLACIER_IR": 0.004,

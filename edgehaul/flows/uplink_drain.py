@@ -15,6 +15,11 @@ What it does, in order:
    request round trips; the planned bundles are sent in plan order at the pass's rate, then the run
    stops; the rest waits for the next pass (a bundle is split only when its multipart upload can
    resume). No pass open and none within `contact_wait_s`: nothing is sent;
+   Backup link (`backup_link_profile`, a second, dearer LinkProfile with its own rate cap and
+   `monthly_budget_bytes`): while the primary link is down, urgent (tier high) bundles go over the
+   backup as long as this month's budget (metered on the node, `uplink-backup/backup-YYYY-MM.json`)
+   covers them; bulk always waits for the primary; an urgent bundle the budget cannot cover waits too
+   (logged, counted in `backup_refusals`). `bytes_by_link` meters each link;
 4. publish metrics: an `edgehaul.link.stats` event and a table artifact (goodput, rate cap use,
    retransmissions, queue length per tier, capture-to-landed time per tier; by plan also the pass's
    capacity, planned vs sent bytes and value, and what the following passes are planned to carry).
@@ -56,6 +61,8 @@ class UplinkDrainParams(BaseModel):
     by_plan: bool = Field(default=False, description="Drain only the current pass, by its value plan.")
     pass_schedule: str | None = Field(default=None, min_length=1, description="YAML file of predicted passes; "
                                       "None: the EdgeNode block's pass_schedule.")
+    backup_link_profile: str | None = Field(default=None, min_length=1, description="LinkProfile block of the "
+                                            "node's backup link (urgent bundles only, within its budget); None: none.")
 
 
 @flow(name="uplink_drain")
@@ -71,12 +78,14 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
         raise ValueError(f"uplink_drain by_plan: node {node.node_id} has no pass_schedule (EdgeNode block "
                          f"{p.edge_node!r}) and none was given")
     passes = load_passes(schedule) if p.by_plan and schedule else None
+    backup = (load_block(LinkProfile, p.backup_link_profile, param="backup_link_profile")
+              if p.backup_link_profile else None)
     with run_logging.for_node(node.node_id):  # the node on every domain log line of its drain
         expired = expire_retries(node)
         aborted = abort_orphans(store, profile, node, p.orphan_age_s)
         metrics = drain_spool(
             store, profile, node, max_seconds=p.max_seconds, max_active=p.max_active, simulate=p.simulate,
-            seed=p.seed, contact_wait_s=p.contact_wait_s, passes=passes,
+            seed=p.seed, contact_wait_s=p.contact_wait_s, passes=passes, backup=backup,
         )
     metrics["orphans_aborted"] = aborted
     metrics.update(expired)

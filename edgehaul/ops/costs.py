@@ -29,7 +29,7 @@ import io
 import json
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -261,6 +261,26 @@ def meter_accelerators(lineages: list[dict[str, Any]], start: datetime, end: dat
     return [{"team": t, "runs": int(v[0]), "hours": v[1]} for t, v in sorted(acc.items())]
 
 
+def link_usage(receipts: Sequence[Any], node: str, *, at: datetime) -> list[UsageRecord]:
+    """Usage records (per team) for the bytes a drain sent over the backup link; primary bytes are
+    metered from the landing manifests, which every bundle has whichever link carried it."""
+    acc: dict[str, int] = defaultdict(int)
+    for r in receipts:
+        if r.link == "backup" and not r.already_present:
+            acc[r.team or SHARED] += int(r.nbytes)
+    return [UsageRecord(at=at, meter="uplink_backup", quantity=n, unit="bytes", team=t, node=node,
+                        source="uplink_drain") for t, n in sorted(acc.items()) if n]
+
+
+def meter_backup_uplink(records: list[UsageRecord]) -> list[dict[str, Any]]:
+    """Per node and team: bytes that went over the backup link."""
+    acc: dict[tuple[str, str], float] = defaultdict(float)
+    for r in records:
+        if r.meter == "uplink_backup":
+            acc[(r.node, r.team)] += r.quantity
+    return [{"node": n, "team": t, "bytes": int(q)} for (n, t), q in sorted(acc.items())]
+
+
 def meter_requests(records: list[UsageRecord]) -> list[dict[str, Any]]:
     acc: dict[tuple[str, str], float] = defaultdict(float)
     for r in records:
@@ -308,6 +328,7 @@ class CostReport:
 def price(
     month: str, prices: PriceSheet, uplink: list[dict[str, Any]], storage: list[dict[str, Any]],
     accel: list[dict[str, Any]], requests: list[dict[str, Any]], taken_at: datetime,
+    backup: Sequence[dict[str, Any]] = (),
 ) -> CostReport:
     """Turn meters into priced report lines (quantity in its own unit; billed quantity in the priced unit)."""
     lines: list[dict[str, Any]] = []
@@ -316,8 +337,13 @@ def price(
         lines.append({"meter": meter, "team": team, "node": node, "storage_class": cls, "quantity": float(qty),
                       "unit": unit, "billed_quantity": billed, "unit_price": unit_price, "cost": billed * unit_price})
 
+    # Every landed bundle has a manifest; those the backup carried are billed at its price, not twice.
+    over_backup = {(b["node"], b["team"]): b["bytes"] for b in backup}
     for u in uplink:
-        add("uplink", u["team"], u["node"], "", u["bytes"], "bytes", u["bytes"] / GB, prices.uplink_per_gb)
+        n = max(0, u["bytes"] - over_backup.get((u["node"], u["team"]), 0))
+        add("uplink", u["team"], u["node"], "", n, "bytes", n / GB, prices.uplink_per_gb)
+    for b in backup:
+        add("uplink_backup", b["team"], b["node"], "", b["bytes"], "bytes", b["bytes"] / GB, prices.backup_uplink_per_gb)
     by_class_team: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for s in storage:
         by_class_team[(s["storage_class"], s["team"])][0] += s["bytes"]
@@ -341,9 +367,10 @@ def build_report(
     start, end = month_bounds(month)
     lineages = model_lineages(s3, store)
     teams = team_map(s3, store, lineages)
+    records = usage_records(s3, store, start, end)
     return price(
         month, prices, meter_uplink(s3, store, start, end), meter_storage(s3, store, teams),
-        meter_accelerators(lineages, start, end), meter_requests(usage_records(s3, store, start, end)), now,
+        meter_accelerators(lineages, start, end), meter_requests(records), now, meter_backup_uplink(records),
     )
 
 
@@ -401,6 +428,8 @@ def markdown_summary(report: CostReport, chart_uri: str, chart_url: str, report_
         "| meter | quantity | cost |",
         "|---|---:|---:|",
         f"| uplink | {t.get('uplink_quantity', 0) / GB:.3f} GB | {t.get('uplink_cost', 0):.4f} {cur} |",
+        f"| uplink (backup link) | {t.get('uplink_backup_quantity', 0) / GB:.3f} GB "
+        f"| {t.get('uplink_backup_cost', 0):.4f} {cur} |",
         f"| storage (snapshot {report.taken_at:%Y-%m-%d}) | {t.get('storage_quantity', 0) / GB:.3f} GB "
         f"| {t.get('storage_cost', 0):.4f} {cur} |",
         f"| accelerator | {t.get('accelerator_quantity', 0):.2f} h | {t.get('accelerator_cost', 0):.4f} {cur} |",

@@ -22,6 +22,7 @@ from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
 from edgehaul.edge.spool import Spool
 from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.s3_errors import TASK_RETRIES, TASK_RETRY_DELAYS_S, retry_condition
+from edgehaul.uplink.backup import BackupLedger
 from edgehaul.uplink.link import Link, SimulatedLink
 from edgehaul.uplink.pass_plan import Overhead, Pass, PassPlan, pending_from_spool, plan_passes, upcoming
 from edgehaul.uplink.retry_queue import RetryQueue
@@ -81,6 +82,7 @@ def abort_orphans(store: ObjectStore, profile: LinkProfile, node: EdgeNode, olde
 def drain_spool(
     store: ObjectStore, profile: LinkProfile, node: EdgeNode, *, max_seconds: float, max_active: int,
     simulate: bool = False, seed: int = 0, contact_wait_s: float = 0.0, passes: list[Pass] | None = None,
+    backup: LinkProfile | None = None,
 ) -> dict[str, Any]:
     """Drain the node's spool for up to max_seconds; returns the link metrics of the run.
 
@@ -123,15 +125,25 @@ def drain_spool(
                      plan.capacity_bytes, plan.planned_value)
         link = make_link(profile, simulate=simulate, seed=seed, node_id=node.node_id)
         up = Uplink(store, link, Path(node.spool_dir) / "uplink", contact_wait_s=contact_wait_s)
+        backup_up, budget_left, ledger = None, None, BackupLedger(Path(node.spool_dir) / "uplink-backup")
+        if backup is not None:  # fail-over for urgent bundles while the primary is down
+            blink = make_link(backup, simulate=simulate, seed=seed + 1, node_id=node.node_id)
+            backup_up = Uplink(store, blink, Path(node.spool_dir) / "uplink-backup")
+            if backup.monthly_budget_bytes is not None:
+                budget_left = max(0, backup.monthly_budget_bytes - ledger.used(f"{datetime.now(UTC):%Y-%m}"))
         drainer = Drainer(up, spool, max_active=max_active, retry_queue=queue,
-                          plan=plan.bundle_ids if plan is not None else None)
+                          plan=plan.bundle_ids if plan is not None else None, backup=backup_up,
+                          backup_budget_bytes=budget_left)
         rep = drainer.run(max_seconds=max_seconds)
+        ledger.add(datetime.now(UTC), rep.landed)
         metrics = rep.metrics(link.cap_bytes_per_s)
         metrics["queue_lengths"] = {t: n for t, n in metrics["queue_lengths"].items()}
         metrics["retry_queue"] = len(queue)
         metrics["link"] = rep.link
         metrics["landed_keys"] = [r.key for r in rep.landed]
         metrics["failed"] = rep.failed
+        metrics["bytes_by_link"] = dict(rep.bytes_by_link)
+        metrics["backup_refusals"] = rep.backup_refusals
         if plan is not None:
             metrics["pass_plan"] = pass_report(plan, rep, values)
             metrics["later_passes"] = [pp.summary() for pp in later]

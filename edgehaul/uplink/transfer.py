@@ -106,6 +106,8 @@ class Receipt:
     digest_resends: int = 0
     seconds: float = 0.0
     landed_at: str = ""
+    team: str = ""  # the manifest's team: whose bill the bytes go on
+    link: str = "primary"  # which link carried it: "primary" or "backup" (metered separately)
 
 
 class Uplink:
@@ -158,7 +160,7 @@ class Uplink:
         r = Receipt(
             bundle_id=manifest.bundle_id, bucket=self.bucket, key=key,
             manifest_key=self.store.key("landing", manifest.manifest_key), sha256=manifest.sha256,
-            nbytes=manifest.nbytes, tier=manifest.tier, rows=manifest.row_count,
+            nbytes=manifest.nbytes, tier=manifest.tier, rows=manifest.row_count, team=manifest.team,
         )
         small = manifest.nbytes < self.profile.multipart_threshold_bytes
         # HEAD first saves re-sending the bytes of a bundle that already landed (a crash between
@@ -557,6 +559,8 @@ class DrainReport:
     link: dict[str, float] = field(default_factory=dict)
     landing_latency_s: dict[str, list[float]] = field(default_factory=dict)  # tier -> capture-to-landed
     queue_lengths: dict[str, int] = field(default_factory=dict)  # tier -> still pending at the end
+    bytes_by_link: dict[str, int] = field(default_factory=dict)  # "primary"/"backup" -> bundle bytes newly landed
+    backup_refusals: int = 0  # urgent sends the backup refused (budget spent): they wait for the primary
 
     @property
     def goodput_bps(self) -> float:
@@ -613,8 +617,16 @@ class Drainer:
         capture_time: Callable[[Any], float] | None = None,
         emit_events: bool = True,
         plan: Sequence[str] | None = None,
+        backup: Uplink | None = None,
+        backup_budget_bytes: int | None = None,
     ) -> None:
         self.uplink = uplink
+        # Fail-over: while the primary link is down, urgent (tier high) bundles go over `backup` as long as
+        # `backup_budget_bytes` (what is left of its monthly budget; None: unlimited) covers them. Bulk waits.
+        self.backup = backup
+        self.backup_budget_left = backup_budget_bytes
+        self._backup_lock = threading.Lock()
+        self._backup_refusals = 0
         self.source = source
         # A pass plan (edgehaul.uplink.pass_plan): only these bundles, in this order, then the run ends.
         self._plan_rank = {b: i for i, b in enumerate(plan)} if plan is not None else None
@@ -733,13 +745,33 @@ class Drainer:
         self._emit_batch()
         rep.seconds = time.monotonic() - t0
         rep.link = self.uplink.link.snapshot()
+        rep.backup_refusals = self._backup_refusals
         for e in self.source.pending():
             rep.queue_lengths[_tier(e)] = rep.queue_lengths.get(_tier(e), 0) + 1
         return rep
 
     def _transfer(self, e: Any) -> Receipt:
         data = self.source.read(e.bundle_id)
+        if self.backup is not None and _tier(e) == "high" and not self.uplink.link.is_up() and self._take_backup(e):
+            r = self.backup.send(data, e.manifest, priority=self._shaper_priority(e))
+            r.link = "backup"
+            return r
+        # Primary down and no backup for this one: send raises LinkDown and the bundle is retried later.
         return self.uplink.send(data, e.manifest, priority=self._shaper_priority(e))
+
+    def _take_backup(self, e: Any) -> bool:
+        """Reserve the bundle's bytes from the backup budget; False (logged, counted) when it is spent."""
+        n = int(e.manifest.nbytes)
+        with self._backup_lock:
+            if self.backup_budget_left is not None:
+                if n > self.backup_budget_left:
+                    self._backup_refusals += 1
+                    log.warning("backup link budget spent (%d B left, bundle %s needs %d B): waits for the primary",
+                                self.backup_budget_left, e.bundle_id, n)
+                    return False
+                # Reserved before sending: a failed attempt still spent (some of) it on the wire.
+                self.backup_budget_left -= n
+            return True
 
     def _emit_batch(self) -> None:
         batch, self._batch = self._batch, []
@@ -762,6 +794,7 @@ class Drainer:
         rep.landed.append(r)
         if not r.already_present:
             rep.bytes_landed += r.nbytes
+            rep.bytes_by_link[r.link] = rep.bytes_by_link.get(r.link, 0) + r.nbytes
         rep.manifest_bytes_landed += r.manifest_nbytes
         rep.landing_latency_s.setdefault(r.tier, []).append(self._latency(e, wall))
         if self.emit_events:
