@@ -12,6 +12,7 @@ about are the most valuable to send to the centre. The edge scorer registry impo
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +21,7 @@ import torch
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import contract_by_id
+from edgehaul.edge.scorer_registry import ScorerContext
 from edgehaul.training.model import build_model, pixels_to_tensor
 from edgehaul.training.registry import load_model_file, resolve_model_uri
 
@@ -62,3 +64,24 @@ class ModelScorer:
             h = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1) / math.log(self.n_classes)
         h = np.where(np.isnan(p).any(axis=1), 0.0, h)
         return np.clip(h, 0.0, 1.0).astype(np.float64)
+
+
+_loaded: dict[tuple[str, str], ModelScorer] = {}
+_loaded_lock = threading.Lock()
+
+
+def from_context(ctx: ScorerContext) -> ModelScorer:
+    """The `model` entry point. A model is loaded once per process and model id: a task per batch must not
+    download it again; 'latest' is re-resolved on every call, so a newly published model re-scores."""
+    if not ctx.policy.model_uri:
+        raise ValueError(f"tiering policy {ctx.policy.version}: scorer 'model' needs model_uri")
+    store = ctx.store or ObjectStore.from_env()
+    uri = resolve_model_uri(store, ctx.policy.model_uri)
+    key = (uri, store.model_dump_json())
+    with _loaded_lock:
+        scorer = _loaded.get(key)
+        if scorer is None:
+            scorer = _loaded[key] = ModelScorer(uri, store)
+    if scorer.contract.id != ctx.contract.id:
+        raise ValueError(f"model {scorer.version} was trained on {scorer.contract.id}, cannot score {ctx.contract.id}")
+    return scorer
