@@ -183,8 +183,11 @@ def new_weed_jwt() -> dict[str, str]:
 
 def _node_actions(node: str) -> list[str]:
     prefix = f"edgehaul-landing/{node}/*"
-    # Only its own prefix: Write to upload, List to resume multipart, Read to HEAD-verify receipt.
-    return [f"Write:{prefix}", f"List:{prefix}", f"Read:{prefix}", f"Tagging:{prefix}"]
+    downlink = f"edgehaul-ops/downlink/{node}/*"
+    # Only its own prefix: Write to upload, List to resume multipart, Read to HEAD-verify receipt;
+    # and read-only its own downlink folder (updates the core publishes to it).
+    return [f"Write:{prefix}", f"List:{prefix}", f"Read:{prefix}", f"Tagging:{prefix}", f"Read:{downlink}",
+            f"List:{downlink}"]
 
 
 def identities_config(
@@ -192,8 +195,8 @@ def identities_config(
 ) -> dict[str, object]:
     """SeaweedFS s3.json: least-privilege identities per role and per edge node.
 
-    No identity is shared by nodes, and no node has a grant on the ops bucket: central cached task
-    results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
+    No identity is shared by nodes; in the ops bucket a node only reads its own downlink folder: central
+    cached task results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
     grants: dict[str, list[str]] = {
         "admin": ["Admin", "Read", "Write", "List", "Tagging"],
         "ingest": [

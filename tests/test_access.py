@@ -174,7 +174,7 @@ def test_iam_documents_mirror_the_local_identities(role: str) -> None:
     ctx = {"aws:username": role}
     for bucket in localstack.BUCKETS:
         for key in ("node-a/2026-12-03/b.parquet", "node-b/b.parquet", "datasets/k/part.parquet", "prefect-results/r",
-                    "capabilities/store.json"):
+                    "capabilities/store.json", "downlink/node-a/update.json", "downlink/node-b/update.json"):
             r = obj(bucket, key)
             iam_read = allowed(p, "s3:GetObject", r, ctx)
             iam_write = allowed(p, "s3:PutObject", r, ctx) or allowed(p, "s3:DeleteObject", r, ctx)
