@@ -154,3 +154,51 @@ def test_a_node_reads_only_its_own_downlink_and_writes_none(stack: localstack.St
         with pytest.raises(ClientError) as e:
             call(Bucket="edgehaul-ops", **kw)
         assert e.value.response["Error"]["Code"] in ("AccessDenied", "403")
+
+
+def _model_bytes(model_id: str, seed: int) -> bytes:
+    import io
+
+    import torch
+
+    from edgehaul.training.model import build_model
+
+    torch.manual_seed(seed)
+    arch = {"in_channels": 6, "n_classes": 7, "width": 8, "dropout": 0.0}
+    buf = io.BytesIO()
+    torch.save({"arch": arch, "state_dict": build_model(arch).state_dict(), "contract": "landsat_patch.v1",
+                "label_values": [1, 2, 3, 4, 5, 6, 7], "model_id": model_id, "model_name": "landcover"}, buf)
+    return buf.getvalue()
+
+
+def test_the_edge_model_scorer_uses_the_downlinked_model(stack: localstack.StackState, tmp_path: Path) -> None:
+    """The closed loop without store access from the node: the node identity cannot read models/, the model
+    arrives by downlink and the scorer follows each new generation."""
+    import numpy as np
+
+    from edgehaul.blocks import TieringPolicy
+    from edgehaul.blocks.policies import EdgeNode
+    from edgehaul.contracts import load_contract
+    from edgehaul.edge.landsat import generate
+    from edgehaul.edge.model_scorer import ModelScorer
+    from edgehaul.edge.preprocess import preprocess
+    from edgehaul.tasks.edge import make_scorer
+    from edgehaul.training.registry import parse_model_file
+
+    core, node_store = store_for(stack, "ingest"), store_for(stack, "node-a")
+    with pytest.raises(ClientError):
+        node_store.client().get_object(Bucket="edgehaul-checkpoints", Key="models/landcover/latest.json")
+    contract = load_contract("landsat_patch")
+    node = EdgeNode(node_id="node-a", spool_dir=str(tmp_path))
+    policy = TieringPolicy(scorer="model", model_uri="downlink:landcover")
+    rows = preprocess(next(generate(200, "node-a", seed=4, batch_size=200)), contract).accepted
+    with pytest.raises(ValueError, match="no model 'landcover' downlinked to this node yet"):
+        make_scorer(policy, node, contract)
+    for model_id, seed in (("dl-m1", 1), ("dl-m2", 2)):
+        data = _model_bytes(model_id, seed)
+        downlink.publish_update(core, "node-a", [("landcover", "model", model_id, data)])
+        assert downlink.sync(node_store, "node-a", tmp_path).applied
+        scorer = make_scorer(policy, node, contract)
+        assert scorer.version == model_id
+        want = ModelScorer(model_id, model_file=parse_model_file(data)).score(rows)
+        np.testing.assert_allclose(scorer.score(rows), want)

@@ -48,6 +48,7 @@ class ScorerContext:
     policy: TieringPolicy
     store: ObjectStore | None  # where a model scorer finds its model (None: from the environment)
     state_dir: Path  # this node's and this kind's own folder for the scorer's state
+    node_dir: Path | None = None  # the node's state root (its downlinked files are under it)
 
 
 ScorerFactory = Callable[[ScorerContext], Scorer]

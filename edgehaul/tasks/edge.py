@@ -69,7 +69,7 @@ def make_scorer(policy: TieringPolicy, node: EdgeNode, contract: Contract, store
         state_dir.mkdir(parents=True, exist_ok=True)
         os.replace(legacy, state_dir / NoveltyScorer.STATE_FILE)
     return build_scorer(policy.scorer, ScorerContext(contract=contract, policy=policy, store=store,
-                                                     state_dir=state_dir))
+                                                     state_dir=state_dir, node_dir=Path(node.spool_dir)))
 
 
 @dataclass(frozen=True)
