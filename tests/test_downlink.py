@@ -202,3 +202,30 @@ def test_the_edge_model_scorer_uses_the_downlinked_model(stack: localstack.Stack
         assert scorer.version == model_id
         want = ModelScorer(model_id, model_file=parse_model_file(data)).score(rows)
         np.testing.assert_allclose(scorer.score(rows), want)
+
+
+def test_operator_commands_publish_sync_and_status(stack: localstack.StackState, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import uuid
+
+    from edgehaul.blocks import TieringPolicy
+    from edgehaul.cli import main
+
+    tag = uuid.uuid4().hex[:8]
+    store_for(stack, "ingest").save(f"dl-core-{tag}")
+    store_for(stack, "node-a").save(f"dl-node-a-{tag}")
+    TieringPolicy(version=f"cli-{tag}", high_threshold=0.7).save(f"dl-policy-{tag}")
+    assert main(["downlink", "publish", "--node", "node-a", "--policy", f"dl-policy-{tag}", "--contract",
+                 "landsat_patch.v1", "--note", "new thresholds", "--store-block", f"dl-core-{tag}"]) == 0
+    assert "policy/tiering@cli-" in capsys.readouterr().out
+    assert main(["downlink", "sync", "--node", "node-a", "--state-dir", str(tmp_path),
+                 "--store-block", f"dl-node-a-{tag}"]) == 0
+    assert "applied generation" in capsys.readouterr().out
+    assert main(["downlink", "status", "--state-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "new thresholds" in out and f"cli-{tag}" in out and "landsat_patch.v1" in out
+    pol = json.loads(current_file(tmp_path, "policy", "tiering").read_bytes())  # type: ignore[union-attr]
+    assert TieringPolicy(**pol).high_threshold == 0.7  # what arrives is a policy the node can load
+    with pytest.raises(SystemExit, match="2"):  # nothing named to send: a usage error, nothing published
+        main(["downlink", "publish", "--node", "node-a", "--store-block", f"dl-core-{tag}"])
+    assert "nothing to send" in capsys.readouterr().err
