@@ -83,8 +83,8 @@ _route: ContextVar[Sink | None] = ContextVar("edgehaul_events_route", default=No
 
 @contextmanager
 def routed(sink: Sink) -> Iterator[None]:
-    """Send every `emit` of this context to `sink` instead of Prefect (an edge node's outbox: one way
-    out, so an event is never both emitted directly and forwarded)."""
+    """Send every `emit` of this context of an event in NODE_FORWARDED to `sink` instead of Prefect (an
+    edge node's outbox: one way out, so such an event is never both emitted directly and forwarded)."""
     token = _route.set(sink)
     try:
         yield
@@ -99,7 +99,7 @@ def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **
     Returns whether the event was handed to the events client (or kept by the sink).
     """
     sink = _route.get()
-    if sink is not None:
+    if sink is not None and event in NODE_FORWARDED:  # others (e.g. LANDING_BATCH) still go straight out
         try:
             return sink(event, resource_id, dict(payload or {}), labels)
         except Exception as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -73,7 +74,7 @@ class ForwardReport:
         return not self.error
 
 
-def batch_body(node_id: str, rows: list[QueuedEvent]) -> bytes:
+def batch_body(node_id: str, rows: Sequence[QueuedEvent]) -> bytes:
     return json.dumps({"node_id": node_id, "events": [
         {"seq": r.seq, "event": r.event, "occurred": r.occurred.isoformat(), "priority": r.priority,
          "payload": r.payload} for r in rows]}, sort_keys=True, separators=(",", ":"), default=str).encode()
