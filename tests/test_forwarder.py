@@ -215,3 +215,21 @@ def test_an_oversized_history_is_split_under_the_gateway_body_cap(tmp_path: Path
     fw = Forwarder(box, httpx.Client(), node, new_secret(), batch_max=50, max_body_bytes=16 * 1024)
     rows, body = fw._next_batch()
     assert len(body) <= 16 * 1024 and 1 <= len(rows) < 50 and [r.seq for r in rows] == list(range(1, len(rows) + 1))
+
+
+def test_the_node_key_file_must_be_its_own(tmp_path: Path, node: str) -> None:
+    path = tmp_path / "gateway-key"
+    path.write_text(new_secret() + "\n")
+    path.chmod(0o644)
+    box = Outbox(tmp_path / "o.sqlite", node)
+    with pytest.raises(ValueError, match=r"gateway-key: mode 0644 lets group/other read or write it; make it 0600"):
+        Forwarder.to_gateway(box, "http://127.0.0.1:9", path)
+    path.chmod(0o600)
+    fw = Forwarder.to_gateway(box, "http://127.0.0.1:9", path)
+    assert fw.sender_id == node and fw.key == path.read_text().strip()
+    fw.client.close()
+    path.write_text("hunter2")
+    with pytest.raises(ValueError, match="expected one line 'whsec_<base64>'"):
+        Forwarder.to_gateway(box, "http://127.0.0.1:9", path)
+    with pytest.raises(ValueError, match="cannot read"):
+        Forwarder.to_gateway(box, "http://127.0.0.1:9", tmp_path / "missing")

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -80,6 +82,22 @@ def batch_body(node_id: str, rows: Sequence[QueuedEvent]) -> bytes:
          "payload": r.payload} for r in rows]}, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
+def read_node_key(path: Path) -> str:
+    """The node's own gateway key (`whsec_...`) from its 0600 file, beside its S3 credentials; the
+    error names the file and what is wrong with it."""
+    try:
+        st = path.stat()
+        key = path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"node gateway key {path}: cannot read ({e.strerror})") from None
+    if st.st_mode & 0o077:
+        raise ValueError(f"node gateway key {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group/other "
+                         f"read or write it; make it 0600")
+    if not key.startswith("whsec_"):
+        raise ValueError(f"node gateway key {path}: expected one line 'whsec_<base64>'")
+    return key
+
+
 class Forwarder:
     """Drains an outbox to the gateway. `client` is an httpx.Client whose base_url is the gateway."""
 
@@ -89,6 +107,15 @@ class Forwarder:
             raise ValueError(f"forwarder batch_max must be >= 1, got {batch_max}")
         self.outbox, self.client, self.sender_id, self.key = outbox, client, sender_id, key
         self.link, self.batch_max, self.max_body_bytes = link, batch_max, max_body_bytes
+
+    @classmethod
+    def to_gateway(cls, outbox: EventQueue, gateway_url: str, key_file: Path, *, sender_id: str | None = None,
+                   link: Link | None = None, timeout_s: float = 30.0) -> Forwarder:
+        """A forwarder speaking as the node itself (sender id = node id unless given), its key read
+        from `key_file`; close `.client` when done."""
+        key = read_node_key(key_file)
+        client = httpx.Client(base_url=gateway_url, timeout=timeout_s)
+        return cls(outbox, client, sender_id or outbox.node_id, key, link=link)
 
     def _next_batch(self) -> tuple[list[QueuedEvent], bytes]:
         rows: list[QueuedEvent] = self.outbox.peek(self.batch_max)
