@@ -6,6 +6,7 @@ ones labelled stale with their age; same link and cap as data, control first."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from datetime import UTC, datetime
@@ -233,3 +234,20 @@ def test_the_node_key_file_must_be_its_own(tmp_path: Path, node: str) -> None:
         Forwarder.to_gateway(box, "http://127.0.0.1:9", path)
     with pytest.raises(ValueError, match="cannot read"):
         Forwarder.to_gateway(box, "http://127.0.0.1:9", tmp_path / "missing")
+
+
+def test_a_waiting_batch_of_events_overtakes_a_waiting_bundle_chunk() -> None:
+    # Same shaper, same cap: with the bucket empty, a bundle chunk queued first is still served after
+    # the node's events, queued later (control first), and both are paced (never over the cap).
+    link = Link(LinkProfile(bandwidth_bps=8 * 100_000 / 0.7, chunk_bytes=64 * 1024), emit_events=False)
+    link.shaper.acquire(int(link.shaper.bucket.burst))  # empty the bucket
+    order: list[str] = []
+    data = threading.Thread(target=lambda: (link.shaper.acquire(64 * 1024, priority_key("high", 9.0, "t")),
+                                            order.append("bundle")))
+    data.start()
+    time.sleep(0.05)
+    link.shaper.acquire(2_000, CONTROL_PRIORITY)
+    order.append("events")
+    data.join(timeout=10)
+    assert order == ["events", "bundle"]
+    assert link.shaper.granted_bytes == int(link.shaper.bucket.burst) + 2_000 + 64 * 1024
