@@ -251,3 +251,28 @@ def test_a_waiting_batch_of_events_overtakes_a_waiting_bundle_chunk() -> None:
     data.join(timeout=10)
     assert order == ["events", "bundle"]
     assert link.shaper.granted_bytes == int(link.shaper.bucket.burst) + 2_000 + 64 * 1024
+
+
+@pytest.mark.integration
+def test_the_task_forwards_through_the_stacks_gateway_process(stack: localstack.StackState, tmp_path: Path,
+                                                              node: str) -> None:
+    from edgehaul.blocks import EdgeNode
+    from edgehaul.tasks.forwarding import forward_node_events, node_outbox_path
+
+    url = localstack.start_gateway(stack)  # the real uvicorn process, emitting to the session's Prefect
+    sender, key = localstack.gateway_sender(stack)
+    key_file = tmp_path / "gateway-key"
+    key_file.write_text(key)
+    key_file.chmod(0o600)
+    edge = EdgeNode(node_id=node, spool_dir=str(tmp_path / "spool"))
+    box = Outbox(node_outbox_path(edge), node)
+    with events.routed(box.sink()):
+        events.emit(events.SPOOL_WATERMARK, f"edgehaul.spool.{node}", {"level": 2, "used_fraction": 0.91})
+    box.close()
+    out = forward_node_events.fn(edge, "http://127.0.0.1:9", str(key_file), sender_id=sender)
+    assert out["events"] == 0 and out["left"] == 1 and out["error"].startswith("gateway unreachable")
+    out = forward_node_events.fn(edge, url, str(key_file), sender_id=sender)
+    assert out == {"events": 1, "batches": 1, "bytes": out["bytes"], "left": 0, "error": "", "dropped": {}}
+    (ev,) = _node_events(stack.prefect_api_url, node, 1)
+    assert ev["event"] == events.SPOOL_WATERMARK and ev["payload"]["level"] == 2
+    assert ev["resource"][events.ALERT_LABELS["used_fraction"]] == "0910"
