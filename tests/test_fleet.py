@@ -183,3 +183,18 @@ def test_a_scrape_of_the_endpoint_has_every_guide_metric_for_every_node(
     # the same figures as the stored JSON behind the artifact
     view = fleet.read_view(store)
     assert view is not None and view.nodes[talking].link_utilisation == 0.62
+
+
+def test_dashboard_and_scrape_config_cover_every_guide_metric() -> None:
+    import json
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1] / "infra" / "monitoring"
+    dash = json.loads((root / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    assert [m.name for m in fleet.METRICS if m.name not in exprs] == []
+    scrape_cfg = yaml.safe_load((root / "prometheus.yml").read_text())
+    job = next(j for j in scrape_cfg["scrape_configs"] if j["job_name"] == "edgehaul-fleet")
+    assert job["metrics_path"] == "/metrics"
+    assert all(t.endswith(":9464") for sc in job["static_configs"] for t in sc["targets"])  # the endpoint's default port
