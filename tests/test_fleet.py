@@ -156,7 +156,8 @@ def test_a_scrape_of_the_endpoint_has_every_guide_metric_for_every_node(
     assert publish_link_stats.fn(talking, drain)  # what uplink_drain publishes after each drain
     _wait_for_events({talking}, since)
 
-    out = fleet_report(FleetReportParams(store_block=store_block))
+    state = fleet_report(FleetReportParams(store_block=store_block), return_state=True)
+    out = state.result()
     assert {talking, quiet} <= set(out["nodes"])
 
     r = httpx.get(metrics_url)
@@ -183,6 +184,23 @@ def test_a_scrape_of_the_endpoint_has_every_guide_metric_for_every_node(
     # the same figures as the stored JSON behind the artifact
     view = fleet.read_view(store)
     assert view is not None and view.nodes[talking].link_utilisation == 0.62
+    # ... and as the run's keyed artifacts: a table row per node + the core, the chart inline
+    arts = _artifacts(state.state_details.flow_run_id)
+    rows = {r["node"]: r for r in arts["fleet-view"]}
+    assert rows[talking]["link_util"] == "0.620" and rows[quiet]["last_seen"] == "never" and fleet.CORE in rows
+    assert "](data:image/png;base64," in arts["fleet-view-chart"]
+
+
+def _artifacts(run_id: Any) -> dict[str, Any]:
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    return {a.key: json.loads(a.data) if a.type == "table" and isinstance(a.data, str) else a.data
+            for a in arts if a.key}
 
 
 def test_dashboard_and_scrape_config_cover_every_guide_metric() -> None:
