@@ -22,6 +22,9 @@ LINK_STATS = "edgehaul.link.stats"  # payload: retransmission_rate, goodput_bps,
 CHECKPOINT_FAILED = "edgehaul.checkpoint.failed"
 CONTACT_OPENED = "edgehaul.contact.opened"
 RETRY_EXPIRED = "edgehaul.retry.expired"
+# Emitted by the fleet_report flow when its policy bound is exceeded (payload carries the bound).
+NODE_SILENT = "edgehaul.node.silent"  # payload: node_id, last_seen, allowed_s, reason
+MODEL_STALE = "edgehaul.model.stale"  # payload: model_id, trained_version, latest_version, age_s, bounds
 # Landed bundles, coalesced: ONE event per gateway window or uplink drain run, payload `bundle_keys`
 # (relative landing keys). The `bundle_landed` trigger turns each into one core_ingest run, so a flood
 # of bundles is a bounded number of runs; per-bundle BUNDLE_LANDED events trigger nothing.

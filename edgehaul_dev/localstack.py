@@ -657,19 +657,60 @@ def down(root: Path = DEFAULT_ROOT) -> list[str]:
     return stopped
 
 
-def health(root: Path = DEFAULT_ROOT) -> dict[str, bool]:
+def s3_roundtrip(state: StackState, timeout: float = 10) -> str | None:
+    """Write, read back and delete a fresh object in the ops bucket as the admin identity: None when
+    all three worked and the bytes came back intact, else what failed (an answering port is not a
+    working store: a full disk, a dead filer or wrong keys only show on a real request)."""
+    import uuid
+
+    import boto3
+    from botocore.config import Config
+
+    admin = state.identities.get("admin")
+    if admin is None:
+        return "no admin identity in the stack state"
+    client = boto3.client(
+        "s3", endpoint_url=state.s3_endpoint, region_name="us-east-1",
+        aws_access_key_id=admin.access_key_id, aws_secret_access_key=admin.secret_access_key,
+        config=Config(retries={"max_attempts": 1}, connect_timeout=timeout, read_timeout=timeout),
+    )
+    bucket, key, body = "edgehaul-ops", f"_health/{uuid.uuid4().hex}", secrets.token_bytes(64)
+    step = "put"
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+        step = "get"
+        got = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        step = "delete"
+        client.delete_object(Bucket=bucket, Key=key)
+    except Exception as e:
+        return f"S3 {step} s3://{bucket}/{key} at {state.s3_endpoint}: {type(e).__name__}: {e}"
+    if got != body:
+        return f"S3 get s3://{bucket}/{key} at {state.s3_endpoint}: read back {len(got)} bytes that differ from " \
+               f"the {len(body)} written"
+    return None
+
+
+def health(root: Path = DEFAULT_ROOT, errors: dict[str, str] | None = None) -> dict[str, bool]:
+    """Prefect answers /health and S3 does a real write/read/delete; `errors` gets what failed."""
+    errors = {} if errors is None else errors
     state = StackState.load(root)
     if state is None:
+        errors["stack"] = f"no stack state under {root}"
         return {"prefect": False, "s3": False}
     out = {}
-    for name, url in (("prefect", f"{state.prefect_api_url}/health"), ("s3", f"{state.s3_endpoint}/")):
-        try:
-            with urllib.request.urlopen(url, timeout=3):
-                out[name] = True
-        except urllib.error.HTTPError as e:
-            out[name] = e.code < 500
-        except (urllib.error.URLError, OSError):
-            out[name] = False
+    try:
+        with urllib.request.urlopen(f"{state.prefect_api_url}/health", timeout=3):
+            out["prefect"] = True
+    except urllib.error.HTTPError as e:
+        out["prefect"] = e.code < 500
+        if not out["prefect"]:
+            errors["prefect"] = f"{state.prefect_api_url}/health: HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        out["prefect"] = False
+        errors["prefect"] = f"{state.prefect_api_url}/health: {e}"
+    if (err := s3_roundtrip(state)) is not None:
+        errors["s3"] = err
+    out["s3"] = err is None
     return out
 
 
@@ -688,8 +729,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "down":
         print("stopped: " + (", ".join(down(args.root)) or "nothing was running"))
     elif args.command == "health":
-        h = health(args.root)
+        errors: dict[str, str] = {}
+        h = health(args.root, errors)
         print(json.dumps(h))
+        for what, err in errors.items():
+            print(f"health: {what}: {err}", file=sys.stderr)
         return 0 if all(h.values()) else 1
     if args.command in ("up", "env"):
         st = StackState.load(args.root)

@@ -19,6 +19,7 @@ from tests.waiting import wait_for
 FLOW_POOLS = {  # docs/ARCHITECTURE.md, "Flows"
     "edge_ingest": "edge-", "uplink_drain": "edge-", "core_ingest": "central", "compact_dataset": "central",
     "train_model": "central-gpu", "publish_model": "central", "lifecycle_moves": "ops", "cost_report": "ops",
+    "fleet_report": "ops",
 }
 
 
@@ -38,6 +39,7 @@ def test_spec_deploys_every_flow_to_its_pool_with_schedules_and_triggers() -> No
     assert all("interval" in s for d in by_flow["uplink_drain"] for s in d["schedules"])
     assert by_flow["lifecycle_moves"][0]["schedules"][0]["cron"] == "0 3 * * *"
     assert by_flow["cost_report"][0]["schedules"][0]["cron"].endswith(" 1 * *")  # monthly
+    assert by_flow["fleet_report"][0]["schedules"][0]["interval"] == 300
     expects = {flow: {e for d in deps for t in d.get("triggers", []) for e in t["expect"]} for flow, deps in by_flow.items()}
     assert expects["core_ingest"] == {"edgehaul.landing.batch"}
     assert expects["train_model"] == {"edgehaul.dataset.committed"}

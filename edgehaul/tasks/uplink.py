@@ -139,6 +139,7 @@ def drain_spool(
         metrics = rep.metrics(link.cap_bytes_per_s)
         metrics["queue_lengths"] = {t: n for t, n in metrics["queue_lengths"].items()}
         metrics["retry_queue"] = len(queue)
+        metrics["spool_used_fraction"] = round(spool.usage().fraction, 4)  # the fleet view's spool figure
         metrics["link"] = rep.link
         metrics["landed_keys"] = [r.key for r in rep.landed]
         metrics["failed"] = rep.failed
@@ -190,7 +191,9 @@ def publish_link_stats(node_id: str, metrics: dict[str, Any]) -> bool:
         "queue_lengths": metrics.get("queue_lengths", {}),
         "retry_queue": metrics.get("retry_queue", 0),
         "bundles_landed": metrics.get("bundles_landed", 0),
+        "capture_to_landed_p50_s": metrics.get("capture_to_landed_p50_s", {}),
         "capture_to_landed_p99_s": metrics.get("capture_to_landed_p99_s", {}),
+        "spool_used_fraction": metrics.get("spool_used_fraction"),
     }
     ok = events.emit(events.LINK_STATS, f"edgehaul.link.{node_id}", payload, **{"edgehaul.node": node_id})
     rows = [{"metric": k, "value": str(v)} for k, v in payload.items()]
