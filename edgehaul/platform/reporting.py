@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 from uuid import UUID
+
+from pydantic import BaseModel
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +60,25 @@ class Progress:
                 log.warning("progress artifact %s not created: %s", self.key, e)
         return self
 
-    def advance(self, n: int = 1) -> None:
+    def advance(self, n: int = 1, description: str | None = None) -> None:
+        """`n` more done; a new `description` (what the work is at) is always shown."""
         self.done += n
         pct = self.percent
-        if self._id is not None and (pct - self._shown >= self.min_step or pct >= 100.0):
+        changed = description is not None and description != self.description
+        if self._id is not None and (changed or pct - self._shown >= self.min_step or pct >= 100.0):
             try:
                 from prefect.artifacts import update_progress_artifact
 
-                update_progress_artifact(self._id, pct)
+                update_progress_artifact(self._id, pct, description=description if changed else None)
                 self._shown = pct
             except Exception as e:
                 log.warning("progress artifact %s not updated: %s", self.key, e)
+        if description is not None:
+            self.description = description
+
+    def show(self, percent: float, description: str | None = None) -> None:
+        """Set the progress to `percent` (for work measured in percent, e.g. epochs of a training)."""
+        self.advance(round(percent / 100 * self.total) - self.done, description)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if et is None and self.done < self.total:
@@ -106,3 +117,24 @@ def summary_table(key: str, rows: list[dict[str, Any]], description: str = "") -
     except Exception as e:
         log.warning("table artifact %s not created: %s", key, e)
         return None
+
+
+def run_namer(flow: str, params_model: type[BaseModel], describe: Callable[[Any], str]) -> Callable[[], str]:
+    """A `flow_run_name` callable: '<flow>: <what the run is about> (<run id head>)', e.g.
+    'core_ingest: 3 bundles (1f0c2a)', from the run's `params` (a dict, a model or absent: the defaults).
+    Never raises: a run without a readable name is still a run (falls back to the flow's name)."""
+
+    def name() -> str:
+        from prefect.runtime import flow_run
+
+        head = str(flow_run.id or "")[:6]
+        try:
+            raw = (flow_run.parameters or {}).get("params")
+            p = raw if isinstance(raw, params_model) else params_model.model_validate(raw or {})
+            what = describe(p)
+        except Exception as e:
+            log.debug("run name of %s from defaults: %s", flow, e)
+            what = ""
+        return f"{flow}: {what} ({head})" if what else f"{flow} ({head})"
+
+    return name
