@@ -4,16 +4,15 @@ that follows epochs and checkpoints, and the trainer's epoch and checkpoint line
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edgehaul.blocks import ObjectStore, TeamQuota
+from edgehaul.blocks import ObjectStore
 from edgehaul.platform.reporting import Progress
 from edgehaul_dev import localstack
-from tests.train_support import make_dataset
+from tests.train_support import train_small
 from tests.waiting import run_log_lines
 
 
@@ -33,17 +32,9 @@ def test_train_model_run_name_progress_artifact_and_domain_log_lines(stack: loca
     from prefect.artifacts import Artifact
     from prefect.client.orchestration import get_client
 
-    from edgehaul.flows.train_model import TrainModelParams, train_model
-
-    make_dataset(store, [200])
     tag = uuid.uuid4().hex[:8]
-    store.save(f"store-{tag}", overwrite=True)
-    TeamQuota(team="geo", accelerator_hours_per_month=100, storage_bytes=10**9).save(f"quota-{tag}", overwrite=True)
     model = f"m-{tag}"
-    state: Any = train_model(TrainModelParams(
-        team="geo", store_block=f"store-{tag}", quota_block=f"quota-{tag}", model_name=model, epochs=2, batch_size=32,
-        width=8, num_threads=1, checkpoint_every_steps=3, allow_local=True, max_hours=0.5), return_state=True)
-    out = state.result()
+    state, out = train_small(store, tag, epochs=2)
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         name = client.read_flow_run(run_id).name

@@ -23,6 +23,11 @@ from pydantic import BaseModel
 
 log = logging.getLogger(__name__)
 
+CHECK_TAG = "edgehaul-verify"
+"""Runs of checks (`make verify`, demos' probes) carry this tag; their names start with CHECK_PREFIX,
+which the alert automations exclude, so a check never pages anyone nor reads as a production failure."""
+CHECK_PREFIX = "check: "
+
 
 def artifact_key(text: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
@@ -121,8 +126,9 @@ def summary_table(key: str, rows: list[dict[str, Any]], description: str = "") -
 
 def run_namer(flow: str, params_model: type[BaseModel], describe: Callable[[Any], str]) -> Callable[[], str]:
     """A `flow_run_name` callable: '<flow>: <what the run is about> (<run id head>)', e.g.
-    'core_ingest: 3 bundles (1f0c2a)', from the run's `params` (a dict, a model or absent: the defaults).
-    Never raises: a run without a readable name is still a run (falls back to the flow's name)."""
+    'core_ingest: 3 bundles (1f0c2a)', from the run's `params` (a dict, a model or absent: the defaults);
+    prefixed with CHECK_PREFIX for a run tagged CHECK_TAG. Never raises: a run without a readable name is
+    still a run (falls back to the flow's name)."""
 
     def name() -> str:
         from prefect.runtime import flow_run
@@ -135,6 +141,7 @@ def run_namer(flow: str, params_model: type[BaseModel], describe: Callable[[Any]
         except Exception as e:
             log.debug("run name of %s from defaults: %s", flow, e)
             what = ""
-        return f"{flow}: {what} ({head})" if what else f"{flow} ({head})"
+        check = CHECK_PREFIX if CHECK_TAG in (flow_run.tags or []) else ""
+        return f"{check}{flow}: {what} ({head})" if what else f"{check}{flow} ({head})"
 
     return name
