@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from edgehaul.blocks import ObjectStore
 from edgehaul.platform.reporting import Progress
 from edgehaul_dev import localstack
-from tests.train_support import train_small
+from tests.train_support import make_dataset, train_small
 from tests.waiting import run_log_lines
 
 
@@ -49,3 +49,26 @@ def test_train_model_run_name_progress_artifact_and_domain_log_lines(stack: loca
     lines = run_log_lines(run_id, f"run {out['run_id']} epoch 1: loss")
     assert any(line.startswith("edgehaul.training.trainer: checkpoint committed run=") for line in lines), lines
     assert sum("edgehaul.training.trainer: run " in line and " epoch " in line for line in lines) == 2, lines
+
+
+@pytest.mark.integration
+def test_trainer_reports_epochs_and_checkpoints_and_a_failing_display_does_not_stop_it(store: ObjectStore) -> None:
+    from edgehaul.training.trainer import TrainConfig, train
+
+    uri = make_dataset(store, [120])
+    seen: list[tuple[float, str]] = []
+
+    def display(pct: float, what: str) -> None:
+        seen.append((pct, what))
+        raise RuntimeError("artifact API down")
+
+    cfg = TrainConfig(run_id=f"p-{uuid.uuid4().hex[:8]}", dataset_uri=uri, dataset_version=0, epochs=2, batch_size=16,
+                      width=8, num_threads=1, checkpoint_every_steps=4, emit_events=False)
+    res = train(cfg, store, display)
+    assert len(res.history) == 2 and res.steps > 0
+    epochs = [(p, w) for p, w in seen if ": loss " in w]
+    assert [p for p, _ in epochs] == [50.0, 100.0]
+    assert [w.split(":")[0] for _, w in epochs] == ["epoch 1/2", "epoch 2/2"]
+    commits = [w for _, w in seen if "checkpoint committed at step" in w]
+    assert len(commits) == res.steps // 4, seen  # one per committed checkpoint
+    assert [p for p, _ in seen] == sorted(p for p, _ in seen)  # never goes back
