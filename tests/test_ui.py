@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from edgehaul import events
 from edgehaul_dev import localstack
@@ -291,3 +293,18 @@ def test_reporting_helpers_are_noops_outside_a_run() -> None:
         p.advance(5)
     assert p.percent == 100.0
     assert summary_table("x", [{"a": 1}]) is None
+
+
+@given(n=st.integers(0, 2**50), other=st.integers(0, 10**6))
+def test_table_artifacts_show_byte_counts_in_units_and_keep_everything_else(n: int, other: int) -> None:
+    from edgehaul.platform.reporting import human_bytes, human_table
+
+    rows = [{"metric": "bytes_landed", "value": n}, {"metric": "bundles_landed", "value": other},
+            {"meter": "storage", "quantity": n, "unit": "bytes", "billed_quantity": other},
+            {"tier": "high", "uplink_bytes": n, "samples": other}]
+    out = human_table(rows)
+    cols = ["metric", "value", "meter", "quantity", "unit", "billed_quantity", "tier", "uplink_bytes", "samples"]
+    assert all(list(r) == cols for r in out)  # one column set: the UI's table needs it
+    assert [out[0]["value"], out[2]["quantity"], out[3]["uplink_bytes"]] == [human_bytes(n)] * 3
+    assert [out[1]["value"], out[2]["billed_quantity"], out[3]["samples"]] == [other] * 3
+    assert out[1]["metric"] == "bundles_landed" and out[0]["quantity"] == ""

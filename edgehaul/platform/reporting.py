@@ -101,11 +101,20 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _cell(column: str, value: Any) -> Any:
-    # every column that counts bytes is shown in units; the run's return value keeps the raw numbers
-    if "bytes" in column.lower() and isinstance(value, int | float) and not isinstance(value, bool):
-        return human_bytes(value)
-    return value
+def _counts_bytes(column: str, row: dict[str, Any]) -> bool:
+    """A cell counts bytes when its column says so, or its row does: a metric/value row whose metric
+    names bytes, or a quantity whose unit is bytes (the cost report's lines)."""
+    return ("bytes" in column.lower()
+            or (column == "value" and "bytes" in str(row.get("metric", "")).lower())
+            or (column == "quantity" and row.get("unit") == "bytes"))
+
+
+def human_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows as a person reads them: same columns for every row, byte counts in units (`_counts_bytes`).
+    Only the artifact is rewritten; the run's return value keeps the raw numbers."""
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    return [{c: human_bytes(v) if isinstance(v, int | float) and not isinstance(v, bool) and _counts_bytes(c, r) else v
+             for c in cols for v in [r.get(c, "")]} for r in rows]
 
 
 def summary_table(key: str, rows: list[dict[str, Any]], description: str = "") -> UUID | None:
@@ -116,9 +125,7 @@ def summary_table(key: str, rows: list[dict[str, Any]], description: str = "") -
     try:
         from prefect.artifacts import create_table_artifact
 
-        cols = list(dict.fromkeys(k for r in rows for k in r))
-        table = [{c: _cell(c, r.get(c, "")) for c in cols} for r in rows]
-        return create_table_artifact(table, key=artifact_key(key), description=description)  # type: ignore[return-value]
+        return create_table_artifact(human_table(rows), key=artifact_key(key), description=description)  # type: ignore[return-value]
     except Exception as e:
         log.warning("table artifact %s not created: %s", key, e)
         return None
