@@ -32,6 +32,7 @@ from edgehaul.platform.automations import (
     apply_automations,
     at_least_globs,
 )
+from edgehaul.platform.reporting import CHECK_PREFIX, CHECK_TAG
 from edgehaul_dev.localstack import StackState
 
 
@@ -130,6 +131,8 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         other = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 5}})
         crashed = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 7}})
         outside = client.create_flow_run(flow=_named_flow(f"not-ours-{uid}"))  # not a pipeline flow: no alert
+        check = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 9}},  # `make verify`'s
+                                                       name=f"{CHECK_PREFIX}train_model: {uid}", tags=[CHECK_TAG])
 
     try:
         # Warm-up: the automations are loaded once a probe fires.
@@ -165,6 +168,7 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
             client.set_flow_run_state(crashed.id, Crashed(message="Flow run infrastructure exited with code 137"),
                                       force=True)
             client.set_flow_run_state(outside.id, Failed(message="not ours"), force=True)
+            client.set_flow_run_state(check.id, Failed(message="QuotaExceeded: refused, as the check asked"), force=True)
 
         l2 = receiver.wait_for(lambda b: b["resource"] == f"spool-{uid}-high")
         assert l2["level"] == 2 and l2["used_fraction"] == 0.86 and "[edgehaul L2]" in l2["subject"]
@@ -174,13 +178,13 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         assert l3["level"] == 3 and "SlowDown" in l3["error"]
         deadline = time.monotonic() + 30
         runs: list[Any] = []
-        while len(runs) < 4 and time.monotonic() < deadline:
+        while len(runs) < 5 and time.monotonic() < deadline:
             with get_client(sync_client=True) as client:
                 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
                 runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
             time.sleep(0.5)
-        retries = [r for r in runs if r.id not in (failed.id, other.id, crashed.id)]
+        retries = [r for r in runs if r.id not in (failed.id, other.id, crashed.id, check.id)]
         assert len(retries) == 1, "level 3 should re-run the deployment exactly once"
         assert retries[0].parameters == {"params": {"epochs": 2, "team": "t", "run_id": f"train-{failed.id}"}}
 
@@ -196,11 +200,11 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         fired = {b["resource"] for b in receiver.bodies}
         assert not fired & {f"spool-{uid}-low", f"spool-{uid}-edge", f"link-{uid}-spike"}, fired
         assert sum(b["resource"] == f"link-{uid}-sustained" for b in receiver.bodies) == 1
-        assert not [b for b in receiver.bodies if b.get("run") == outside.name]
+        assert not [b for b in receiver.bodies if b.get("run") in (outside.name, check.name)]
         assert set(receiver.auth) == {"Bearer t0k3n"}
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
-        assert len(runs) == 4, "a run failing for another reason is not retried"
+        assert len(runs) == 5, "a run failing for another reason is not retried"
     finally:
         with get_client(sync_client=True) as client:
             for a in first:

@@ -48,7 +48,7 @@ from edgehaul.core.ingest import LandedScan
 from edgehaul.core.validation import ValidationResult
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
-from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import (
@@ -104,7 +104,12 @@ def _artifact_rows(passed: list[ValidationResult], rejected: list[dict[str, Any]
     return rows
 
 
-@flow(name="core_ingest", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
+def _about(p: CoreIngestParams) -> str:
+    return f"{len(p.bundle_keys)} bundles" if p.bundle_keys else f"landing/{p.prefix or '*'}"
+
+
+@flow(name="core_ingest", task_runner=from_environment(),  # EDGEHAUL_TASK_RUNNER of the run's process
+       flow_run_name=run_namer("core_ingest", CoreIngestParams, _about))
 def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     """Validate landed bundles, quarantine failures, commit the rest as one dataset version per contract."""
     p = params or CoreIngestParams()

@@ -40,7 +40,7 @@ from edgehaul.edge.spool import Spool
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.caching import edge_result_storage
-from edgehaul.platform.reporting import Progress, summary_table
+from edgehaul.platform.reporting import Progress, run_namer, summary_table
 from edgehaul.platform.roles import EXAMPLE_NODE
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, make_scorer, merge_reports, scorer_key
@@ -99,7 +99,13 @@ def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore 
     return node, policy, store
 
 
-@flow(name="edge_ingest", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
+def _about(p: EdgeIngestParams) -> str:
+    node = p.node_id or p.edge_node
+    return f"{node}, {p.n_samples} samples" if p.source == "generate" else f"{node}, {p.source_path}"
+
+
+@flow(name="edge_ingest", task_runner=from_environment(),  # EDGEHAUL_TASK_RUNNER of the run's process
+       flow_run_name=run_namer("edge_ingest", EdgeIngestParams, _about))
 def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     """Preprocess, score, tier and bundle raw observations into the node's durable spool."""
     p = params or EdgeIngestParams()

@@ -31,6 +31,7 @@ from uuid import UUID
 from pydantic import BaseModel, Field, model_validator
 
 from edgehaul import events
+from edgehaul.platform.reporting import CHECK_PREFIX
 from edgehaul.platform.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ def alert_automations(policy: AlertPolicy, notify_block_id: UUID) -> list[Any]:
         tags=TAGS,
         trigger=EventTrigger(
             expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            match={"prefect.resource.name": f"!{CHECK_PREFIX}*"},  # a check's deliberate failure pages no one
             match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(PIPELINE_FLOWS)},
             posture=Posture.Reactive,
             threshold=1,

@@ -196,12 +196,12 @@ def publish_link_stats(node_id: str, metrics: dict[str, Any]) -> bool:
         "spool_used_fraction": metrics.get("spool_used_fraction"),
     }
     ok = events.emit(events.LINK_STATS, f"edgehaul.link.{node_id}", payload, **{"edgehaul.node": node_id})
-    rows = [{"metric": k, "value": str(v)} for k, v in payload.items()]
+    rows = [{"metric": k, "value": v if isinstance(v, int | float) else str(v)} for k, v in payload.items()]
     # Planned vs sent of the pass, and what the following passes are planned to carry.
     for i, pp in enumerate([metrics.get("pass_plan"), *metrics.get("later_passes", [])]):
         if pp:
             what = "pass" if i == 0 else f"pass +{i} (planned)"
-            rows += [{"metric": f"{what} {k}", "value": str(v)} for k, v in pp.items()
+            rows += [{"metric": f"{what} {k}", "value": v if isinstance(v, int | float) else str(v)} for k, v in pp.items()
                      if k not in ("planned_ids", "not_sent")]
     summary_table(f"uplink-{node_id}", rows, f"Uplink metrics of node {node_id}")
     return ok
