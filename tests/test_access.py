@@ -379,6 +379,21 @@ def test_no_central_identity_writes_or_deletes_landing(stack: localstack.StackSt
 
 
 @pytest.mark.integration
+def test_the_store_probe_says_which_landing_write_once_the_store_enforces(stack: localstack.StackState) -> None:
+    from edgehaul.ops import store_probe
+
+    node_a = store_for(stack, "node-a")
+    checks = store_probe.probe_landing(node_a, "node-a")
+    found = {c.feature: c for c in checks}
+    assert found["landing-no-delete"].present is True and "AccessDenied" in found["landing-no-delete"].detail
+    assert found["landing-no-overwrite"].present is False  # SeaweedFS 4.48, see KNOWN_GAPS
+    assert store_probe.landing_verdict(checks).startswith("landing write-once: not enforced (no-overwrite)")
+    # tried outside its own prefix, nothing can be said: named, not guessed
+    elsewhere = store_probe.probe_landing(node_a, "node-b")
+    assert all(c.present is None and "403" in c.detail for c in elsewhere)
+
+
+@pytest.mark.integration
 def test_rotate_key_command_switches_keys_and_keeps_the_spool(tmp_path: Path) -> None:
     """`infra/local/rotate_key.sh node-a` on a separately started S3 server (not the session's)."""
     import subprocess
