@@ -244,8 +244,9 @@ def fetch_validated(
         # A store may let a node rewrite or delete its landed objects (see docs/SECURITY.md): what changed
         # since validation is not committed, and not this run's to fail on. Left to the next run, which
         # validates what is there then (a bundle id enters a dataset once: the Delta txn per bundle).
-        if lb.data is None or lb.manifest is None:
-            log.warning("bundle %s: landing_vanished since validation (%s); not committed", key, lb.error)
+        if lb.data is None or lb.manifest is None:  # gone (the janitor, or a store that let its node delete) or garbled
+            log.warning("bundle %s: %s since validation (%s); not committed", key,
+                        "landing_vanished" if "missing" in lb.error else "landing_changed", lb.error[:200])
             continue
         # read_bundle re-checks the checksum against the manifest; the manifest must be the validated one
         if lb.manifest.sha256 != result.bundle_sha256:
