@@ -272,6 +272,23 @@ def test_landing_is_write_once_in_the_aws_documents() -> None:
     assert denied_by(LANDING_POLICY, "s3:DeleteObject", obj(landing, "node-a/x"), {"aws:username": "lifecyclex"})
 
 
+@given(
+    user=st.from_regex(r"node-[a-z0-9]{1,6}", fullmatch=True),
+    owner=st.from_regex(r"node-[a-z0-9]{1,6}", fullmatch=True),
+    conditional=st.booleans(),
+    action=st.sampled_from(("s3:PutObject", "s3:DeleteObject")),
+)
+def test_a_node_only_ever_creates_in_its_own_landing_prefix(user: str, owner: str, conditional: bool,
+                                                            action: str) -> None:
+    """edge-node.json + the landing bucket policy on AWS: a PUT lands only create-only and only under the
+    node's own prefix; a DELETE never does."""
+    doc = json.loads((IAM / "edge-node.json").read_text())
+    ctx = {"aws:username": user, "s3:ObjectCreationOperation": "true", **({"s3:if-none-match": "*"} if conditional else {})}
+    r = obj("edgehaul-landing", f"{owner}/2026-12-03/b.parquet")
+    ok = allowed(doc, action, r, ctx) and not denied_by(LANDING_POLICY, action, r, ctx)
+    assert ok == (action == "s3:PutObject" and conditional and user == owner)
+
+
 # ---- real requests against the local S3 server -------------------------------------------------
 
 def _denied(call: Any, **kw: Any) -> None:
