@@ -184,9 +184,12 @@ def new_weed_jwt() -> dict[str, str]:
 
 def _node_actions(node: str) -> list[str]:
     prefix = f"edgehaul-landing/{node}/*"
-    # Only its own prefix: Write to upload, List to resume multipart, Read to HEAD-verify receipt.
+    downlink = f"edgehaul-ops/downlink/{node}/*"
+    # Only its own prefix: Write to upload, List to resume multipart, Read to HEAD-verify receipt;
+    # and read-only its own downlink folder (updates the core publishes to it).
     # SeaweedFS's Write also grants DELETE; the landing bucket policy takes that back (landing_bucket_policy).
-    return [f"Write:{prefix}", f"List:{prefix}", f"Read:{prefix}", f"Tagging:{prefix}"]
+    return [f"Write:{prefix}", f"List:{prefix}", f"Read:{prefix}", f"Tagging:{prefix}", f"Read:{downlink}",
+            f"List:{downlink}"]
 
 
 LANDING_POLICY = Path(__file__).resolve().parents[1] / "infra" / "iam" / "landing-bucket-policy.json"
@@ -213,8 +216,8 @@ def identities_config(
 ) -> dict[str, object]:
     """SeaweedFS s3.json: least-privilege identities per role and per edge node.
 
-    No identity is shared by nodes, and no node has a grant on the ops bucket: central cached task
-    results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
+    No identity is shared by nodes; in the ops bucket a node only reads its own downlink folder: central
+    cached task results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
     grants: dict[str, list[str]] = {
         "admin": ["Admin", "Read", "Write", "List", "Tagging"],
         "ingest": [  # landing is read-only for the core: quarantine copies out of it (issue 17 item 6)

@@ -223,7 +223,7 @@ REQUESTS = (("get", "s3:GetObject", {}),
             ("delete", "s3:DeleteObject", {}),
             ("tag", "s3:PutObjectTagging", {}))
 KEYS = ("node-a/2026-12-03/b.parquet", "node-b/b.parquet", "datasets/k/part.parquet", "prefect-results/r",
-        "capabilities/store.json")
+        "capabilities/store.json", "downlink/node-a/update.json", "downlink/node-b/update.json")
 # The one difference, on purpose: SeaweedFS 4.48 sets no `s3:if-none-match` condition key, so it cannot
 # refuse a node's plain PUT over its own landed object; AWS does (LandingIsCreateOnly). The core detects
 # such a rewrite (tests/test_attacks_core.py::test_a_landed_bundle_rewritten_by_its_node_is_never_taken_twice).

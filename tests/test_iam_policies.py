@@ -316,6 +316,18 @@ def test_only_central_identities_reach_the_central_results(engine: Engine) -> No
     assert body(ingest, "edgehaul-ops", key) == b"r"
 
 
+def test_a_node_reads_only_its_own_downlink_and_writes_none(engine: Engine) -> None:
+    tag = uuid.uuid4().hex[:8]
+    for node in NODES:
+        engine.client("ingest").put_object(Bucket="edgehaul-ops", Key=f"downlink/{node}/{tag}.json", Body=b"u")
+    a, b = (engine.client(n) for n in NODES[:2])
+    assert body(a, "edgehaul-ops", f"downlink/{NODES[0]}/{tag}.json") == b"u"
+    denied(a.get_object, Bucket="edgehaul-ops", Key=f"downlink/{NODES[1]}/{tag}.json")
+    denied(a.put_object, Bucket="edgehaul-ops", Key=f"downlink/{NODES[0]}/{tag}.json", Body=b"forged")
+    denied(b.delete_object, Bucket="edgehaul-ops", Key=f"downlink/{NODES[1]}/{tag}.json")
+    assert body(b, "edgehaul-ops", f"downlink/{NODES[1]}/{tag}.json") == b"u"
+
+
 # ---- what this engine cannot say (kept in tests/test_access.py) --------------------------------
 
 def test_the_limits_of_the_engine_are_known(engine: Engine) -> None:

@@ -35,6 +35,7 @@ from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import contract_by_id
 from edgehaul.edge.landsat import generate
 from edgehaul.edge.preprocess import batch_key
+from edgehaul.edge.scoring import ContextualScorer
 from edgehaul.edge.spool import Spool
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
@@ -42,7 +43,7 @@ from edgehaul.platform.caching import edge_result_storage
 from edgehaul.platform.reporting import Progress, summary_table
 from edgehaul.platform.roles import EXAMPLE_NODE
 from edgehaul.platform.runners import from_environment
-from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, merge_reports, scorer_key
+from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, make_scorer, merge_reports, scorer_key
 
 
 class EdgeIngestParams(BaseModel):
@@ -111,7 +112,8 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     batch_task = ingest_batch.with_options(**opts)
     expected = max(1, -(-p.n_samples // p.batch_size)) if p.source == "generate" else 0
     # A model scorer's version (its model id) is fixed for the run: resolve it once, not per batch.
-    fixed_version = scorer_key(policy, node, "", store, contract) if policy.scorer != "novelty" else None
+    first = make_scorer(policy, node, contract, store)
+    fixed_version = None if isinstance(first, ContextualScorer) else first.version
     done: list[EdgeBatch] = []
     # the progress artifact moves every 10%: an API call each, not one per batch on long runs
     with run_logging.for_node(node.node_id), Progress(
