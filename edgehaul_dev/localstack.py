@@ -44,6 +44,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.private_files import write_private
@@ -186,8 +187,28 @@ def _node_actions(node: str) -> list[str]:
     downlink = f"edgehaul-ops/downlink/{node}/*"
     # Only its own prefix: Write to upload, List to resume multipart, Read to HEAD-verify receipt;
     # and read-only its own downlink folder (updates the core publishes to it).
+    # SeaweedFS's Write also grants DELETE; the landing bucket policy takes that back (landing_bucket_policy).
     return [f"Write:{prefix}", f"List:{prefix}", f"Read:{prefix}", f"Tagging:{prefix}", f"Read:{downlink}",
             f"List:{downlink}"]
+
+
+LANDING_POLICY = Path(__file__).resolve().parents[1] / "infra" / "iam" / "landing-bucket-policy.json"
+# Statements of the AWS landing policy SeaweedFS 4.48 cannot evaluate: it sets no `s3:if-none-match`
+# condition key, so "deny a PUT without If-None-Match" denies every PUT (measured). Overwrites by a node
+# stay possible there; the core detects them (edgehaul.core.ingest, docs/SECURITY.md).
+SEAWEED_UNSUPPORTED = ("LandingIsCreateOnly",)
+
+
+def landing_bucket_policy() -> dict[str, Any]:
+    """infra/iam/landing-bucket-policy.json as the local SeaweedFS can enforce it: nobody but the janitor
+    (lifecycle) deletes in landing, the janitor never writes there. The stack's operator identity (admin)
+    keeps delete: tests and `stack down` clean up with it, as an AWS account owner can change the policy."""
+    doc = json.loads(LANDING_POLICY.read_text())
+    doc["Statement"] = [st for st in doc["Statement"] if st["Sid"] not in SEAWEED_UNSUPPORTED]
+    for st in doc["Statement"]:
+        if st["Sid"] == "OnlyTheJanitorDeletesLanding":
+            st["Condition"]["StringNotEquals"]["aws:username"].append("admin")
+    return doc
 
 
 def identities_config(
@@ -199,8 +220,8 @@ def identities_config(
     cached task results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
     grants: dict[str, list[str]] = {
         "admin": ["Admin", "Read", "Write", "List", "Tagging"],
-        "ingest": [
-            "Read:edgehaul-landing", "List:edgehaul-landing", "Write:edgehaul-landing",
+        "ingest": [  # landing is read-only for the core: quarantine copies out of it (issue 17 item 6)
+            "Read:edgehaul-landing", "List:edgehaul-landing",
             "Read:edgehaul-curated", "Write:edgehaul-curated", "List:edgehaul-curated",
             "Read:edgehaul-ops", "Write:edgehaul-ops", "List:edgehaul-ops",
         ],
@@ -210,7 +231,8 @@ def identities_config(
             "Read:edgehaul-ops/capabilities/*",  # publish_model's store capability gate
         ],
         "lifecycle": [
-            # ops: the move journal, access records and the metering log live there
+            # ops: the move journal, access records and the metering log live there; landing: the janitor
+            # (moves landing to cold), its PUTs there refused by the landing bucket policy
             f"{a}:{b}"
             for b in ("edgehaul-curated", "edgehaul-cold", "edgehaul-landing", "edgehaul-checkpoints", "edgehaul-ops")
             for a in ("Read", "Write", "List", "Tagging")
@@ -474,6 +496,7 @@ def _wait_s3_ready(state: StackState, timeout: float = 60) -> None:
             for bucket in BUCKETS:
                 if bucket not in existing:
                     client.create_bucket(Bucket=bucket)
+            client.put_bucket_policy(Bucket="edgehaul-landing", Policy=json.dumps(landing_bucket_policy()))
             client.put_object(Bucket="edgehaul-ops", Key="_health/ping", Body=b"ok")
             return
         except Exception as e:
