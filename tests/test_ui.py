@@ -1,7 +1,7 @@
 """The real Prefect UI (served by the session's `prefect server start`) in headless Debian Chromium:
 a demo flow run, its artifacts, and an event-triggered run appear; a training run shows its name,
-progress and epoch lines, and the cost report its chart. Screenshots: docs/ui-screenshot.png,
-docs/ui-training-run.png."""
+progress and epoch lines, the cost report its chart, the fleet view its table and chart. Screenshots:
+docs/ui-screenshot.png, docs/ui-training-run.png, docs/ui-fleet-view.png."""
 
 from __future__ import annotations
 
@@ -225,6 +225,52 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
         proc.wait(timeout=30)
         log.close()
 
+
+
+@pytest.mark.integration
+def test_ui_shows_the_fleet_view(stack: localstack.StackState, tmp_path: Path) -> None:
+    """The fleet artifacts as an operator opens them: a row per node and the core, the chart an inline image."""
+    import base64
+
+    from prefect.artifacts import Artifact
+
+    from edgehaul.blocks import EdgeNode
+    from edgehaul.flows.fleet_report import FleetReportParams, fleet_report
+    from edgehaul.ops import fleet
+    from edgehaul.tasks.uplink import publish_link_stats
+    from tests.conftest import store_for
+
+    tag = uuid.uuid4().hex[:8]
+    node = f"ui-fleet-{tag}"
+    EdgeNode(node_id=node, spool_dir=str(tmp_path / node)).save(node, overwrite=True)
+    assert publish_link_stats.fn(node, {"retransmission_rate": 0.02, "goodput_bps": 3e5, "rate_cap_use": 0.55,
+                                        "retry_queue": 1, "queue_lengths": {"normal": 2}, "bundles_landed": 3,
+                                        "spool_used_fraction": 0.3})
+    store = store_for(stack, "lifecycle")
+    store.save(f"ui-fleet-{tag}", overwrite=True)
+    deadline = time.monotonic() + 60
+    while True:  # the link-stats event must be in the event store before the report reads it
+        fleet_report(FleetReportParams(store_block=f"ui-fleet-{tag}"))
+        view = fleet.read_view(store)
+        seen = view.nodes[node].link_utilisation if view and node in view.nodes else None
+        if seen == 0.55 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert seen == 0.55, seen
+    table, chart = Artifact.get("fleet-view"), Artifact.get("fleet-view-chart")
+    assert table is not None and chart is not None
+    ui_proxy = AuthProxy(stack.prefect_ui_url, api_auth())
+    try:
+        shot = tmp_path / "ui-fleet-view.png"
+        page = browse(f"{ui_proxy.url}/artifacts/artifact/{table.id}", tmp_path, screenshot=shot)
+        assert node in page and fleet.CORE in page and "0.550" in page, page[:2000]
+        assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        shutil.copyfile(shot, Path(__file__).resolve().parent.parent / "docs" / "ui-fleet-view.png")
+        dom = browse(f"{ui_proxy.url}/artifacts/artifact/{chart.id}", tmp_path, raw=True)
+        srcs = re.findall(r'<img[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
+        assert srcs and base64.b64decode(srcs[0])[:8] == b"\x89PNG\r\n\x1a\n", dom[:2000]
+    finally:
+        ui_proxy.close()
 
 
 @pytest.mark.integration
