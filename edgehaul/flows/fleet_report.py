@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, field_validator
 from edgehaul.blocks import ObjectStore
 from edgehaul.ops import fleet
 from edgehaul.platform.block_loading import load_block
-from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.tasks.fleet import emit_alerts, passes_of, publish_view, read_facts, read_store_figures, window_start
 
@@ -57,7 +57,8 @@ class FleetReportParams(BaseModel):
         return v
 
 
-@flow(name="fleet_report")
+@flow(name="fleet_report",
+       flow_run_name=run_namer("fleet_report", FleetReportParams, lambda p: f"last {p.window_s / 3600:g} h"))
 def fleet_report(params: FleetReportParams | None = None) -> dict[str, Any]:
     """Build the fleet view, publish it (artifacts, ops bucket) and emit silent-node / stale-model alerts."""
     p = params or FleetReportParams()
