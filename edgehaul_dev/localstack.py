@@ -86,7 +86,8 @@ def port_free(port: int) -> bool:
 
 
 # SeaweedFS's internal ports: chosen free per stack (clients only ever use the S3 port).
-WEED_PORTS = ("s3_grpc", "master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "admin", "admin_grpc")
+WEED_PORTS = ("s3_grpc", "master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "admin", "admin_grpc",
+              "s3_metrics")  # s3_metrics: the S3 gateway's Prometheus counters (benchmarks/bench_fleet.py)
 # SeaweedFS 4.48 also listens on /tmp/seaweedfs-<kind>-grpc-<port>.sock beside each gRPC port, a path no
 # flag moves (unlike -filer.localSocket / -s3.localSocket, which point into the stack folder).
 GRPC_SOCKETS = {"master_grpc": "master", "volume_grpc": "volume", "filer_grpc": "filer", "s3_grpc": "s3",
@@ -433,6 +434,7 @@ def _weed_command(state: StackState, d: Path, cfg: Path) -> list[str]:
         "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
         f"-filer.localSocket={sock / 'filer.sock'}", f"-s3.localSocket={sock / 's3.sock'}",
         f"-s3.port={state.s3_port}", f"-s3.port.grpc={p['s3_grpc']}",
+        f"-metricsPort={p['s3_metrics']}", "-metricsIp=127.0.0.1",
         f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
         f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
         f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",

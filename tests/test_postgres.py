@@ -8,59 +8,24 @@ and the flow run is read back from PostgreSQL itself.
 
 from __future__ import annotations
 
-import glob
 import os
-import pwd
-import shutil
-import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from edgehaul_dev import localstack
+from edgehaul_dev import localstack, postgres
 from tests.conftest import store_for
 
 pytestmark = pytest.mark.integration
 
 
-def _pg_bin(name: str) -> str:
-    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}")) or ([shutil.which(name)] if shutil.which(name) else [])
-    if not found:
-        raise RuntimeError(f"PostgreSQL server binary {name!r} not found: apt-get install postgresql (.ci/run does)")
-    return str(found[-1])
-
-
-def _as_db_user() -> tuple[Callable[[list[str]], list[str]], int | None]:
-    if os.geteuid() != 0:
-        return (lambda cmd: cmd), None
-    uid = pwd.getpwnam("postgres").pw_uid
-    return (lambda cmd: ["runuser", "-u", "postgres", "--", *cmd]), uid
-
-
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
-    wrap, uid = _as_db_user()
-    root = Path(tempfile.mkdtemp(prefix="eh-pg-"))
-    if uid is not None:
-        os.chown(root, uid, -1)
-    data, port = root / "data", localstack.free_port()
-    run = dict(check=True, capture_output=True, text=True, timeout=120)
-    subprocess.run(wrap([_pg_bin("initdb"), "-D", str(data), "-U", "prefect", "-A", "trust", "-E", "UTF8"]), **run)  # type: ignore[call-overload]
-    opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
-    subprocess.run(
-        wrap([_pg_bin("pg_ctl"), "-D", str(data), "-o", opts, "-l", str(root / "pg.log"), "-w", "-t", "60", "start"]), **run
-    )  # type: ignore[call-overload]
-    try:
-        subprocess.run(wrap([_pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "prefect", "prefect"]), **run)  # type: ignore[call-overload]
-        yield f"postgresql+asyncpg://prefect@127.0.0.1:{port}/prefect"
-    finally:
-        stop = [_pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]
-        subprocess.run(wrap(stop), capture_output=True, timeout=60)
-        shutil.rmtree(root, ignore_errors=True)
+    with postgres.running() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +82,7 @@ def test_core_ingest_runs_on_a_postgres_backed_prefect_server(pg_prefect: locals
     assert quarantined.get("KeyCount", 0) > 0
 
     # the run is recorded in PostgreSQL itself, not in some SQLite file
-    dsn = postgres_url.replace("postgresql+asyncpg://", "postgresql://")
+    dsn = postgres.dsn(postgres_url)
     # Flow-run states are written through the API by the client itself (task runs travel as events
     # through a process-wide events client, which in a long test session may be bound to another server).
     deadline = time.monotonic() + 60

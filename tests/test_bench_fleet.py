@@ -1,0 +1,35 @@
+"""The fleet benchmark's quick variant as a test: a small fleet against its own central stack (Prefect on
+PostgreSQL, SeaweedFS, the gateway, core_ingest served with prefect.yaml's landing-batch trigger).
+
+The invariants the full benchmark reports at 1,000 nodes, asserted on 10 nodes at 18x the capacity model's
+rate (1 bundle/s) and a burst of every node with a backlog: every landed bundle is committed exactly once,
+the backlog drains, no Prefect API error, and landed bundles are coalesced into fewer runs than bundles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_fleet import Phase, fleet, summary
+
+pytestmark = pytest.mark.integration
+
+
+def test_small_fleet_is_committed_exactly_once_with_no_api_errors(tmp_path: Path) -> None:
+    (res,) = fleet([Phase("coalesced", 10, 10, 2, rate_scale=18, drain_timeout_s=150)], work=tmp_path)
+    s = summary(res)
+    assert s["landed"] == 10 + 10 * 2 and res.landing_failures == 0 and res.hook_errors == 0
+    # every landed bundle committed, each once, with its manifest's rows; no sample id twice
+    assert set(res.committed) == set(res.landed), f"not committed: {sorted(set(res.landed) - set(res.committed))}"
+    assert res.wrong_rows == [] and res.duplicates == 0 and res.extra_bundles == 0
+    assert s["final_backlog"] == 0 and s["recovery_s"] is not None
+    assert s["api_errors"] == 0, s["api_error_sources"]
+    # coalesced: far fewer core_ingest runs than bundles, each one a dataset version at most
+    assert 1 <= s["flow_runs"] <= s["landed"] // 2, s["flow_runs"]
+    assert 1 <= s["commits"] <= s["flow_runs"]
+    assert all(state == "COMPLETED" for _, state in res.flow_runs)
+    # the latencies are real measurements: a commit never precedes its landing
+    assert min(res.committed[b] - t for b, t in res.landed.items()) > 0
+    assert s["task_runs"] >= s["landed"]  # one validation task run per bundle at least
