@@ -8,15 +8,16 @@ import uuid
 
 import pytest
 
-from edgehaul.platform.reporting import _cell, human_bytes
+from edgehaul.platform.reporting import human_bytes, human_table
 from edgehaul_dev import localstack
 from tests.waiting import run_log_lines
 
 
 def test_byte_columns_are_shown_in_human_units() -> None:
     assert human_bytes(978098) == "955 KiB" and human_bytes(512) == "512 B" and human_bytes(3 * 2**30) == "3 GiB"
-    assert _cell("uplink_bytes", 1536) == "1.5 KiB" and _cell("bytes", 2**20) == "1 MiB"
-    assert _cell("rows", 1536) == 1536 and _cell("uplink_bytes", "") == "" and _cell("bytes", True) is True
+    rows = human_table([{"uplink_bytes": 1536, "bytes": 2**20, "rows": 1536}, {"uplink_bytes": "", "bytes": True}])
+    assert rows[0] == {"uplink_bytes": "1.5 KiB", "bytes": "1 MiB", "rows": 1536}
+    assert rows[1] == {"uplink_bytes": "", "bytes": True, "rows": ""}
 
 
 @pytest.mark.integration
