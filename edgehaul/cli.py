@@ -5,6 +5,7 @@
     edgehaul blocks apply <file>  create every block the flows load from one YAML file (docs/STORAGE.md)
     edgehaul automations [...]    create or update the alert automations on the Prefect server
     edgehaul gateway [...]        run the signed webhook gateway (ground stations -> Prefect events)
+    edgehaul node init|run        an edge node on its own: its own Prefect server, blocks and schedules
     edgehaul quarantine list      quarantined bundles: bundle, node, reason, samples, age (--node, --reason)
     edgehaul quarantine readmit BUNDLE... --reason TEXT [--by NAME]
                                   back to landing for the next core_ingest to validate (audited)
@@ -29,6 +30,7 @@ COMMANDS = {
     "blocks": ("edgehaul.platform.block_setup", "apply <file>: create every block the flows load from a YAML file"),
     "automations": ("edgehaul.platform.automations", "create or update the alert automations"),
     "gateway": ("edgehaul.platform.gateway", "run the signed webhook gateway"),
+    "node": ("edgehaul.node", "init --config FILE | run --state-dir DIR: an edge node on its own (own Prefect server)"),
     "quarantine": ("edgehaul.cli", "list | readmit BUNDLE... --reason TEXT: quarantined bundles, audited re-admission"),
 }
 VERBS = {"store": "check", "blocks": "apply"}

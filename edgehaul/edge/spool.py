@@ -24,9 +24,11 @@ clean-up, so the spool never exceeds its cap. At >= cleanup_watermark, clean-up 
 entries, stale staging files, then raw-store entries lowest value first, until the spool is back
 under the clean-up watermark (bundles waiting for uplink are not touched by clean-up). At
 >= alert_watermark after a write, `edgehaul.spool.watermark` (level 2) is emitted once per
-upward crossing. When a write would still not fit: `reject-new` refuses it; `drop-lowest-value`
-drops waiting bundles of lower value (tier first, then max_value, oldest first) if that frees
-enough, else refuses. Every refused, dropped, evicted or expired sample goes to the ledger.
+upward crossing, and appended to the node's outbox (`edgehaul.edge.outbox`) when the spool has one
+(`from_block` opens it), so the alert is kept in order while the central API is out of reach.
+When a write would still not fit: `reject-new` refuses it; `drop-lowest-value` drops waiting
+bundles of lower value (tier first, then max_value, oldest first) if that frees enough, else refuses.
+Every refused, dropped, evicted or expired sample goes to the ledger.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +52,7 @@ from edgehaul.bundles import BundleError, BundleManifest
 from edgehaul.contracts import tier_rank
 from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
+from edgehaul.edge.outbox import PRIO_ALERT_L2, Outbox, node_outbox
 
 if TYPE_CHECKING:
     from edgehaul.blocks.policies import EdgeNode
@@ -128,6 +132,7 @@ class Spool:
         raw_ttl_seconds: float | None = None,
         staging_ttl_seconds: float = 86400,
         emit: Callable[..., bool] | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         if cap_bytes <= 0:
             raise SpoolError(f"cap_bytes must be > 0, got {cap_bytes}")
@@ -147,6 +152,7 @@ class Spool:
         self.clock = clock
         # How alerts leave: edgehaul.events.emit (Prefect events) unless a test passes a recorder.
         self._emit = emit or events.emit
+        self.outbox = outbox
         self.bundles_dir = self.root / "bundles"
         self.raw_dir = self.root / "raw"
         self.staging_dir = self.root / "staging"
@@ -177,6 +183,7 @@ class Spool:
             ttl_seconds=node.bundle_ttl_seconds,
             node_id=node.node_id,
             clock=clock,
+            outbox=node_outbox(node.spool_dir, node.node_id),
         )
 
     # ---- locking and recovery -------------------------------------------------------------
@@ -422,6 +429,9 @@ class Spool:
         }
         self.alerts.append(payload)
         log.warning("spool %s at %.1f%% of cap: alert", self.node_id or self.root, 100 * usage.fraction)
+        if self.outbox is not None:
+            self.outbox.append(events.SPOOL_WATERMARK, dict(payload), priority=PRIO_ALERT_L2,
+                               occurred=datetime.fromtimestamp(self.clock(), UTC))
         self._emit(events.SPOOL_WATERMARK, f"edgehaul.spool.{self.node_id or 'local'}", dict(payload),
                     **{"edgehaul.node": self.node_id})
 
@@ -489,3 +499,5 @@ class Spool:
     def close(self) -> None:
         self.ledger.close()
         self._acks.close()
+        if self.outbox is not None:
+            self.outbox.close()

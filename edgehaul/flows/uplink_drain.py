@@ -20,6 +20,8 @@ What it does, in order:
    backup as long as this month's budget (metered on the node, `uplink-backup/backup-YYYY-MM.json`)
    covers them; bulk always waits for the primary; an urgent bundle the budget cannot cover waits too
    (logged, counted in `backup_refusals`). `bytes_by_link` meters each link;
+   Out of contact (the store does not answer one probe request): nothing is sent, the run
+   completes at once with `out_of_contact` set, and the node's schedule tries again;
 4. publish metrics: an `edgehaul.link.stats` event and a table artifact (goodput, rate cap use,
    retransmissions, queue length per tier, capture-to-landed time per tier; by plan also the pass's
    capacity, planned vs sent bytes and value, and what the following passes are planned to carry).
@@ -43,7 +45,7 @@ from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.roles import DEFAULT_POLICY, EXAMPLE_NODE, node_store
-from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, publish_link_stats
+from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, probe_contact, publish_link_stats
 from edgehaul.uplink.pass_plan import load_passes
 
 
@@ -82,6 +84,10 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
               if p.backup_link_profile else None)
     with run_logging.for_node(node.node_id):  # the node on every domain log line of its drain
         expired = expire_retries(node)
+        if (down := probe_contact(store)) is not None:
+            logger.info("node %s: store out of reach, nothing sent; %d bundles wait (%s)", node.node_id,
+                        expired["spool_pending"], down)
+            return {"out_of_contact": down, "bundles_landed": 0, **expired}
         aborted = abort_orphans(store, profile, node, p.orphan_age_s)
         metrics = drain_spool(
             store, profile, node, max_seconds=p.max_seconds, max_active=p.max_active, simulate=p.simulate,
