@@ -28,6 +28,7 @@ import yaml
 
 from edgehaul import events
 from edgehaul.blocks import EdgeNode
+from edgehaul.bundles import BundleManifest
 from edgehaul.edge import ledger
 from edgehaul.edge.landsat import generate
 from edgehaul.edge.outbox import node_outbox
@@ -43,7 +44,7 @@ HOUR = 8.0  # wall seconds per simulated hour
 DAY_H = 24
 NODE = "node-a"  # a stack identity: its keys may write landing/node-a/ only
 SAMPLES_PER_HOUR = 1000
-INGEST_H, DRAIN_H = 3, 6  # schedules, in simulated hours: a run takes 5-20 s of wall time on a busy 2-core host
+INGEST_H, DRAIN_H = 3, 6  # schedules, in simulated hours: a run takes 5-25 s of wall time on a busy 2-core host
 
 
 class Relay:
@@ -140,6 +141,10 @@ def _node_runs(layout: NodeLayout) -> dict[str, list[str]]:
         return asyncio.run(_run_states(layout))
 
 
+def _out_of_contact(log: Path) -> int:
+    return log.read_text().count(f"node {NODE}: store out of reach, nothing sent")
+
+
 def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not pred():
@@ -185,7 +190,9 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
             sample_ids += _drop(layout.drop, hour)
             time.sleep(max(0.0, t0 + (hour + 1) * HOUR - time.monotonic()))
             assert proc.poll() is None, log.read_text()[-3000:]
-        _wait(lambda: not any(layout.drop.glob("*.parquet")), 6 * HOUR, "the last drop to be ingested")
+        # a busy host runs late (runs wait their turn, an ingest run reads every file that waited): let it catch up
+        _wait(lambda: not any(layout.drop.glob("*.parquet")), 20 * HOUR, "the last drop to be ingested")
+        _wait(lambda: _out_of_contact(log) >= 2, 20 * HOUR, "two drain attempts out of contact")
         day = _node_runs(layout)
 
         relay.up()  # contact: the next scheduled drain sends what waited
@@ -196,8 +203,11 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
                 _wait(lambda: not spool.pending(), 12 * HOUR + 120, "the spool to drain after reconnection")
                 counts = spool.ledger.counts()
                 acked = {b for b in waiting if spool.is_acked(b)}
+                assert not spool.pending()
                 with contextlib.closing(sqlite3.connect(layout.spool / "ledger.sqlite")) as db:
                     dropped = {b for (b,) in db.execute("SELECT DISTINCT bundle_id FROM ledger")}
+                    spool_dropped = {i for (i,) in db.execute("SELECT sample_id FROM ledger WHERE stage = ?",
+                                                              (ledger.STAGE_SPOOL,))}
             finally:
                 spool.close()
         finally:
@@ -205,15 +215,14 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
 
     text = log.read_text()
     ingested = [int(m) for m in re.findall(rf"node {NODE}: (\d+) samples in \d+ batches", text)]
-    out_of_contact = text.count(f"node {NODE}: store out of reach, nothing sent")
+    out_of_contact = _out_of_contact(log)
     print(f"day: runs { {k: len(v) for k, v in day.items()} }, {out_of_contact} drains out of contact; ledger {counts}; "
           f"{len(waiting)} bundles waiting at reconnection, {len(acked)} acked")
     # schedules fired on the node's own server, with no central API
-    # (a busy host runs late: runs wait their turn, and an ingest run reads every file that waits)
-    assert day.get("edge_ingest", []).count("Completed") >= DAY_H // INGEST_H // 2, day
-    assert day.get("uplink_drain", []).count("Completed") >= DAY_H // DRAIN_H // 2, day
+    # (how many depends on the host: on an idle one every schedule fires on time, 8 ingests and 4 drains)
+    assert day.get("edge_ingest", []).count("Completed") >= 2, day
+    assert day.get("uplink_drain", []).count("Completed") >= 2, day
     assert set(day.get("edge_ingest", [])) == set(day.get("uplink_drain", [])) == {"Completed"}, day
-    assert out_of_contact >= DAY_H // DRAIN_H // 2
     assert sum(ingested) == len(sample_ids) == DAY_H * SAMPLES_PER_HOUR  # every dropped file read once
     # the spool reached its watermarks: clean-up evicted raw samples; bundles expired (TTL) or were dropped
     assert counts.get((STAGE_RAW, ledger.RAW_EVICTED), 0) > 0, counts
@@ -233,10 +242,19 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
     assert waiting and acked, (len(waiting), len(acked))
     assert waiting - acked <= dropped, waiting - acked - dropped
     store = store_for(stack)
-    landed = {o["Key"].rsplit("/", 1)[1].removesuffix(".parquet")
-              for o in store.client().list_objects_v2(Bucket=store.bucket("landing"), Prefix=f"{NODE}/").get("Contents", [])
-              if o["Key"].endswith(".parquet")}
-    assert acked <= landed, acked - landed
+    s3 = store.client()
+    manifests = [BundleManifest.from_json(s3.get_object(Bucket=store.bucket("landing"), Key=o["Key"])["Body"].read())
+                 for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket("landing"),
+                                                                           Prefix=f"{NODE}/")
+                 for o in page.get("Contents", []) if o["Key"].endswith(".manifest.json")]
+    landed = {m.bundle_id: m for m in manifests}
+    assert acked <= landed.keys(), acked - landed.keys()
+    # every sample accounted for by id, once: landed in a bundle (low tier: its summary row) or in the
+    # ledger with the reason its bundle left the spool (TTL, displaced, refused); none still waiting
+    in_bundles = [i for m in landed.values() for i in m.sample_ids]
+    assert len(in_bundles) == len(set(in_bundles)), "a sample landed twice"
+    assert not set(in_bundles) & spool_dropped, "a sample both landed and dropped"
+    assert set(in_bundles) | spool_dropped == set(sample_ids), len(set(sample_ids) - set(in_bundles) - spool_dropped)
     # nothing of the node reached the central Prefect server
     assert not _central_runs_tagged("node-local")
 
@@ -264,6 +282,12 @@ def test_spool_alerts_land_in_the_node_outbox_in_order(tmp_path: Path) -> None:
         bundles = [mk(200, 20 + i) for i in range(6)]
         for b in bundles[:4]:
             assert spool.put(*b) is not None  # the 4th crosses 85%
+        other = Spool.from_block(node)  # another process's view (a batch task, a drain): same crossing, no alert
+        try:
+            other._emit = spool._emit
+            assert other.check_watermarks().fraction >= 0.85 and other.alerts == []
+        finally:
+            other.close()
         for _, mb in bundles[:2]:  # contact: two land, the spool falls below the watermarks
             spool.ack(mb.bundle_id, remote_key=mb.object_key, sha256=mb.sha256)
         for b in bundles[4:]:

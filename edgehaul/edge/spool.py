@@ -24,8 +24,9 @@ clean-up, so the spool never exceeds its cap. At >= cleanup_watermark, clean-up 
 entries, stale staging files, then raw-store entries lowest value first, until the spool is back
 under the clean-up watermark (bundles waiting for uplink are not touched by clean-up). At
 >= alert_watermark after a write, `edgehaul.spool.watermark` (level 2) is emitted once per
-upward crossing, and appended to the node's outbox (`edgehaul.edge.outbox`) when the spool has one
-(`from_block` opens it), so the alert is kept in order while the central API is out of reach.
+upward crossing (a flag in spool.sqlite: once for every process that opens the spool), and appended
+to the node's outbox (`edgehaul.edge.outbox`) when the spool has one (`from_block` opens it), so the
+alert is kept in order while the central API is out of reach.
 When a write would still not fit: `reject-new` refuses it; `drop-lowest-value` drops waiting
 bundles of lower value (tier first, then max_value, oldest first) if that frees enough, else refuses.
 Every refused, dropped, evicted or expired sample goes to the ledger.
@@ -165,9 +166,12 @@ class Spool:
         self._acks.execute(
             "CREATE TABLE IF NOT EXISTS acks (bundle_id TEXT PRIMARY KEY, remote_key TEXT, sha256 TEXT, at REAL)"
         )
+        # "above the alert watermark" is the spool's state, not one opener's: every batch task and drain opens
+        # its own Spool, and a crossing must alert once, not once per opener
+        self._acks.execute("CREATE TABLE IF NOT EXISTS flags (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+        self._acks.execute("INSERT OR IGNORE INTO flags VALUES ('alerted', 0)")
         self._tlock = threading.RLock()
         self._cache: dict[Path, tuple[int, int, SpoolEntry]] = {}
-        self._alerted = False
         self.alerts: list[dict[str, float | int | str]] = []  # watermark alerts emitted by this instance
         with self._locked():
             self.recovered = self._recover()
@@ -417,12 +421,12 @@ class Spool:
             used -= e.nbytes
 
     def _check_alert(self, usage: SpoolUsage) -> None:
-        if usage.fraction < self.alert_watermark:
-            self._alerted = False
+        below = usage.fraction < self.alert_watermark
+        with self._tlock:  # test-and-set in one statement: two processes crossing together alert once
+            cur = self._acks.execute("UPDATE flags SET value = ? WHERE name = 'alerted' AND value = ?",
+                                     (0, 1) if below else (1, 0))
+        if below or cur.rowcount != 1:
             return
-        if self._alerted:
-            return
-        self._alerted = True
         payload: dict[str, float | int | str] = {
             "level": 2, "used_fraction": round(usage.fraction, 4), "node_id": self.node_id,
             "used_bytes": usage.used_bytes, "cap_bytes": usage.cap_bytes,
