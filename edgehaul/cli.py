@@ -6,9 +6,16 @@
     edgehaul automations [...]    create or update the alert automations on the Prefect server
     edgehaul gateway [...]        run the signed webhook gateway (ground stations -> Prefect events)
     edgehaul node init|run        an edge node on its own: its own Prefect server, blocks and schedules
+    edgehaul metrics serve [...]  the fleet view (fleet_report's latest) as OpenMetrics on /metrics
     edgehaul quarantine list      quarantined bundles: bundle, node, reason, samples, age (--node, --reason)
     edgehaul quarantine readmit BUNDLE... --reason TEXT [--by NAME]
                                   back to landing for the next core_ingest to validate (audited)
+    edgehaul downlink publish --node N... [--model NAME] [--policy BLOCK] [--contract ID]
+                                  send the core's model / tiering policy / contract to nodes
+    edgehaul downlink sync --node N --state-dir DIR
+                                  on a node: fetch, verify and apply its newest update (atomic)
+    edgehaul downlink status --state-dir DIR
+                                  on a node: the generation in force and its items
 
 `edgehaul <command> --help` shows the command's own options. Each command is a module's `main` (quarantine:
 `quarantine_main` below, over `edgehaul.core.quarantine`),
@@ -31,7 +38,9 @@ COMMANDS = {
     "automations": ("edgehaul.platform.automations", "create or update the alert automations"),
     "gateway": ("edgehaul.platform.gateway", "run the signed webhook gateway"),
     "node": ("edgehaul.node", "init --config FILE | run --state-dir DIR: an edge node on its own (own Prefect server)"),
+    "metrics": ("edgehaul.ops.metrics_endpoint", "serve: the fleet view as OpenMetrics for Prometheus"),
     "quarantine": ("edgehaul.cli", "list | readmit BUNDLE... --reason TEXT: quarantined bundles, audited re-admission"),
+    "downlink": ("edgehaul.cli", "publish | sync | status: models, policies and contracts sent to nodes"),
 }
 VERBS = {"store": "check", "blocks": "apply"}
 DEV_COMMANDS = ("stack", "deploy", "demo", "drills", "verify")
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         rest = rest[1:]
     if args[0] == "quarantine":
         return quarantine_main(rest)
+    if args[0] == "downlink":
+        return downlink_main(rest)
     module = importlib.import_module(COMMANDS[args[0]][0])
     return int(module.main(rest) or 0)
 
@@ -109,6 +120,76 @@ def quarantine_main(argv: list[str]) -> int:
         return 1
     for d in done:
         print(f"re-admitted {d.bundle_id} ({d.node_id}) -> {', '.join(d.moved.values())}; audit {d.audit_key}")
+    return 0
+
+
+def downlink_main(argv: list[str]) -> int:
+    """`edgehaul downlink publish|sync|status` over `edgehaul.downlink`."""
+    import json
+    from pathlib import Path
+
+    from edgehaul import downlink
+    from edgehaul.blocks import ObjectStore, TieringPolicy
+    from edgehaul.contracts import contract_by_id
+    from edgehaul.platform.block_loading import load_block
+    from edgehaul.platform.roles import StoreBlock
+
+    ap = argparse.ArgumentParser(prog="edgehaul downlink", description="What the core sends to edge nodes.")
+    sub = ap.add_subparsers(dest="verb", required=True)
+    pub = sub.add_parser("publish", help="publish the next generation for each node")
+    pub.add_argument("--node", action="append", required=True, help="node id (repeat for several)")
+    pub.add_argument("--model", help="published model name to send (its latest), e.g. landcover")
+    pub.add_argument("--policy", help="TieringPolicy block to send (as the node's 'tiering' policy)")
+    pub.add_argument("--contract", action="append", default=[], help="contract id to send, e.g. landsat_patch.v1")
+    pub.add_argument("--note", default="", help="why, kept in the update")
+    pub.add_argument("--store-block", default=StoreBlock.ADMIN.value, help="ObjectStore block that writes ops")
+    sy = sub.add_parser("sync", help="on a node: fetch, verify and apply its newest update")
+    sy.add_argument("--node", required=True)
+    sy.add_argument("--state-dir", required=True, type=Path, help="the node's state dir (its spool dir)")
+    sy.add_argument("--store-block", required=True, help="the node's own ObjectStore block")
+    st = sub.add_parser("status", help="on a node: the generation in force")
+    st.add_argument("--state-dir", required=True, type=Path)
+    a = ap.parse_args(argv)
+    if a.verb == "status":
+        cur = downlink.root(a.state_dir) / "current"
+        if not cur.exists():
+            print("no update applied yet")
+            return 0
+        up = downlink.Update.parse((cur / "update.json").read_bytes(), str(cur))
+        print(f"generation {up.generation} (published {up.published}) {up.note}")
+        for i in up.items:
+            print(f"  {i.kind:8} {i.name:24} {i.version:28} {i.size:>10} B  sha256 {i.sha256[:12]}")
+        return 0
+    store = load_block(ObjectStore, a.store_block, param="--store-block")
+    try:
+        if a.verb == "sync":
+            res = downlink.sync(store, a.node, a.state_dir)
+            if res.refused:
+                print(f"refused generation {res.refused}: {res.why}", file=sys.stderr)
+                return 1
+            print(f"applied generation {res.applied}: {', '.join(res.items)}" if res.applied else "up to date")
+            return 0
+        items: list[tuple[str, downlink.Kind, str, bytes]] = []
+        if a.model:
+            from edgehaul.training import registry
+
+            pointer, _ = registry.read_json(store, registry.latest_uri(store, a.model))
+            items.append((a.model, "model", str(pointer["model_id"]),
+                          registry.read_model_bytes(store, str(pointer["model_uri"]))))
+        if a.policy:
+            pol = load_block(TieringPolicy, a.policy, param="--policy")
+            items.append(("tiering", "policy", pol.version, json.dumps(pol.model_dump(mode="json")).encode()))
+        for cid in a.contract:
+            c = contract_by_id(cid)
+            items.append((c.id, "contract", c.id, Path(c.source).read_bytes()))
+        if not items:
+            ap.error("publish: nothing to send (--model, --policy or --contract)")
+        for node in a.node:
+            up = downlink.publish_update(store, node, items, note=a.note)
+            print(f"{node}: generation {up.generation}: {', '.join(f'{k}/{n}@{v}' for n, k, v, _ in items)}")
+    except downlink.DownlinkError as e:
+        print(f"edgehaul downlink {a.verb}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,6 +7,9 @@ constants here rather than strings scattered through flows.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 BUNDLE_LANDED = "edgehaul.bundle.landed"
@@ -19,11 +22,21 @@ LINK_STATS = "edgehaul.link.stats"  # payload: retransmission_rate, goodput_bps,
 CHECKPOINT_FAILED = "edgehaul.checkpoint.failed"
 CONTACT_OPENED = "edgehaul.contact.opened"
 RETRY_EXPIRED = "edgehaul.retry.expired"
+# Emitted by the fleet_report flow when its policy bound is exceeded (payload carries the bound).
+NODE_SILENT = "edgehaul.node.silent"  # payload: node_id, last_seen, allowed_s, reason
+MODEL_STALE = "edgehaul.model.stale"  # payload: model_id, trained_version, latest_version, age_s, bounds
 # Landed bundles, coalesced: ONE event per gateway window or uplink drain run, payload `bundle_keys`
 # (relative landing keys). The `bundle_landed` trigger turns each into one core_ingest run, so a flood
 # of bundles is a bounded number of runs; per-bundle BUNDLE_LANDED events trigger nothing.
 LANDING_BATCH = "edgehaul.landing.batch"
 LANDING_BATCH_MAX = 200  # keys per batch event; below core_ingest's max_bundles (500), which truncates
+NODE_RUN_SUMMARY = "edgehaul.node.run.summary"  # payload: counts of one edge run (ingest or drain)
+LEDGER_COUNTS = "edgehaul.ledger.counts"  # payload: drops per stage and reason since the last report
+
+# What an edge node may have forwarded in its name (gateway hook `node-events`): its own alerts,
+# statistics and summaries, never an event that starts work centrally (e.g. LANDING_BATCH).
+NODE_FORWARDED = frozenset({SPOOL_WATERMARK, LINK_STATS, CHECKPOINT_FAILED, CONTACT_OPENED, RETRY_EXPIRED,
+                            NODE_RUN_SUMMARY, LEDGER_COUNTS})
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +79,35 @@ def landing_batch(batch_id: str, source: str, bundles: list[tuple[str, str, str]
     return resource, payload
 
 
-def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **labels: str) -> bool:
-    """Emit a Prefect event; never raises (an unreachable API must not fail the data path).
+# A sink takes (event, resource_id, payload, labels) and returns whether the event is kept.
+Sink = Callable[[str, str, dict[str, Any], dict[str, str]], bool]
+_route: ContextVar[Sink | None] = ContextVar("edgehaul_events_route", default=None)
 
-    Returns whether the event was handed to the events client.
+
+@contextmanager
+def routed(sink: Sink) -> Iterator[None]:
+    """Send every `emit` of this context of an event in NODE_FORWARDED to `sink` instead of Prefect (an
+    edge node's outbox: one way out, so such an event is never both emitted directly and forwarded)."""
+    token = _route.set(sink)
+    try:
+        yield
+    finally:
+        _route.reset(token)
+
+
+def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **labels: str) -> bool:
+    """Emit a Prefect event, or hand it to the sink of `routed`; never raises (an unreachable API
+    must not fail the data path).
+
+    Returns whether the event was handed to the events client (or kept by the sink).
     """
+    sink = _route.get()
+    if sink is not None and event in NODE_FORWARDED:  # others (e.g. LANDING_BATCH) still go straight out
+        try:
+            return sink(event, resource_id, dict(payload or {}), labels)
+        except Exception as e:
+            log.warning("event %s for %s not kept by the outbox: %s", event, resource_id, e)
+            return False
     try:
         from prefect.events import emit_event
 

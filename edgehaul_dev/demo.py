@@ -178,11 +178,22 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
     say(f"uplink_drain: {[f'{k} {r.state_name}' for k, r in up.items()]}")
     # The event chain: one core_ingest run per landed bundle; each commit triggers training (one at a
     # time; a commit during a run is covered by a later run), a trained model triggers publishing.
-    say("waiting for the event chain core_ingest -> train_model -> publish_model")
     chain: list[Any] = []
     landed = 0
+    for _ in range(10):  # the landed events reach the server a moment after the drains end
+        landed = _count_events(state.prefect_api_url, "edgehaul.bundle.landed", since, state.api_auth_string)
+        if landed:
+            break
+        time.sleep(1)
+    if landed:
+        say(f"{landed} bundles landed; waiting up to {deadline - time.monotonic():.0f} s for the event chain "
+            "core_ingest -> train_model -> publish_model that they start (done when every run has ended for 10 s)")
+    else:
+        say("0 bundles landed: the edge runs spooled nothing new (their batches were cached by an earlier demo "
+            "with the same seeds) or the spools were already drained; nothing starts the event chain, so no wait")
     quiet_since: tuple[float, int] | None = None  # (when the chain was last seen done, its run count then)
-    while time.monotonic() < deadline:
+    told = time.monotonic()
+    while landed and time.monotonic() < deadline:
         # Events reach the server asynchronously and triggers fire a moment later: count again each
         # time, and call the chain done only when it has stayed done for 10 s.
         landed = _count_events(state.prefect_api_url, "edgehaul.bundle.landed", since, state.api_auth_string)
@@ -198,8 +209,12 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
                 break
         else:
             quiet_since = None
+        if time.monotonic() - told >= 30:
+            told = time.monotonic()
+            active = [f"{r.name} {r.state_name}" for r in chain if not (r.state and r.state.is_final())]
+            say(f"event chain: {len(chain)} runs so far, {len(ingests)}/{landed} ingests; still running: {active}")
         time.sleep(3)
-    else:
+    if landed and time.monotonic() >= deadline:
         pending = [f"{r.name}:{r.state_name}" for r in chain if not (r.state and r.state.is_final())]
         raise TimeoutError(f"event chain not finished after {timeout:.0f} s ({len(chain)} runs; pending {pending})")
     runs += chain
@@ -278,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="(--via-deployments) give up after this many seconds")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # quiet by default: the libraries' INFO chatter (Great Expectations alone says "Skipping registering"
+    # 214 times on import) would bury the demo's summary
+    for noisy in ("httpx", "great_expectations"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     state = localstack.StackState.load(localstack.DEFAULT_ROOT)
     if state is None:
         print("no local stack; run 'make up' (make demo does it)", file=sys.stderr)

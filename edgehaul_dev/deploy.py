@@ -5,7 +5,8 @@ Against $PREFECT_API_URL (the local stack of $EDGEHAUL_STACK_DIR by default), in
 2. the work pools named in deployments/prefect.yaml (`edge-<group>`, `central`, `ops`), type `process`;
 3. `prefect deploy --all` (CI=true: no prompts) from the repository root, of deployments/prefect.yaml
    (production) with the local stack's overlay edgehaul_dev/demo_overlay.yaml merged in (`apply_overlay`):
-   deployments, schedules and event triggers;
+   deployments and schedules; then the event triggers as automations updated in place by name
+   (`apply_triggers`: `prefect deploy` would recreate them, blanking the trigger of past runs);
 4. the alert automations (`edgehaul.platform.automations`), notifying the gateway's /alerts sink of the
    local stack, or $EDGEHAUL_ALERT_WEBHOOK_URL;
 5. one `prefect worker start` per pool, under one supervisor process recorded as the stack's
@@ -150,12 +151,11 @@ def prefect_deploy(prefect_file: Path = PREFECT_FILE, overlay: Path | None = DEM
     if missing := missing_entrypoints(load_spec(prefect_file)):
         raise FileNotFoundError(f"{prefect_file}: entrypoints not found: {', '.join(missing)}")
     spec = load_spec(prefect_file, overlay)
+    bare, triggers = split_triggers(spec)
     env = {**os.environ, "CI": "true", "PREFECT_CLI_PROMPT": "false", "PYTHONPATH": str(REPO)}
     with tempfile.TemporaryDirectory(prefix="edgehaul-deploy-") as tmp:
-        target = prefect_file
-        if overlay is not None:
-            target = Path(tmp, "prefect.yaml")
-            target.write_text(yaml.safe_dump(spec, sort_keys=False))
+        target = Path(tmp, "prefect.yaml")
+        target.write_text(yaml.safe_dump(bare, sort_keys=False))
         cmd = [prefect_exe(), "--no-prompt", "deploy", "--all", "--prefect-file", str(target)]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
@@ -164,6 +164,49 @@ def prefect_deploy(prefect_file: Path = PREFECT_FILE, overlay: Path | None = DEM
         raise RuntimeError(f"prefect deploy failed (exit {proc.returncode}):\n{out[-4000:]}")
     log.info("deployed %d deployments from %s%s", len(spec["deployments"]), prefect_file.name,
              f" + {overlay.name}" if overlay else "")
+    applied = apply_triggers(triggers)
+    return out + "".join(f"trigger {'created' if new else 'updated'}: {name} ({i})\n" for name, i, new in applied)
+
+
+def split_triggers(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """(the spec without triggers, '<flow>/<deployment>' -> its trigger specs). `prefect deploy` deletes
+    and recreates a deployment's triggers on every run, which gives them new ids and blanks the
+    'Automation' label of the runs they started; `apply_triggers` updates them in place instead."""
+    bare = {**spec, "deployments": [{k: v for k, v in d.items() if k != "triggers"} for d in spec["deployments"]]}
+    names = deployment_names(spec)
+    return bare, {n: list(d["triggers"]) for n, d in zip(names, spec["deployments"], strict=True) if d.get("triggers")}
+
+
+def apply_triggers(triggers: dict[str, list[dict[str, Any]]]) -> list[tuple[str, Any, bool]]:
+    """Each deployment trigger as an automation, created or updated by name (the id stays, so do the
+    labels of past runs); (name, automation id, created). Not owned by the deployment, so `prefect
+    deploy` leaves them alone; they are still related to it (its Triggers tab lists them)."""
+    from prefect.automations import AutomationCore
+    from prefect.client.orchestration import get_client
+    from prefect.events import DeploymentTriggerTypes
+    from pydantic import TypeAdapter
+
+    adapter: TypeAdapter[DeploymentTriggerTypes] = TypeAdapter(DeploymentTriggerTypes)
+    out: list[tuple[str, Any, bool]] = []
+    with get_client(sync_client=True) as client:
+        for deployment, specs in triggers.items():
+            dep_id = client.read_deployment_by_name(deployment).id
+            for i, raw in enumerate(specs, start=1):
+                trigger = adapter.validate_python({"name": f"{deployment}__automation_{i}", **raw})
+                trigger.set_deployment_id(dep_id)
+                owned = trigger.as_automation()
+                # without the owner: an update may not name one, and `prefect deploy` deletes what is owned
+                auto = AutomationCore.model_validate(
+                    {k: getattr(owned, k) for k in owned.model_fields_set - {"owner_resource"}})
+                existing = client.read_automations_by_name(auto.name)
+                if existing:
+                    client.update_automation(existing[0].id, auto)
+                    for extra in existing[1:]:  # a duplicate from an older deploy or a concurrent one
+                        client.delete_automation(extra.id)
+                    out.append((auto.name, existing[0].id, False))
+                else:
+                    out.append((auto.name, client.create_automation(auto), True))
+    log.info("triggers: %d created, %d updated in place", sum(c for *_, c in out), sum(not c for *_, c in out))
     return out
 
 

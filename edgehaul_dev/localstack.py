@@ -44,6 +44,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.private_files import write_private
@@ -183,8 +184,31 @@ def new_weed_jwt() -> dict[str, str]:
 
 def _node_actions(node: str) -> list[str]:
     prefix = f"edgehaul-landing/{node}/*"
-    # Only its own prefix: Write to upload, List to resume multipart, Read to HEAD-verify receipt.
-    return [f"Write:{prefix}", f"List:{prefix}", f"Read:{prefix}", f"Tagging:{prefix}"]
+    downlink = f"edgehaul-ops/downlink/{node}/*"
+    # Only its own prefix: Write to upload, List to resume multipart, Read to HEAD-verify receipt;
+    # and read-only its own downlink folder (updates the core publishes to it).
+    # SeaweedFS's Write also grants DELETE; the landing bucket policy takes that back (landing_bucket_policy).
+    return [f"Write:{prefix}", f"List:{prefix}", f"Read:{prefix}", f"Tagging:{prefix}", f"Read:{downlink}",
+            f"List:{downlink}"]
+
+
+LANDING_POLICY = Path(__file__).resolve().parents[1] / "infra" / "iam" / "landing-bucket-policy.json"
+# Statements of the AWS landing policy SeaweedFS 4.48 cannot evaluate: it sets no `s3:if-none-match`
+# condition key, so "deny a PUT without If-None-Match" denies every PUT (measured). Overwrites by a node
+# stay possible there; the core detects them (edgehaul.core.ingest, docs/SECURITY.md).
+SEAWEED_UNSUPPORTED = ("LandingIsCreateOnly",)
+
+
+def landing_bucket_policy() -> dict[str, Any]:
+    """infra/iam/landing-bucket-policy.json as the local SeaweedFS can enforce it: nobody but the janitor
+    (lifecycle) deletes in landing, the janitor never writes there. The stack's operator identity (admin)
+    keeps delete: tests and `stack down` clean up with it, as an AWS account owner can change the policy."""
+    doc = json.loads(LANDING_POLICY.read_text())
+    doc["Statement"] = [st for st in doc["Statement"] if st["Sid"] not in SEAWEED_UNSUPPORTED]
+    for st in doc["Statement"]:
+        if st["Sid"] == "OnlyTheJanitorDeletesLanding":
+            st["Condition"]["StringNotEquals"]["aws:username"].append("admin")
+    return doc
 
 
 def identities_config(
@@ -192,12 +216,12 @@ def identities_config(
 ) -> dict[str, object]:
     """SeaweedFS s3.json: least-privilege identities per role and per edge node.
 
-    No identity is shared by nodes, and no node has a grant on the ops bucket: central cached task
-    results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
+    No identity is shared by nodes; in the ops bucket a node only reads its own downlink folder: central
+    cached task results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
     grants: dict[str, list[str]] = {
         "admin": ["Admin", "Read", "Write", "List", "Tagging"],
-        "ingest": [
-            "Read:edgehaul-landing", "List:edgehaul-landing", "Write:edgehaul-landing",
+        "ingest": [  # landing is read-only for the core: quarantine copies out of it (issue 17 item 6)
+            "Read:edgehaul-landing", "List:edgehaul-landing",
             "Read:edgehaul-curated", "Write:edgehaul-curated", "List:edgehaul-curated",
             "Read:edgehaul-ops", "Write:edgehaul-ops", "List:edgehaul-ops",
         ],
@@ -207,7 +231,8 @@ def identities_config(
             "Read:edgehaul-ops/capabilities/*",  # publish_model's store capability gate
         ],
         "lifecycle": [
-            # ops: the move journal, access records and the metering log live there
+            # ops: the move journal, access records and the metering log live there; landing: the janitor
+            # (moves landing to cold), its PUTs there refused by the landing bucket policy
             f"{a}:{b}"
             for b in ("edgehaul-curated", "edgehaul-cold", "edgehaul-landing", "edgehaul-checkpoints", "edgehaul-ops")
             for a in ("Read", "Write", "List", "Tagging")
@@ -471,6 +496,7 @@ def _wait_s3_ready(state: StackState, timeout: float = 60) -> None:
             for bucket in BUCKETS:
                 if bucket not in existing:
                     client.create_bucket(Bucket=bucket)
+            client.put_bucket_policy(Bucket="edgehaul-landing", Policy=json.dumps(landing_bucket_policy()))
             client.put_object(Bucket="edgehaul-ops", Key="_health/ping", Body=b"ok")
             return
         except Exception as e:
@@ -654,19 +680,60 @@ def down(root: Path = DEFAULT_ROOT) -> list[str]:
     return stopped
 
 
-def health(root: Path = DEFAULT_ROOT) -> dict[str, bool]:
+def s3_roundtrip(state: StackState, timeout: float = 10) -> str | None:
+    """Write, read back and delete a fresh object in the ops bucket as the admin identity: None when
+    all three worked and the bytes came back intact, else what failed (an answering port is not a
+    working store: a full disk, a dead filer or wrong keys only show on a real request)."""
+    import uuid
+
+    import boto3
+    from botocore.config import Config
+
+    admin = state.identities.get("admin")
+    if admin is None:
+        return "no admin identity in the stack state"
+    client = boto3.client(
+        "s3", endpoint_url=state.s3_endpoint, region_name="us-east-1",
+        aws_access_key_id=admin.access_key_id, aws_secret_access_key=admin.secret_access_key,
+        config=Config(retries={"max_attempts": 1}, connect_timeout=timeout, read_timeout=timeout),
+    )
+    bucket, key, body = "edgehaul-ops", f"_health/{uuid.uuid4().hex}", secrets.token_bytes(64)
+    step = "put"
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+        step = "get"
+        got = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        step = "delete"
+        client.delete_object(Bucket=bucket, Key=key)
+    except Exception as e:
+        return f"S3 {step} s3://{bucket}/{key} at {state.s3_endpoint}: {type(e).__name__}: {e}"
+    if got != body:
+        return f"S3 get s3://{bucket}/{key} at {state.s3_endpoint}: read back {len(got)} bytes that differ from " \
+               f"the {len(body)} written"
+    return None
+
+
+def health(root: Path = DEFAULT_ROOT, errors: dict[str, str] | None = None) -> dict[str, bool]:
+    """Prefect answers /health and S3 does a real write/read/delete; `errors` gets what failed."""
+    errors = {} if errors is None else errors
     state = StackState.load(root)
     if state is None:
+        errors["stack"] = f"no stack state under {root}"
         return {"prefect": False, "s3": False}
     out = {}
-    for name, url in (("prefect", f"{state.prefect_api_url}/health"), ("s3", f"{state.s3_endpoint}/")):
-        try:
-            with urllib.request.urlopen(url, timeout=3):
-                out[name] = True
-        except urllib.error.HTTPError as e:
-            out[name] = e.code < 500
-        except (urllib.error.URLError, OSError):
-            out[name] = False
+    try:
+        with urllib.request.urlopen(f"{state.prefect_api_url}/health", timeout=3):
+            out["prefect"] = True
+    except urllib.error.HTTPError as e:
+        out["prefect"] = e.code < 500
+        if not out["prefect"]:
+            errors["prefect"] = f"{state.prefect_api_url}/health: HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        out["prefect"] = False
+        errors["prefect"] = f"{state.prefect_api_url}/health: {e}"
+    if (err := s3_roundtrip(state)) is not None:
+        errors["s3"] = err
+    out["s3"] = err is None
     return out
 
 
@@ -685,8 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "down":
         print("stopped: " + (", ".join(down(args.root)) or "nothing was running"))
     elif args.command == "health":
-        h = health(args.root)
+        errors: dict[str, str] = {}
+        h = health(args.root, errors)
         print(json.dumps(h))
+        for what, err in errors.items():
+            print(f"health: {what}: {err}", file=sys.stderr)
         return 0 if all(h.values()) else 1
     if args.command in ("up", "env"):
         st = StackState.load(args.root)

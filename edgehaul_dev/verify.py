@@ -45,6 +45,7 @@ from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore, TeamQuota
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.reporting import CHECK_TAG
 from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM
 from edgehaul_dev import localstack
 
@@ -268,8 +269,9 @@ def check_resume(state: localstack.StackState, work: Path) -> tuple[bool, str]:
 
     store = admin_store(state, f"verify-{uuid.uuid4().hex[:8]}")
     uri = _dataset(store)
-    base = dict(dataset_uri=uri, dataset_version=0, team="verify", seed=7, epochs=3, batch_size=16, width=8,
-                num_threads=1, checkpoint_every_steps=5, val_fraction=0.15)
+    # no events: a MODEL_READY of these made-up models would start production publish_model runs that fail
+    base = dict(dataset_uri=uri, dataset_version=0, team="verify", model_name="verify-resume", seed=7, epochs=3,
+                batch_size=16, width=8, num_threads=1, checkpoint_every_steps=5, val_fraction=0.15, emit_events=False)
     reference = train(TrainConfig.model_validate({**base, "run_id": "verify-uninterrupted"}), store)
     cfg = TrainConfig.model_validate({**base, "run_id": "verify-killed"})
     cfg_path, res_path = work / "run.json", work / "result.json"
@@ -389,21 +391,26 @@ def _live_workers(pool: str) -> int:
 
 def _submit_over_quota(team: str, hours: float, timeout: float) -> tuple[str, str, str]:
     """Submit a training run over the quota through the deployment; (run name, final state, message).
-    A run cancelled by the deployment's CANCEL_NEW limit (a training is active) is submitted again."""
+    A run cancelled by the deployment's CANCEL_NEW limit (a training is active) is submitted again.
+    Its runs are tagged CHECK_TAG (named 'check: ...', no alert) and deleted once read: a refusal the
+    check asked for is not a failure of production, and must not sit in the UI's failed runs."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
     fr: Any = None
     for _ in range(10):
         fr = run_deployment(TRAIN_DEPLOYMENT, parameters={"params": {"team": team, "max_hours": hours}},
-                            timeout=0, as_subflow=False, tags=["edgehaul-verify"])
+                            timeout=0, as_subflow=False, tags=[CHECK_TAG])
         deadline = time.monotonic() + timeout
         with get_client(sync_client=True) as c:
             while not (fr.state and fr.state.is_final()) and time.monotonic() < deadline:
                 time.sleep(2)
                 fr = c.read_flow_run(fr.id)
+            if fr.state and fr.state.is_final():
+                c.delete_flow_run(fr.id)
         if not (fr.state and fr.state.is_cancelled() and "concurrency" in (fr.state.message or "")):
             break
+        print("  quota: a training is running (the deployment takes one at a time); submitting again in 15 s")
         time.sleep(15)
     return fr.name, fr.state_name or "", (fr.state.message or "") if fr.state else ""
 
@@ -440,6 +447,33 @@ def check_quota(state: localstack.StackState, timeout: float = 300.0) -> tuple[b
 
 
 # ------------------------------------------------------------------------------------ runner
+
+
+def prerequisites(state: localstack.StackState, window_h: float = 24.0) -> list[str]:
+    """What the checks need that the stack does not have yet, each with the command that provides it
+    (printed before the checks: a FAIL for a missing step is then no surprise)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        try:
+            deployed = c.read_deployment_by_name(TRAIN_DEPLOYMENT) is not None
+        except Exception:  # ObjectNotFound
+            deployed = False
+        pools = sorted(p.name for p in c.read_work_pools())
+    if not deployed:
+        return ["nothing deployed: run `make deploy` first (control_plane and placement need its workers; "
+                "quota then runs through the training deployment), then `python -m edgehaul_dev.demo --via-deployments` "
+                "(placement needs runs executed by workers); `make verify-demo` does all of it"]
+    out = []
+    if idle := [p for p in pools if not _live_workers(p)]:
+        out.append(f"no live worker yet on {', '.join(idle)}: workers register about 30 s after `make deploy` "
+                   "(restart them with `make deploy`)")
+    execs = [x for x in executions(state, datetime.now(UTC) - timedelta(hours=window_h))
+             if x.flow in TRAINING_FLOWS + EDGE_FLOWS]
+    if not {x.flow for x in execs} & set(TRAINING_FLOWS) or not {x.flow for x in execs} & set(EDGE_FLOWS):
+        out.append("no training or edge run executed by a worker yet: run `python -m edgehaul_dev.demo "
+                   "--via-deployments` (placement checks those runs' pools)")
+    return out
 
 
 CHECKS = ("control_plane", "high_value", "placement", "resume", "alert_l2", "quota")
@@ -490,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     # Settings were read when prefect was imported: set the stack's API (and its auth, if on) here.
     with temporary_settings(updates={PREFECT_API_URL: state.prefect_api_url,
                                      PREFECT_API_AUTH_STRING: state.api_auth_string}):
+        for need in prerequisites(state):
+            print(f"NEEDS {need}")
         checks = run_checks(state, tuple(args.only))
     failed = [c.name for c in checks if not c.ok]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else ""))

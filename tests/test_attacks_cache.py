@@ -118,16 +118,23 @@ def test_no_edge_identity_can_write_or_read_central_results(stack: localstack.St
     assert store_for(stack).client().get_object(Bucket=ops, Key=central_key)["Body"].read() == b"{}"
 
 
-def test_no_node_has_a_grant_on_the_ops_bucket() -> None:
+def test_a_node_writes_nothing_in_the_ops_bucket_and_reads_only_its_downlink() -> None:
     cfg = localstack.identities_config(
         {r: localstack.Credentials("k", "s") for r in [*localstack.ROLES, "node-a", "node-b"]}, ["node-a", "node-b"])
     grants = {i["name"]: i["actions"] for i in cfg["identities"]}  # type: ignore[index]
     assert set(grants) == {*localstack.ROLES, "node-a", "node-b"}
     for node in ("node-a", "node-b"):
-        assert grants[node] and all(a.split(":", 1)[1].startswith(f"edgehaul-landing/{node}/") for a in grants[node])
+        assert grants[node]
+        for a in grants[node]:
+            verb, target = a.split(":", 1)
+            assert target.startswith(f"edgehaul-landing/{node}/") or (
+                verb in ("Read", "List") and target == f"edgehaul-ops/downlink/{node}/*"), (node, a)
     iam = Path(__file__).resolve().parent.parent / "infra" / "iam"
     assert not (iam / "results.json").exists()
-    assert "edgehaul-ops" not in (iam / "edge-node.json").read_text()
+    for stmt in json.loads((iam / "edge-node.json").read_text())["Statement"]:
+        if "edgehaul-ops" in json.dumps(stmt):
+            assert stmt["Effect"] == "Allow" and set(stmt["Action"]) <= {"s3:GetObject", "s3:ListBucket"}, stmt
+            assert "downlink/${aws:username}/" in json.dumps(stmt), stmt
 
 
 # ---- a forged record changes nothing --------------------------------------------------------------

@@ -237,11 +237,13 @@ def test_a_dotdot_manifest_is_quarantined_and_fails_no_other_bundle(stack: local
     assert m_ok.bundle_id in summary["commits"][0]["bundles"]
     assert set(m_ok.sample_ids) <= set(_dataset_ids(stack))
     ingest_store = store_for(stack, "ingest")
-    assert not _exists(ingest_store, "landing", bad_key) and not _exists(ingest_store, "landing", bad2_key)
+    # landing is write-once: quarantine copied them out and left them where they landed
+    assert _exists(ingest_store, "landing", bad_key) and _exists(ingest_store, "landing", bad2_key)
 
     again, state2 = _run(store_block=ingest_block)  # the next discover run is clean
     assert state2.is_completed() and not again["errors"]
     assert not {m_bad.bundle_id, m_bad2.bundle_id, m_ok.bundle_id} & {q["bundle_id"] for q in again["quarantined"]}
+    assert {ingest_store.key("landing", k) for k in (bad_key, bad2_key)} <= set(again["already_quarantined"])
 
 
 @pytest.mark.integration
@@ -464,3 +466,43 @@ def test_a_manifest_rewritten_after_validation_is_not_committed(stack: localstac
     c = ingest.commit_validated(ingest_store, CONTRACT.id, [(key, result)], "run-rewrite", 60)
     assert c.version is None and not c.bundles and m.bundle_id not in c.already_committed
     assert _exists(ingest_store, "landing", key)
+
+
+@pytest.mark.integration
+def test_a_landed_bundle_rewritten_by_its_node_is_never_taken_twice(stack: localstack.StackState,
+                                                                    ingest_block: str) -> None:
+    """Issue 17 item 6, where the store cannot refuse it (SeaweedFS 4.48 lets a node PUT over its own landed
+    object): main raised DatasetError at commit, failing every bundle of the contract with it (here node-b's),
+    and its quarantine deleted landing objects, which the ingest identity may no longer do."""
+    node_a, node_b, ingest_store = store_for(stack, "node-a"), store_for(stack, "node-b"), store_for(stack, "ingest")
+    d, m = bundle(8, "node-a", start_seq=_seq())
+    key = ingest_store.key("landing", _land(node_a, d, m))
+    d_b, m_b = bundle(5, "node-b", start_seq=_seq())
+    key_b = ingest_store.key("landing", _land(node_b, d_b, m_b))
+    scan = ingest.read_manifests(ingest_store, [key, key_b])
+    validated = [(k, ingest.validate_landed(ingest_store, k, scan.manifests[k])) for k in (key, key_b)]
+    other, _ = bundle(8, "node-a", start_seq=_seq())
+    s3a = node_a.client()
+    s3a.put_object(Bucket=node_a.bucket("landing"), Key=key, Body=other)  # rewritten after validation
+
+    c = ingest.commit_validated(ingest_store, CONTRACT.id, validated, "run-rewrite-data", 60)
+    assert c.bundles == [m_b.bundle_id]  # node-b's bundle commits; node-a's changed one does not
+    assert not set(m.sample_ids) & set(_dataset_ids(stack)) and set(m_b.sample_ids) <= set(_dataset_ids(stack))
+
+    # the next run validates what is there now: the bytes do not match the manifest -> quarantined, accounted
+    first, state = _run(store_block=ingest_block, bundle_keys=[key])
+    assert state.is_completed(), state.message
+    assert [(q["bundle_id"], q["reason"], q["samples"]) for q in first["quarantined"]] == [(m.bundle_id, "checksum", 8)]
+    rec = read_record(ingest_store, "node-a", m.bundle_id)
+    assert set(rec.landing_etags) == {f"{m.bundle_id}.parquet", f"{m.bundle_id}.manifest.json"}
+    assert _exists(ingest_store, "landing", key.removeprefix(ingest_store.key("landing", "")))  # landing untouched
+
+    second, _ = _run(store_block=ingest_block, bundle_keys=[key])  # done: not quarantined or validated again
+    assert second["already_quarantined"] == [key] and not second["quarantined"] and second["valid"] == 0
+
+    s3a.put_object(Bucket=node_a.bucket("landing"), Key=key, Body=d)  # the node puts the original bytes back
+    third, _ = _run(store_block=ingest_block, bundle_keys=[key])
+    assert "landing_changed" in third["skipped"][key] and m.bundle_id in third["skipped"][key]
+    assert not third["quarantined"] and third["valid"] == 0 and not third["commits"]
+    ids = _dataset_ids(stack)
+    assert not set(m.sample_ids) & set(ids) and sorted(i for i in ids if i in set(m_b.sample_ids)) == sorted(m_b.sample_ids)

@@ -7,25 +7,32 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from fnmatch import fnmatchcase
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
 from edgehaul import events
+from edgehaul.blocks import EdgeNode, ObjectStore
 from edgehaul.platform.automations import (
     L1_NAME,
     L2_NAME,
     L3_NAME,
     L3_RETRY_NAME,
+    MODEL_STALE_NAME,
+    NODE_SILENT_NAME,
     RUN_FAILED_NAME,
     AlertPolicy,
     apply_automations,
     at_least_globs,
 )
+from edgehaul.platform.reporting import CHECK_PREFIX, CHECK_TAG
 from edgehaul_dev.localstack import StackState
 
 
@@ -115,7 +122,7 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
 
     uid = uuid.uuid4().hex[:8]
     with get_client(sync_client=True) as client:
-        for name in (L1_NAME, L2_NAME, L3_NAME, L3_RETRY_NAME, RUN_FAILED_NAME):
+        for name in (L1_NAME, L2_NAME, L3_NAME, L3_RETRY_NAME, RUN_FAILED_NAME, NODE_SILENT_NAME, MODEL_STALE_NAME):
             assert len(client.read_automations_by_name(name)) == 1
         # A train_model deployment (no worker serves it) whose run fails on a checkpoint write.
         flow_id = client.create_flow_from_name("train_model")
@@ -124,6 +131,8 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         other = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 5}})
         crashed = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 7}})
         outside = client.create_flow_run(flow=_named_flow(f"not-ours-{uid}"))  # not a pipeline flow: no alert
+        check = client.create_flow_run_from_deployment(dep_id, parameters={"params": {"epochs": 9}},  # `make verify`'s
+                                                       name=f"{CHECK_PREFIX}train_model: {uid}", tags=[CHECK_TAG])
 
     try:
         # Warm-up: the automations are loaded once a probe fires.
@@ -159,6 +168,7 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
             client.set_flow_run_state(crashed.id, Crashed(message="Flow run infrastructure exited with code 137"),
                                       force=True)
             client.set_flow_run_state(outside.id, Failed(message="not ours"), force=True)
+            client.set_flow_run_state(check.id, Failed(message="QuotaExceeded: refused, as the check asked"), force=True)
 
         l2 = receiver.wait_for(lambda b: b["resource"] == f"spool-{uid}-high")
         assert l2["level"] == 2 and l2["used_fraction"] == 0.86 and "[edgehaul L2]" in l2["subject"]
@@ -168,13 +178,13 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         assert l3["level"] == 3 and "SlowDown" in l3["error"]
         deadline = time.monotonic() + 30
         runs: list[Any] = []
-        while len(runs) < 4 and time.monotonic() < deadline:
+        while len(runs) < 5 and time.monotonic() < deadline:
             with get_client(sync_client=True) as client:
                 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
                 runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
             time.sleep(0.5)
-        retries = [r for r in runs if r.id not in (failed.id, other.id, crashed.id)]
+        retries = [r for r in runs if r.id not in (failed.id, other.id, crashed.id, check.id)]
         assert len(retries) == 1, "level 3 should re-run the deployment exactly once"
         assert retries[0].parameters == {"params": {"epochs": 2, "team": "t", "run_id": f"train-{failed.id}"}}
 
@@ -190,13 +200,71 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         fired = {b["resource"] for b in receiver.bodies}
         assert not fired & {f"spool-{uid}-low", f"spool-{uid}-edge", f"link-{uid}-spike"}, fired
         assert sum(b["resource"] == f"link-{uid}-sustained" for b in receiver.bodies) == 1
-        assert not [b for b in receiver.bodies if b.get("run") == outside.name]
+        assert not [b for b in receiver.bodies if b.get("run") in (outside.name, check.name)]
         assert set(receiver.auth) == {"Bearer t0k3n"}
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
-        assert len(runs) == 4, "a run failing for another reason is not retried"
+        assert len(runs) == 5, "a run failing for another reason is not retried"
     finally:
         with get_client(sync_client=True) as client:
             for a in first:
                 client.delete_automation(a.id)
             client.delete_deployment(dep_id)
+
+
+def _stale_model(store: ObjectStore, name: str) -> str:
+    """A published model trained on version 0 of a dataset that has reached version 2."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from edgehaul.training import registry
+
+    uri = store.uri("curated", "fleet_kind")
+    for v in range(3):
+        write_deltalake(uri, pa.table({"v": [v]}), storage_options=store.storage_options(), mode="append")
+    model_id = f"m-{uuid.uuid4().hex[:8]}"
+    registry.register_model(store, name, model_id, {"x": 1}, {"team": "geo", "dataset_uri": uri, "dataset_version": 0})
+    registry.publish(store, name, model_id)
+    return model_id
+
+
+@pytest.mark.integration
+def test_fleet_report_alerts_on_a_silent_node_and_a_stale_model(
+        stack: StackState, store: ObjectStore, receiver: Receiver, tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+
+    from edgehaul.flows.fleet_report import FleetReportParams, fleet_report
+
+    applied = apply_automations(AlertPolicy(sustained_samples=3, sustained_window_s=120, retry_delay_s=0),
+                                webhook_url=receiver.url, token="t0k3n")
+    uid = uuid.uuid4().hex[:8]
+    try:
+        deadline = time.monotonic() + 60
+        while not any(b["resource"].startswith(f"probe-{uid}") for b in receiver.bodies):
+            assert time.monotonic() < deadline, "automations never fired on a probe"
+            events.emit(events.NODE_SILENT, f"probe-{uid}-{time.monotonic_ns()}",
+                        {"node_id": "probe", "last_seen": None, "allowed_s": 1.0, "reason": "probe"})
+            time.sleep(1)
+
+        # A node whose contact plan had a pass that ended an hour ago, and that said nothing in it.
+        plan = tmp_path / "passes.yaml"
+        start = datetime.now(UTC) - timedelta(hours=2)
+        plan.write_text(yaml.safe_dump({"passes": [{"start": start.isoformat(), "duration_s": 3600, "rate_bps": 1e6}]}))
+        node = f"silent-{uid}"
+        EdgeNode(node_id=node, spool_dir=str(tmp_path / "spool"), pass_schedule=str(plan)).save(node, overwrite=True)
+        model_id = _stale_model(store, "landcover")
+        store.save(f"fleet-{uid}", overwrite=True)
+
+        out = fleet_report(FleetReportParams(store_block=f"fleet-{uid}", model_max_versions_behind=1,
+                                             silence_grace_s=60))
+        assert node in out["silent"] and out["stale_model"] == model_id
+
+        silent = receiver.wait_for(lambda b: b["alert"] == "node-silent" and b.get("node") == node)
+        assert silent["level"] == 2 and silent["last_seen"] is None and silent["allowed_s"] >= 3600
+        assert start.isoformat() in silent["reason"]
+        stale = receiver.wait_for(lambda b: b["alert"] == "model-stale" and b.get("model") == model_id)
+        assert (stale["trained_version"], stale["latest_version"]) == (0, 2) and stale["max_age_s"] == 86400
+    finally:
+        with get_client(sync_client=True) as client:
+            for a in applied:
+                client.delete_automation(a.id)

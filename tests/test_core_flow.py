@@ -103,7 +103,8 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
                        unknown_m.bundle_id: "unknown_contract"}
     assert summary["versions"] == {"landsat_patch": 1}
 
-    # quarantine: record with the reason, the failed checks and every sample id; gone from landing
+    # quarantine: record with the reason, the failed checks and every sample id; landing is write-once, so
+    # the bundles stay there, and the record (with their landing ETags) keeps the next run from taking them
     rec = read_record(store, "node-b", scaled_m.bundle_id)
     assert rec.reason == "expectations" and sorted(rec.sample_ids) == sorted(scaled_m.sample_ids)
     failed = {(e["expectation"], e["column"]) for e in rec.validation["expectations"] if not e["success"]}
@@ -114,7 +115,8 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     assert "checksum mismatch" in corrupt.error and sorted(corrupt.sample_ids) == sorted(corrupt_m.sample_ids)
     landing = _keys(store, "landing")
     for m in (scaled_m, corrupt_m, unknown_m):
-        assert store.key("landing", m.object_key) not in landing
+        assert store.key("landing", m.object_key) in landing
+        assert read_record(store, m.node_id, m.bundle_id).landing_etags
     assert store.key("landing", partial_m.object_key) in landing
 
     # the version holds exactly the good samples; lineage back to nodes and bundles

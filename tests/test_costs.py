@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import given
@@ -149,8 +152,15 @@ def test_cost_report_flow_writes_artifacts_parquet_and_chart(stack: object) -> N
             if r.source == "cost_report"]
     assert [r.quantity for r in mine] == [out["requests"]] and out["requests"] > 0
     bucket, key = out["chart"].removeprefix("s3://").split("/", 1)
-    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
     md = Artifact.get(f"cost-report-{now:%Y-%m}-summary")
     assert md is not None and out["chart_url"] in str(md.data)
+    # the chart is in the artifact itself (the UI needs no access to the store), and the link works unsigned-in
+    inline = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", str(md.data))
+    assert inline and base64.b64decode(inline.group(1)) == png
+    got = httpx.get(out["chart_url"], timeout=10)
+    assert got.status_code == 200 and got.content == png
+    assert "chart_inline" not in out  # the run's result keeps URIs, not the image
     tab = Artifact.get(f"cost-report-{now:%Y-%m}")
     assert tab is not None and "uplink" in str(tab.data)

@@ -19,6 +19,7 @@ from tests.waiting import wait_for
 FLOW_POOLS = {  # docs/ARCHITECTURE.md, "Flows"
     "edge_ingest": "edge-", "uplink_drain": "edge-", "core_ingest": "central", "compact_dataset": "central",
     "train_model": "central-gpu", "publish_model": "central", "lifecycle_moves": "ops", "cost_report": "ops",
+    "fleet_report": "ops",
 }
 
 
@@ -38,6 +39,7 @@ def test_spec_deploys_every_flow_to_its_pool_with_schedules_and_triggers() -> No
     assert all("interval" in s for d in by_flow["uplink_drain"] for s in d["schedules"])
     assert by_flow["lifecycle_moves"][0]["schedules"][0]["cron"] == "0 3 * * *"
     assert by_flow["cost_report"][0]["schedules"][0]["cron"].endswith(" 1 * *")  # monthly
+    assert by_flow["fleet_report"][0]["schedules"][0]["interval"] == 300
     expects = {flow: {e for d in deps for t in d.get("triggers", []) for e in t["expect"]} for flow, deps in by_flow.items()}
     assert expects["core_ingest"] == {"edgehaul.landing.batch"}
     assert expects["train_model"] == {"edgehaul.dataset.committed"}
@@ -109,7 +111,7 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
             body = json.dumps({"station_id": "gs-svalbard", "node_id": "node-a", "window_start": "2026-12-03T10:00:00Z",
                                "window_end": "2026-12-03T10:10:00Z"}).encode()
             r = httpx.post(f"{gateway}/hooks/{sender}/contact-window-opened", content=body,
-                           headers=signed_headers(secret, body))
+                           headers=signed_headers(secret, body), timeout=60)  # a loaded machine
             assert r.status_code == 202, r.text
             dep_a = deps["uplink_drain/node-a"]
 
@@ -140,3 +142,42 @@ def test_prefect_deploy_all_and_a_webhook_runs_a_deployment_on_its_pool(stack: l
         with get_client(sync_client=True) as client:
             for i in ids:
                 client.delete_deployment(i)
+            for name in {t["name"] for ts in deploy.split_triggers(spec)[1].values() for t in ts}:
+                for a in client.read_automations_by_name(name):  # not owned: they outlive their deployment
+                    client.delete_automation(a.id)
+
+
+@pytest.mark.integration
+def test_redeploy_updates_triggers_in_place(stack: localstack.StackState) -> None:
+    """A second deploy keeps each trigger's automation (same id: runs it started keep their 'Automation'),
+    applies its new settings, and survives what `prefect deploy` does to the automations a deployment owns."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentCreate
+
+    tag = uuid.uuid4().hex[:8]
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name(f"redeploy-{tag}")
+        dep_id = client.create_deployment(**DeploymentCreate(flow_id=flow_id, name="d").model_dump(
+            include={"flow_id", "name"}))
+    trigger = {"name": f"edgehaul: test {tag} -> redeploy", "enabled": True, "expect": [f"edgehaul.test.{tag}"],
+               "parameters": {"params": {"node": "{{ event.payload.node }}"}}}
+    triggers = {f"redeploy-{tag}/d": [trigger]}
+    try:
+        first = deploy.apply_triggers(triggers)
+        second = deploy.apply_triggers({f"redeploy-{tag}/d": [{**trigger, "expect": [f"edgehaul.test2.{tag}"]}]})
+        assert [c for *_, c in first] == [True] and [c for *_, c in second] == [False]
+        assert first[0][1] == second[0][1]
+        with get_client(sync_client=True) as client:
+            client.delete_resource_owned_automations(f"prefect.deployment.{dep_id}")  # what `prefect deploy` does
+            (auto,) = client.read_automations_by_name(trigger["name"])
+            related = client.read_resource_related_automations(f"prefect.deployment.{dep_id}")
+        assert auto.id == first[0][1] and auto.trigger.expect == {f"edgehaul.test2.{tag}"}  # type: ignore[union-attr]
+        assert [a.id for a in related] == [auto.id]
+        assert auto.actions[0].deployment_id == dep_id  # type: ignore[union-attr]
+    finally:
+        with get_client(sync_client=True) as client:
+            for a in client.read_automations_by_name(trigger["name"]):
+                client.delete_automation(a.id)
+            client.delete_deployment(dep_id)

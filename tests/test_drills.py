@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,35 @@ def test_every_drill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
         assert w["lost"] == 0 and w["duplicated"] == 0, (w, r.problems[:5])
         assert r.problems == [], (r.name, r.problems[:5])
         assert w["hit"] >= max(1, trials // 4), f"{r.name}: the fault struck mid-operation in only {w['hit']} trials"
+
+
+def test_control_plane_checks_catch_a_lost_a_doubled_and_a_fresh_looking_alert(tmp_path: Path) -> None:
+    # The control_plane_down drill's own verdict must be able to fail: central missing an outage alert,
+    # holding one twice, out of seq order, or an hours-late alert not labelled stale.
+    from edgehaul.edge.outbox import Outbox
+    from edgehaul_dev.drills import control_plane as cp
+
+    central = cp.Central()
+    ok = {"_stale": "true", "age_s": 3 * 3600.0}
+    central.got = [("e", {"seq": 1, "alert_id": "a", **ok}, uuid.uuid4()),
+                   ("e", {"seq": 3, "alert_id": "b", **ok}, uuid.uuid4()),
+                   ("e", {"seq": 2, "alert_id": "b", "_stale": "false", "age_s": 5.0}, uuid.uuid4())]
+    box = Outbox(tmp_path / "o.sqlite", "node-a")
+    problems = cp._check_events(central, {"a": 0.0, "b": 0.0, "c": 0.0}, ["a", "b", "c"], box)
+    assert any("1 alerts never reached central (1 raised in the outage): ['c']" in p for p in problems), problems
+    assert any("more than once: ['b']" in p for p in problems)
+    assert any("out of seq order" in p for p in problems)
+    assert any("not labelled stale" in p for p in problems)
+    central.got = central.got[:2]
+    assert cp._check_events(central, {"a": 0.0, "b": 0.0}, ["a", "b"], box) == []
+
+
+@pytest.mark.integration
+def test_control_plane_down_drill_quick(tmp_path: Path) -> None:
+    # The drill alone in its quick form: samples all accounted for, every outage alert central exactly once.
+    trials = int(os.environ.get("EDGEHAUL_DRILL_TRIALS", SUITE_TRIALS))
+    (r,) = drills.run_drills(trials, only=["control_plane_down"], root=tmp_path, progress=print)
+    w, c = r.row, r.counts
+    assert w["trials"] == trials and w["lost"] == 0 and w["duplicated"] == 0 and r.problems == [], r.problems[:5]
+    assert w["samples_in"] > 0 and w["accounted"] == w["samples_in"] and w["hit"] == trials, w
+    assert c["alerts_in_outage"] > 0 and c["outage_alerts_central_once"] == c["alerts_in_outage"], c

@@ -197,7 +197,7 @@ def test_a_node_is_confined_to_its_own_landing_prefix(engine: Engine) -> None:
     assert body(admin, "edgehaul-landing", f"node-a/{tag}/mine") == b"a"
 
 
-def test_ingest_reads_and_clears_landing_and_writes_curated_quarantine_and_ops(engine: Engine) -> None:
+def test_ingest_reads_landing_and_writes_curated_quarantine_and_ops(engine: Engine) -> None:
     tag = uuid.uuid4().hex[:8]
     engine.client("node-a").put_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet", Body=b"bundle")
     ingest = engine.client("ingest")
@@ -211,7 +211,11 @@ def test_ingest_reads_and_clears_landing_and_writes_curated_quarantine_and_ops(e
         ingest.put_object(Bucket=bucket, Key=key, Body=b"{}", IfNoneMatch="*")
         assert body(ingest, bucket, key) == b"{}"
     ingest.delete_object(Bucket="edgehaul-curated", Key=f"datasets/_claims/{tag}/b.json")
-    ingest.delete_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet")
+    # landing is write-once for the core (issue 17 item 6): no PUT, DELETE or tagging there, not even create-only
+    denied(ingest.delete_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet")
+    denied(ingest.put_object_tagging, Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet",
+           Tagging={"TagSet": [{"Key": "k", "Value": "v"}]})
+    denied(ingest.put_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/forged.parquet", Body=b"x", IfNoneMatch="*")
     denied(ingest.put_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/forged.parquet", Body=b"x")
     denied(ingest.put_object, Bucket="edgehaul-checkpoints", Key=f"{tag}/ckpt", Body=b"x")
     denied(ingest.put_object, Bucket="edgehaul-checkpoints", Key=f"models/m/{tag}/model.pt", Body=b"x")
@@ -287,6 +291,13 @@ def test_lifecycle_copies_between_tiers_and_journals_in_ops(engine: Engine) -> N
            LifecycleConfiguration={"Rules": [{"ID": "x", "Status": "Enabled", "Filter": {"Prefix": "x/"},
                                               "Expiration": {"Days": 1}}]})
     denied(life.delete_bucket, Bucket="edgehaul-cold")
+    # landing: the janitor reads and deletes (moves to cold), never writes
+    engine.client("node-a").put_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet", Body=b"b",
+                                       IfNoneMatch="*")
+    denied(life.put_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet", Body=b"x")
+    denied(life.put_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/new.parquet", Body=b"x", IfNoneMatch="*")
+    assert body(life, "edgehaul-landing", f"node-a/{tag}/b.parquet") == b"b"
+    life.delete_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet")
 
 
 def test_only_central_identities_reach_the_central_results(engine: Engine) -> None:
@@ -303,6 +314,18 @@ def test_only_central_identities_reach_the_central_results(engine: Engine) -> No
         denied(c.get_object, Bucket="edgehaul-ops", Key=key)
     denied(engine.client("trainer").put_object, Bucket="edgehaul-ops", Key=key, Body=b"x")
     assert body(ingest, "edgehaul-ops", key) == b"r"
+
+
+def test_a_node_reads_only_its_own_downlink_and_writes_none(engine: Engine) -> None:
+    tag = uuid.uuid4().hex[:8]
+    for node in NODES:
+        engine.client("ingest").put_object(Bucket="edgehaul-ops", Key=f"downlink/{node}/{tag}.json", Body=b"u")
+    a, b = (engine.client(n) for n in NODES[:2])
+    assert body(a, "edgehaul-ops", f"downlink/{NODES[0]}/{tag}.json") == b"u"
+    denied(a.get_object, Bucket="edgehaul-ops", Key=f"downlink/{NODES[1]}/{tag}.json")
+    denied(a.put_object, Bucket="edgehaul-ops", Key=f"downlink/{NODES[0]}/{tag}.json", Body=b"forged")
+    denied(b.delete_object, Bucket="edgehaul-ops", Key=f"downlink/{NODES[1]}/{tag}.json")
+    assert body(b, "edgehaul-ops", f"downlink/{NODES[1]}/{tag}.json") == b"u"
 
 
 # ---- what this engine cannot say (kept in tests/test_access.py) --------------------------------
@@ -326,3 +349,21 @@ def test_the_limits_of_the_engine_are_known(engine: Engine) -> None:
     # the source of a copy is not authorised: trainer (no s3:GetObject on landing) copies from it
     engine.client("trainer").copy_object(Bucket="edgehaul-checkpoints", Key=f"{tag}/copied",
                                          CopySource={"Bucket": "edgehaul-landing", "Key": f"node-b/{tag}/theirs"})
+
+
+def test_the_engine_ignores_the_conditions_of_a_bucket_policy(engine: Engine) -> None:
+    """infra/iam/landing-bucket-policy.json under moto: its Deny statements apply without their Condition
+    (`aws:username`, `s3:if-none-match`), so it refuses every PUT and DELETE in landing, the node's
+    create-only PUT and the janitor's DELETE included. Its semantics are therefore checked by
+    tests/test_access.py's evaluator (`test_landing_is_write_once_in_the_aws_documents`); when this fails,
+    moto learned conditions: test the policy here for real."""
+    tag = uuid.uuid4().hex[:8]
+    admin, a, life = engine.client("admin"), engine.client("node-a"), engine.client("lifecycle")
+    a.put_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b", Body=b"b", IfNoneMatch="*")
+    admin.put_bucket_policy(Bucket="edgehaul-landing", Policy=(IAM / "landing-bucket-policy.json").read_text())
+    try:
+        denied(a.put_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/new", Body=b"n", IfNoneMatch="*")
+        denied(life.delete_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/b")
+    finally:
+        admin.delete_bucket_policy(Bucket="edgehaul-landing")
+    assert body(admin, "edgehaul-landing", f"node-a/{tag}/b") == b"b"

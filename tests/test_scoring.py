@@ -12,7 +12,7 @@ from edgehaul.blocks import TieringPolicy
 from edgehaul.contracts import load_contract
 from edgehaul.edge.landsat import generate, table_sha256
 from edgehaul.edge.preprocess import preprocess
-from edgehaul.edge.scoring import NoveltyScorer, NoveltyState, Scorer, get_scorer, scorer_cache_version
+from edgehaul.edge.scoring import NoveltyScorer, NoveltyState, Scorer, scorer_cache_version
 
 C = load_contract("landsat_patch")
 
@@ -74,6 +74,9 @@ def test_running_sketch_is_deterministic_per_batch(batches: list[tuple[str, pa.T
 
 
 def test_registry_returns_the_policy_scorer(tmp_path: Path) -> None:
-    sc = get_scorer(TieringPolicy(), None, contract=C, state_path=tmp_path / "none.json")
+    from edgehaul.blocks.policies import EdgeNode
+    from edgehaul.tasks.edge import make_scorer
+
+    sc = make_scorer(TieringPolicy(), EdgeNode(node_id="node-a", spool_dir=str(tmp_path)), C)
     assert isinstance(sc, NoveltyScorer) and isinstance(sc, Scorer)
     assert scorer_cache_version(sc, "k").startswith("novelty-1/")

@@ -1,5 +1,7 @@
 """The real Prefect UI (served by the session's `prefect server start`) in headless Debian Chromium:
-a demo flow run, its artifacts, and an event-triggered run appear. Screenshot: docs/ui-screenshot.png."""
+a demo flow run, its artifacts, and an event-triggered run appear; a training run shows its name,
+progress and epoch lines, the cost report its chart, the fleet view its table and chart. Screenshots:
+docs/ui-screenshot.png, docs/ui-training-run.png, docs/ui-fleet-view.png."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from edgehaul import events
 from edgehaul_dev import localstack
@@ -78,8 +82,9 @@ class AuthProxy:
         self.server.server_close()
 
 
-def browse(url: str, tmp: Path, screenshot: Path | None = None) -> str:
-    """The page's rendered text, via Chromium's own --dump-dom (no driver, no downloaded browser)."""
+def browse(url: str, tmp: Path, screenshot: Path | None = None, raw: bool = False) -> str:
+    """The page's rendered text (its DOM with `raw`), via Chromium's own --dump-dom (no driver, no
+    downloaded browser)."""
     assert Path(CHROMIUM).exists(), "Debian's chromium is required: apt-get install -y chromium (see .ci/run)"
     profile = tmp / f"profile-{uuid.uuid4().hex[:8]}"  # a fresh profile each time: no cache, no state
     cmd = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}"]
@@ -87,6 +92,8 @@ def browse(url: str, tmp: Path, screenshot: Path | None = None) -> str:
         cmd.append(f"--screenshot={screenshot}")
     proc = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=180, cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    if raw:
+        return proc.stdout
     dom = re.sub(r"<script.*?</script>|<style.*?</style>", " ", proc.stdout, flags=re.S)
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom)))
 
@@ -220,6 +227,109 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
 
 
 
+@pytest.mark.integration
+def test_ui_shows_the_fleet_view(stack: localstack.StackState, tmp_path: Path) -> None:
+    """The fleet artifacts as an operator opens them: a row per node and the core, the chart an inline image."""
+    import base64
+
+    from prefect.artifacts import Artifact
+
+    from edgehaul.blocks import EdgeNode
+    from edgehaul.flows.fleet_report import FleetReportParams, fleet_report
+    from edgehaul.ops import fleet
+    from edgehaul.tasks.uplink import publish_link_stats
+    from tests.conftest import store_for
+
+    tag = uuid.uuid4().hex[:8]
+    node = f"ui-fleet-{tag}"
+    EdgeNode(node_id=node, spool_dir=str(tmp_path / node)).save(node, overwrite=True)
+    assert publish_link_stats.fn(node, {"retransmission_rate": 0.02, "goodput_bps": 3e5, "rate_cap_use": 0.55,
+                                        "retry_queue": 1, "queue_lengths": {"normal": 2}, "bundles_landed": 3,
+                                        "spool_used_fraction": 0.3})
+    store = store_for(stack, "lifecycle")
+    store.save(f"ui-fleet-{tag}", overwrite=True)
+    deadline = time.monotonic() + 60
+    while True:  # the link-stats event must be in the event store before the report reads it
+        fleet_report(FleetReportParams(store_block=f"ui-fleet-{tag}"))
+        view = fleet.read_view(store)
+        seen = view.nodes[node].link_utilisation if view and node in view.nodes else None
+        if seen == 0.55 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert seen == 0.55, seen
+    table, chart = Artifact.get("fleet-view"), Artifact.get("fleet-view-chart")
+    assert table is not None and chart is not None
+    ui_proxy = AuthProxy(stack.prefect_ui_url, api_auth())
+    try:
+        shot = tmp_path / "ui-fleet-view.png"
+        page = browse(f"{ui_proxy.url}/artifacts/artifact/{table.id}", tmp_path, screenshot=shot)
+        assert node in page and fleet.CORE in page and "0.550" in page, page[:2000]
+        assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        shutil.copyfile(shot, Path(__file__).resolve().parent.parent / "docs" / "ui-fleet-view.png")
+        dom = browse(f"{ui_proxy.url}/artifacts/artifact/{chart.id}", tmp_path, raw=True)
+        srcs = re.findall(r'<img[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
+        assert srcs and base64.b64decode(srcs[0])[:8] == b"\x89PNG\r\n\x1a\n", dom[:2000]
+    finally:
+        ui_proxy.close()
+
+
+@pytest.mark.integration
+def test_ui_shows_training_progress_logs_and_cost_chart(stack: localstack.StackState, tmp_path: Path) -> None:
+    import base64
+    from datetime import UTC, datetime
+
+    from prefect.artifacts import Artifact
+    from prefect.client.orchestration import get_client
+
+    from edgehaul.blocks import PriceSheet
+    from edgehaul.flows.cost_report import CostReportParams, cost_report
+    from tests.conftest import store_for
+    from tests.train_support import train_small
+
+    tag = uuid.uuid4().hex[:8]
+    store = store_for(stack, prefix=f"t-{tag}")
+    state, out = train_small(store, tag, epochs=2)
+    train_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        train_name = client.read_flow_run(train_id).name
+    epoch_line = f"run {out['run_id']} epoch 1: loss"
+    run_log_lines(train_id, epoch_line)  # shipped to the API before the page loads
+    progress = Artifact.get(f"train-m-{tag}-progress")
+    assert progress is not None and progress.data == 100.0
+
+    now = datetime.now(UTC)
+    store_for(stack, "lifecycle", prefix=store.prefix).save(f"cost-{tag}")
+    PriceSheet(uplink_per_gb=1.0).save(f"cost-{tag}")
+    costs = cost_report(CostReportParams(store_block=f"cost-{tag}", prices_block=f"cost-{tag}", month=f"{now:%Y-%m}",
+                                         now=now))
+    summary = Artifact.get(f"cost-report-{now:%Y-%m}-summary")
+    assert summary is not None
+    bucket, key = costs["chart"].removeprefix("s3://").split("/", 1)
+    png = store.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    ui_proxy = AuthProxy(stack.prefect_ui_url, api_auth())
+    ui = ui_proxy.url
+    try:
+        # The training run: its name says what it trained, its logs carry the trainer's epoch and checkpoint lines.
+        shot = tmp_path / "ui-training-run.png"
+        page = browse(f"{ui}/runs/flow-run/{train_id}", tmp_path, screenshot=shot)
+        assert train_name in page and f"m-{tag} on landsat_patch@latest" in page and "Completed" in page, page[:1500]
+        assert epoch_line in page and f"checkpoint committed run={out['run_id']}" in page, page[:3000]
+        assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        shutil.copyfile(shot, Path(__file__).resolve().parent.parent / "docs" / "ui-training-run.png")
+
+        # Its progress artifact: 100 % and where the training got to.
+        page = browse(f"{ui}/artifacts/artifact/{progress.id}", tmp_path)
+        assert "100%" in page and "epoch 2/2: loss" in page, page[:1500]
+
+        # The cost report's chart is rendered from the artifact itself: the page's <img> holds the stored PNG.
+        dom = browse(f"{ui}/artifacts/artifact/{summary.id}", tmp_path, raw=True)
+        srcs = re.findall(r'<img[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
+        assert [base64.b64decode(s) for s in srcs] == [png], dom[:2000]
+    finally:
+        ui_proxy.close()
+
+
 def test_reporting_helpers_are_noops_outside_a_run() -> None:
     from edgehaul.platform.reporting import Progress, artifact_key, summary_table
 
@@ -229,3 +339,18 @@ def test_reporting_helpers_are_noops_outside_a_run() -> None:
         p.advance(5)
     assert p.percent == 100.0
     assert summary_table("x", [{"a": 1}]) is None
+
+
+@given(n=st.integers(0, 2**50), other=st.integers(0, 10**6))
+def test_table_artifacts_show_byte_counts_in_units_and_keep_everything_else(n: int, other: int) -> None:
+    from edgehaul.platform.reporting import human_bytes, human_table
+
+    rows = [{"metric": "bytes_landed", "value": n}, {"metric": "bundles_landed", "value": other},
+            {"meter": "storage", "quantity": n, "unit": "bytes", "billed_quantity": other},
+            {"tier": "high", "uplink_bytes": n, "samples": other}]
+    out = human_table(rows)
+    cols = ["metric", "value", "meter", "quantity", "unit", "billed_quantity", "tier", "uplink_bytes", "samples"]
+    assert all(list(r) == cols for r in out)  # one column set: the UI's table needs it
+    assert [out[0]["value"], out[2]["quantity"], out[3]["uplink_bytes"]] == [human_bytes(n)] * 3
+    assert [out[1]["value"], out[2]["billed_quantity"], out[3]["samples"]] == [other] * 3
+    assert out[1]["metric"] == "bundles_landed" and out[0]["quantity"] == ""

@@ -71,6 +71,8 @@ def test_uplink_drain_flow_lands_the_spool_in_priority_order_and_publishes_metri
                 {"filter": {"event": {"name": [events.LINK_STATS]}, "resource": {"id": [f"edgehaul.link.{node_id}"]}},
                  "limit": 5}, "events")
     assert evs and evs[0]["payload"]["bundles_landed"] == 3 and "goodput_bps" in evs[0]["payload"]
+    # the fleet view's spool figure: the drained spool holds nothing
+    assert metrics["spool_used_fraction"] == evs[0]["payload"]["spool_used_fraction"] == 0.0
     # one batch event for the run (what triggers core_ingest), carrying every landed key
     batches = _poll(f"{api}/events/filter", {"filter": {"event": {"name": [events.LANDING_BATCH]},
                                                         "resource": {"labels": {"edgehaul.node.id": [node_id]}}},

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ from tests.waiting import wait_for
 @pytest.mark.integration
 def test_checks_that_run_on_the_session_stack_pass(stack: localstack.StackState) -> None:
     lines: list[str] = []
+    since = datetime.now(UTC)
     checks = verify.run_checks(stack, ("high_value", "resume", "alert_l2", "quota"), say=lines.append)
     print("\n".join(lines))
     assert [c.name for c in checks] == ["high_value", "resume", "alert_l2", "quota"]
@@ -37,6 +39,10 @@ def test_checks_that_run_on_the_session_stack_pass(stack: localstack.StackState)
     assert "resumed from step" in by["resume"] and "== uninterrupted" in by["resume"]
     assert "refused" in by["quota"] and "'default'" in by["quota"]
     assert "level-2 alert" in by["alert_l2"]
+    # the resume check's made-up models announce nothing (a model.ready would start a production publish_model)
+    time.sleep(3)
+    ready = verify._events(stack.prefect_api_url, ["edgehaul.model.ready"], since, stack.api_auth_string)
+    assert not [e for e in ready if "verify" in e["resource"]["prefect.resource.id"]], ready
 
 
 @pytest.mark.integration
@@ -45,6 +51,8 @@ def test_deployment_checks_fail_clearly_without_deployments(stack: localstack.St
     and say what is missing."""
     checks = {c.name: c for c in verify.run_checks(stack, ("control_plane",), say=lambda s: None)}
     assert not checks["control_plane"].ok and "make deploy" in checks["control_plane"].detail
+    (need,) = verify.prerequisites(stack)  # said before the checks run, with the commands that provide it
+    assert need.startswith("nothing deployed: run `make deploy` first") and "--via-deployments" in need
     ok, detail = verify.check_placement(stack, since=datetime.now(UTC))
     assert not ok
     assert "no train_model run executed" in detail and "no edge_ingest/uplink_drain run executed" in detail

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 
 from edgehaul.blocks import ObjectStore
@@ -38,3 +40,18 @@ def make_dataset(store: ObjectStore, sizes: list[int], kind: str = "landsat_patc
         write_deltalake(uri, rows, storage_options=store.storage_options(), mode="append")
         start += n
     return uri
+
+
+def train_small(store: ObjectStore, tag: str, epochs: int = 2) -> tuple[Any, dict[str, Any]]:
+    """train_model called in-process on a fresh 200-row dataset, model `m-<tag>`: (its final state, result)."""
+    from edgehaul.blocks import TeamQuota
+    from edgehaul.flows.train_model import TrainModelParams, train_model
+
+    make_dataset(store, [200])
+    store.save(f"store-{tag}", overwrite=True)
+    TeamQuota(team="geo", accelerator_hours_per_month=100, storage_bytes=10**9).save(f"quota-{tag}", overwrite=True)
+    state: Any = train_model(TrainModelParams(
+        team="geo", store_block=f"store-{tag}", quota_block=f"quota-{tag}", model_name=f"m-{tag}", epochs=epochs,
+        batch_size=32, width=8, num_threads=1, checkpoint_every_steps=3, allow_local=True, max_hours=0.5),
+        return_state=True)
+    return state, state.result()

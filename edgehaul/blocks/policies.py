@@ -10,6 +10,8 @@ from typing import Literal
 from prefect.blocks.core import Block
 from pydantic import Field, model_validator
 
+from edgehaul.edge.scorer_registry import check_scorer_name
+
 MiB = 1024 * 1024
 
 
@@ -115,7 +117,9 @@ class TieringPolicy(Block):
     _block_type_slug = "edgehaul-tiering-policy"
 
     version: str = Field(default="1", min_length=1, description="Policy version, recorded with every bundle.")
-    scorer: Literal["novelty", "model"] = Field(default="novelty", description="Which scorer values samples.")
+    scorer: str = Field(default="novelty", min_length=1, description=(
+        "Which scorer values samples: a name registered under the `edgehaul.scorers` entry point "
+        "(shipped: novelty, model)."))
     model_uri: str | None = Field(default=None, description="Model for the 'model' scorer (s3://... or 'latest').")
     high_threshold: float = Field(default=0.8, gt=0, le=1, description="value >= this: high tier, sent at once.")
     low_threshold: float = Field(default=0.3, ge=0, lt=1, description="value < this: low tier, summary only.")
@@ -134,6 +138,7 @@ class TieringPolicy(Block):
     def _check_thresholds(self) -> TieringPolicy:
         if not self.low_threshold < self.high_threshold:
             raise ValueError(f"low_threshold ({self.low_threshold}) must be below high_threshold ({self.high_threshold})")
+        check_scorer_name(self.scorer)
         if self.scorer == "model" and not self.model_uri:
             raise ValueError("scorer 'model' needs model_uri")
         return self

@@ -103,6 +103,8 @@ class LandedScan:
     rejected: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (reason, error): quarantine
     waiting: list[str] = field(default_factory=list)  # data without a manifest yet: left in landing
     skipped: dict[str, str] = field(default_factory=dict)  # not a bundle we can name or move: left, logged
+    # quarantined by an earlier run (landing is write-once, so it stays there): key -> what the record says
+    quarantined: dict[str, str] = field(default_factory=dict)
 
 
 def read_manifests(
@@ -113,8 +115,9 @@ def read_manifests(
     `<node>/<day>/<bundle>.parquet` with safe ids are skipped; a data object without its manifest waits
     (quarantined as `manifest_missing` once older than `manifest_wait_s`); a manifest that is too large
     (a ranged read: never downloaded whole), malformed, has unsafe ids, names another node or bundle
-    than its key, or exceeds its contract's limits is rejected. Raises ContractInvalid when a manifest
-    names a broken contract, before anything has moved."""
+    than its key, or exceeds its contract's limits is rejected. A bundle with a quarantine record is done
+    (`quarantined`), or skipped as `landing_changed` when landing was rewritten after its quarantine.
+    Raises ContractInvalid when a manifest names a broken contract, before anything has moved."""
     s3 = s3 or store.client()
     bucket = store.bucket("landing")
     now = now or datetime.now(UTC)
@@ -124,6 +127,13 @@ def read_manifests(
         owner = landing_owner(store, key)
         if isinstance(owner, str):
             out.skipped[key] = owner
+            continue
+        done = quarantine.landing_state(store, key, s3=s3)
+        if done is not None:
+            if done[0] == "quarantined":
+                out.quarantined[key] = done[1]
+            else:
+                out.skipped[key] = f"{done[0]}: {done[1]}"
             continue
         mkey = quarantine.manifest_key_for(key)
         try:
@@ -231,12 +241,24 @@ def fetch_validated(
     items = []
     for key, result in validated:
         lb = landed.fetch(store, key, s3=s3)
-        if lb.data is None or lb.manifest is None:
-            raise datasets.DatasetError(f"validated bundle {key} vanished from landing before commit: {lb.error}")
+        # A store may let a node rewrite or delete its landed objects (see docs/SECURITY.md): what changed
+        # since validation is not committed, and not this run's to fail on. Left to the next run, which
+        # validates what is there then (a bundle id enters a dataset once: the Delta txn per bundle).
+        if lb.data is None or lb.manifest is None:  # gone (the janitor, or a store that let its node delete) or garbled
+            log.warning("bundle %s: %s since validation (%s); not committed", key,
+                        "landing_vanished" if "missing" in lb.error else "landing_changed", lb.error[:200])
+            continue
         # read_bundle re-checks the checksum against the manifest; the manifest must be the validated one
         if lb.manifest.sha256 != result.bundle_sha256:
-            raise datasets.DatasetError(f"bundle {key} changed since validation ({result.bundle_sha256[:12]} -> "
-                                        f"{lb.manifest.sha256[:12]}); rerun validation")
+            log.warning("bundle %s: landing_changed since validation (sha256 %s -> %s); not committed, left for the "
+                        "next run", key, result.bundle_sha256[:12], lb.manifest.sha256[:12])
+            continue
+        try:
+            table = read_bundle(lb.data, lb.manifest)
+        except BundleError as e:  # the data object was rewritten under the validated manifest
+            log.warning("bundle %s: landing_changed since validation (%s); not committed, left for the next run",
+                        key, str(e)[:200])
+            continue
         reason, error = manifest_problem(quarantine.ids_from_key(key), lb.manifest)
         if reason or lb.manifest.node_id != result.node_id:
             # the manifest was rewritten since validation (same bytes, other owner or id): not this run's to
@@ -244,7 +266,7 @@ def fetch_validated(
             log.warning("bundle %s: manifest changed since validation (%s); left for the next run", key,
                         error or f"node {result.node_id} -> {lb.manifest.node_id}")
             continue
-        items.append(datasets.ValidatedBundle(lb.manifest, read_bundle(lb.data, lb.manifest), result))
+        items.append(datasets.ValidatedBundle(lb.manifest, table, result))
     return items
 
 

@@ -1,10 +1,12 @@
-"""Quarantine: a bundle that failed validation leaves the landing zone for `quarantine/<node>/<bundle>/`.
+"""Quarantine: a bundle that failed validation is copied from the landing zone to `quarantine/<node>/<bundle>/`.
 
-The bundle and its manifest are copied server-side (no download), `validation.json` is written beside
-them with the reason and every sample id the bundle carried (the accounting of those samples), and
-only then are the landing objects removed, manifest first so the bundle stops counting as complete.
-Repeating a quarantine after a crash is safe: missing landing objects are skipped, the record is
-rewritten.
+Landing is write-once (issue 17 item 6): no central identity writes or deletes there, so the bundle and
+its manifest are copied server-side (no download) and left where they landed. `validation.json` beside
+the copies holds the reason, every sample id the bundle carried (the accounting of those samples) and the
+ETags of the landing objects it copied; its presence is what keeps core ingest from taking the bundle
+again (`landing_state`), and a landing object whose ETag no longer matches is reported as changed, never
+ingested. Repeating a quarantine after a crash is safe: missing landing objects are skipped, the record is
+rewritten. Landing objects leave landing only through the janitor (the lifecycle identity's moves).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class QuarantineRecord:
     sample_ids_known: bool
     validation: dict[str, Any]
     quarantined_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    # landing object name -> its ETag when copied: a later rewrite of landing shows as another ETag
+    landing_etags: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
@@ -62,14 +66,18 @@ def ids_from_key(data_key: str) -> tuple[str, str]:
     return node, bundle
 
 
-def _exists(s3: S3Client, bucket: str, key: str) -> bool:
+def _etag(s3: S3Client, bucket: str, key: str) -> str | None:
+    """The object's ETag (unquoted), None when there is no such object."""
     try:
-        s3.head_object(Bucket=bucket, Key=key)
-        return True
+        return str(s3.head_object(Bucket=bucket, Key=key)["ETag"]).strip('"')
     except ClientError as e:
         if error_code(e) in ("404", "NoSuchKey", "NotFound"):
-            return False
+            return None
         raise
+
+
+def _exists(s3: S3Client, bucket: str, key: str) -> bool:
+    return _etag(s3, bucket, key) is not None
 
 
 def quarantine_bundle(
@@ -82,7 +90,8 @@ def quarantine_bundle(
     s3: S3Client | None = None,
     emit_event: bool = True,
 ) -> QuarantineRecord:
-    """Move a failed bundle (landing key of its Parquet object) to quarantine with its result.
+    """Copy a failed bundle (landing key of its Parquet object) to quarantine with its result; landing is
+    left as it is (write-once: the caller's identity may not write there).
 
     `sample_ids` defaults to the manifest's; pass the file's own ids when the manifest is unreadable.
     """
@@ -94,23 +103,24 @@ def quarantine_bundle(
     if problem:
         raise ValueError(f"cannot quarantine {data_key!r}: {problem}")
     prefix = store.key("quarantine", f"{node}/{bundle}/")
-    moved = []
+    moved, etags = [], {}
     for src in (data_key, manifest_key_for(data_key)):
         name = src.rsplit("/", 1)[-1]
-        if not _exists(s3, src_bucket, src):
+        etag = _etag(s3, src_bucket, src)
+        if etag is None:
             continue
         s3.copy_object(Bucket=dst_bucket, Key=prefix + name, CopySource={"Bucket": src_bucket, "Key": src})
         moved.append(prefix + name)
+        etags[name] = etag
     ids = sample_ids if sample_ids is not None else (list(manifest.sample_ids) if manifest else [])
     record = QuarantineRecord(
         bundle_id=bundle, node_id=node, reason=result.reason, error=result.error, landing_key=data_key,
         quarantine_prefix=prefix, objects=moved, sample_ids=ids,
         sample_ids_known=sample_ids is not None or manifest is not None, validation=result.to_dict(),
+        landing_etags=etags,
     )
+    # The record is the bundle's end in core ingest: `landing_state` finds it and the bundle is not taken again.
     s3.put_object(Bucket=dst_bucket, Key=prefix + RECORD_NAME, Body=record.to_json(), ContentType="application/json")
-    # The record is durable; now the landing copy can go (manifest first: the bundle is no longer complete).
-    for src in (manifest_key_for(data_key), data_key):
-        s3.delete_object(Bucket=src_bucket, Key=src)
     log.warning("quarantined bundle %s from %s: %s (%d samples)", bundle[:12], node, result.reason, len(ids))
     if emit_event:
         events.emit(
@@ -149,6 +159,27 @@ def read_record(store: ObjectStore, node_id: str, bundle_id: str, *, s3: S3Clien
     key = store.key("quarantine", f"{node_id}/{bundle_id}/{RECORD_NAME}")
     doc = json.loads(s3.get_object(Bucket=store.bucket("quarantine"), Key=key)["Body"].read())
     return QuarantineRecord(**doc)
+
+
+def landing_state(store: ObjectStore, data_key: str, *, s3: S3Client | None = None) -> tuple[str, str] | None:
+    """None when the landed bundle at `data_key` was never quarantined; else ("quarantined", what) when
+    its record says so and landing still holds the objects it copied, or ("landing_changed", what) when a
+    landing object's ETag differs from the recorded one (rewritten after quarantine: never ingested)."""
+    s3 = s3 or store.client()
+    node, bundle = ids_from_key(data_key)
+    try:
+        rec = read_record(store, node, bundle, s3=s3)
+    except ClientError as e:
+        if error_code(e) in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+    bucket = store.bucket("landing")
+    for name, etag in sorted(rec.landing_etags.items()):
+        now = _etag(s3, bucket, data_key.rsplit("/", 1)[0] + "/" + name)
+        if now is not None and now != etag:
+            return "landing_changed", (f"bundle {bundle} of {node}: landing object {name} rewritten after its quarantine "
+                                       f"({rec.reason}, {rec.quarantined_at}): ETag {etag} -> {now}; not ingested")
+    return "quarantined", f"quarantined {rec.quarantined_at}: {rec.reason}"
 
 
 # ---------------------------------------------------------------- operator: list and re-admit (issue 17)
@@ -214,11 +245,14 @@ def _find(s3: S3Client, store: ObjectStore, bundle_ids: list[str]) -> dict[str, 
 
 def readmit(store: ObjectStore, bundle_ids: list[str], *, why: str, by: str, s3: S3Client | None = None,
             now: datetime | None = None) -> list[Readmission]:
-    """Put quarantined bundles back into landing under their node's prefix, for the next core_ingest to
-    validate for real (re-admission is not a commit). Per bundle: copy the Parquet object, then the manifest
-    (its presence makes the bundle complete), check each copy is byte-identical, write an audit record to
-    the ops bucket (one object, never overwritten), and only then remove the bundle from quarantine.
-    Every id is checked first: an unknown bundle changes nothing at all."""
+    """Give quarantined bundles back to landing under their node's prefix, for the next core_ingest to
+    validate for real (re-admission is not a commit). Landing is write-once: where it still holds the
+    bundle's bytes (quarantine copies, never moves) nothing is written there; an object gone from landing
+    (the janitor moved it) is put back create-only (`If-None-Match: *`, an identity with landing writes:
+    the operator's), Parquet object first, manifest last, each checked byte-identical. Then an audit record
+    goes to the ops bucket (one object, never overwritten), and only then is the bundle removed from
+    quarantine (its record is what kept core ingest away). Every id is checked first: an unknown bundle
+    changes nothing at all."""
     if not why.strip() or not by.strip():
         raise QuarantineError("a re-admission needs a reason (--reason) and who asks for it (--by)")
     s3 = s3 or store.client()
@@ -236,8 +270,12 @@ def readmit(store: ObjectStore, bundle_ids: list[str], *, why: str, by: str, s3:
     for b, rec in records.items():
         moved = plans[b]
         for src, dst in moved.items():  # data first, manifest last
-            body = s3.get_object(Bucket=q_bucket, Key=src)["Body"].read()
-            s3.copy_object(Bucket=l_bucket, Key=dst, CopySource={"Bucket": q_bucket, "Key": src})
+            got = s3.get_object(Bucket=q_bucket, Key=src)
+            body = got["Body"].read()
+            if not _exists(s3, l_bucket, dst):  # checked equal above when present; a PUT, not a copy: AWS
+                # refuses CopyObject where a bucket policy demands If-None-Match
+                s3.put_object(Bucket=l_bucket, Key=dst, Body=body, IfNoneMatch="*", Metadata=got.get("Metadata", {}),
+                              ContentType=got.get("ContentType", "application/octet-stream"))
             if s3.get_object(Bucket=l_bucket, Key=dst)["Body"].read() != body:
                 raise QuarantineError(f"bundle {b}: copy {dst} differs from {src}; left in quarantine")
         at = now or datetime.now(UTC)
@@ -248,7 +286,8 @@ def readmit(store: ObjectStore, bundle_ids: list[str], *, why: str, by: str, s3:
                  "from": sorted(moved), "to": [moved[k] for k in sorted(moved)]}
         s3.put_object(Bucket=store.bucket("ops"), Key=audit_key, Body=json.dumps(audit, indent=1).encode(),
                       ContentType="application/json", IfNoneMatch="*")
-        for key in [*moved, rec.quarantine_prefix + RECORD_NAME]:
+        # the record first: it is what keeps core ingest away; copies left by a crash here are only copies
+        for key in [rec.quarantine_prefix + RECORD_NAME, *moved]:
             s3.delete_object(Bucket=q_bucket, Key=key)
         log.warning("re-admitted bundle %s of %s to landing (%d samples) by %s: %s", b[:12], rec.node_id,
                     len(rec.sample_ids), by, why)

@@ -16,7 +16,7 @@ import pyarrow as pa
 from edgehaul.contracts import Contract
 from edgehaul.edge import ledger as ledger_mod
 from edgehaul.edge.preprocess import preprocess
-from edgehaul.edge.scoring import NoveltyScorer, Scorer
+from edgehaul.edge.scoring import ContextualScorer, Scorer
 from edgehaul.edge.spool import Spool
 from edgehaul.edge.tiering import Batcher, TierReport, assign
 
@@ -37,14 +37,14 @@ class BatchResult:
 
 
 def ingest_batch(
-    raw: pa.Table, contract: Contract, policy: TieringPolicy, spool: Spool, scorer: Scorer | NoveltyScorer, *,
+    raw: pa.Table, contract: Contract, policy: TieringPolicy, spool: Spool, scorer: Scorer, *,
     key: str, hashes: pa.Array | None = None, context_key: str | None = None, node_id: str | None = None,
     scorer_version: str = "", team: str = "default",
 ) -> BatchResult:
     """Run one raw batch through the edge path and put its bundles in `spool`.
 
     `key`, `hashes`: `batch_key(raw)` (the hashes save hashing the pixels twice). `context_key`: the
-    key a NoveltyScorer files this batch under (default `key`); it scores the batch against the
+    key a ContextualScorer files this batch under (default `key`); it scores the batch against the
     batches folded before it, then folds it. The caller persists the scorer's state.
     """
     result = preprocess(raw, contract, node_id=node_id, key=key, hashes=hashes)
@@ -54,7 +54,7 @@ def ingest_batch(
                         rj.column("detail").to_pylist(), strict=True))
         spool.ledger.record_many(rows, stage=ledger_mod.STAGE_PREPROCESS)
     table, rejects = result.accepted, result.reject_counts
-    if isinstance(scorer, NoveltyScorer):
+    if isinstance(scorer, ContextualScorer):
         ctx = context_key or key
         values = scorer.score(table, batch_key=ctx)
         scorer.fold(table, ctx)

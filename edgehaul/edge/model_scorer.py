@@ -12,6 +12,8 @@ about are the most valuable to send to the centre. The edge scorer registry impo
 from __future__ import annotations
 
 import math
+import threading
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -20,18 +22,23 @@ import torch
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import contract_by_id
+from edgehaul.edge.scorer_registry import ScorerContext
 from edgehaul.training.model import build_model, pixels_to_tensor
-from edgehaul.training.registry import load_model_file, resolve_model_uri
+from edgehaul.training.registry import load_model_file, parse_model_file, resolve_model_uri
 
 
 class ModelScorer:
     """Scores rows by the uncertainty of a registered model. `version` is the model id (it keys the
     scoring cache, so a newly published model re-scores)."""
 
-    def __init__(self, model_uri: str | None, store: ObjectStore | None = None, *, batch_size: int = 1024) -> None:
-        self.store = store or ObjectStore.from_env()
-        self.model_uri = model_uri = resolve_model_uri(self.store, model_uri)
-        f = load_model_file(self.store, model_uri)
+    def __init__(self, model_uri: str | None, store: ObjectStore | None = None, *, batch_size: int = 1024,
+                 model_file: dict[str, Any] | None = None) -> None:
+        if model_file is not None:  # already on the node (downlinked): no store involved
+            self.model_uri, f = model_uri or "local", model_file
+        else:
+            self.store = store or ObjectStore.from_env()
+            self.model_uri = model_uri = resolve_model_uri(self.store, model_uri)
+            f = load_model_file(self.store, model_uri)
         self.version: str = str(f["model_id"])
         self.contract = contract_by_id(str(f["contract"]))
         self.model = build_model(dict(f["arch"]))
@@ -62,3 +69,42 @@ class ModelScorer:
             h = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1) / math.log(self.n_classes)
         h = np.where(np.isnan(p).any(axis=1), 0.0, h)
         return np.clip(h, 0.0, 1.0).astype(np.float64)
+
+
+DOWNLINK = "downlink:"  # model_uri "downlink:<name>": the node's downlinked copy, no store access
+_loaded: dict[tuple[str, str], ModelScorer] = {}
+_loaded_lock = threading.Lock()
+
+
+def from_context(ctx: ScorerContext) -> ModelScorer:
+    """The `model` entry point. A model is loaded once per process and model id: a task per batch must not
+    download it again; 'latest' is re-resolved on every call, so a newly published model re-scores."""
+    if not ctx.policy.model_uri:
+        raise ValueError(f"tiering policy {ctx.policy.version}: scorer 'model' needs model_uri")
+    if ctx.policy.model_uri.startswith(DOWNLINK):  # the model the core downlinked to this node
+        return _downlinked(ctx, ctx.policy.model_uri.removeprefix(DOWNLINK))
+    store = ctx.store or ObjectStore.from_env()
+    uri = resolve_model_uri(store, ctx.policy.model_uri)
+    key = (uri, store.model_dump_json())
+    with _loaded_lock:
+        scorer = _loaded.get(key)
+        if scorer is None:
+            scorer = _loaded[key] = ModelScorer(uri, store)
+    if scorer.contract.id != ctx.contract.id:
+        raise ValueError(f"model {scorer.version} was trained on {scorer.contract.id}, cannot score {ctx.contract.id}")
+    return scorer
+
+
+def _downlinked(ctx: ScorerContext, name: str) -> ModelScorer:
+    from edgehaul.downlink import current_file
+
+    path = current_file(ctx.node_dir, "model", name) if ctx.node_dir else None
+    if path is None:
+        raise ValueError(f"no model {name!r} downlinked to this node yet ({ctx.node_dir}); it arrives with the "
+                         f"next contact (edgehaul downlink sync)")
+    key = (str(path), "downlink")  # a new generation is a new folder: a new model re-scores
+    with _loaded_lock:
+        scorer = _loaded.get(key)
+        if scorer is None:
+            scorer = _loaded[key] = ModelScorer(f"downlink:{name}", model_file=parse_model_file(path.read_bytes()))
+    return scorer

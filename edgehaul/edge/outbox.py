@@ -1,7 +1,8 @@
 """Durable, ordered outbox of the events an edge node raises (issue #18 item 2, part 1).
 
 While the central Prefect API is out of reach, events are appended here instead of being lost;
-a forwarder (not yet written) sends them in sequence order and deletes them only after a 2xx.
+the forwarder (`edgehaul.uplink.forwarder`) sends them in sequence order and deletes them only after
+a 2xx. `Outbox.sink()` is the `edgehaul.events.routed` sink that turns `events.emit` into appends.
 
 Storage: SQLite in the node's state dir, WAL + synchronous=FULL like the spool's ledger, so a
 committed append survives kill -9. ``seq`` is an AUTOINCREMENT key, hence strictly increasing
@@ -17,10 +18,14 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from edgehaul import events
 
 # Lower number = more important = dropped last. Alerts carry their level (1 most severe).
 PRIO_ALERT_L1 = 1
@@ -28,6 +33,13 @@ PRIO_ALERT_L2 = 2
 PRIO_ALERT_L3 = 3
 PRIO_STATS = 9
 OUTBOX_FILE = "outbox.sqlite"  # in the node's spool folder: its persistent disk, beside the ledger
+_LEVEL_PRIO = {1: PRIO_ALERT_L1, 2: PRIO_ALERT_L2, 3: PRIO_ALERT_L3}
+
+
+def priority_of(payload: dict[str, Any]) -> int:
+    """An alert's level (payload `level` 1-3) is its priority; anything else is statistics."""
+    level = payload.get("level")
+    return _LEVEL_PRIO.get(level, PRIO_STATS) if isinstance(level, int) and not isinstance(level, bool) else PRIO_STATS
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,17 @@ class Outbox:
     def dropped(self) -> dict[str, int]:
         with self._lock:
             return dict(self._db.execute("SELECT event, n FROM dropped").fetchall())
+
+    def sink(self, clock: Callable[[], float] = time.time) -> events.Sink:
+        """An `events.routed` sink: each emitted event becomes one row, stamped with `clock` (when it
+        happened), its priority from its level; the emitter's resource id travels as `origin_resource`."""
+
+        def keep(event: str, resource_id: str, payload: dict[str, Any], labels: dict[str, str]) -> bool:
+            body = {**payload, "origin_resource": resource_id}
+            self.append(event, body, priority=priority_of(payload), occurred=datetime.fromtimestamp(clock(), UTC))
+            return True
+
+        return keep
 
     def close(self) -> None:
         self._db.close()

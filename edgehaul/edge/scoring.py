@@ -1,8 +1,9 @@
 """Scorers: give each preprocessed sample a value in [0, 1]; a TieringPolicy maps value to tier.
 
 A scorer is anything with `version: str` and `score(table) -> np.ndarray` (float32 in [0, 1], one
-per row). Shipped here: `NoveltyScorer` (no model). The model scorer lives in
-`edgehaul.edge.model_scorer.ModelScorer` (training side) and is loaded lazily by `get_scorer`.
+per row); scorers are plugins chosen by name (`edgehaul.edge.scorer_registry`). Shipped here:
+`NoveltyScorer` (no model, registered as `novelty`). The model scorer lives in
+`edgehaul.edge.model_scorer.ModelScorer` (training side, registered as `model`).
 
 NoveltyScorer = 1 - (1 - rarity) * (1 - novelty) (either signal alone can make a sample valuable),
 with rarity = 1 - p(class) / p(commonest class) and novelty from the diagonal Mahalanobis distance
@@ -31,8 +32,7 @@ import pyarrow as pa
 from edgehaul.contracts import Contract
 
 if TYPE_CHECKING:
-    from edgehaul.blocks.object_store import ObjectStore
-    from edgehaul.blocks.policies import TieringPolicy
+    from edgehaul.edge.scorer_registry import ScorerContext
 
 NOVELTY_VERSION = "novelty-1"
 
@@ -43,6 +43,20 @@ class Scorer(Protocol):
     def version(self) -> str: ...
 
     def score(self, table: pa.Table) -> np.ndarray: ...
+
+
+@runtime_checkable
+class ContextualScorer(Scorer, Protocol):
+    """A scorer that learns from the batches it sees: it scores a batch against the batches folded before
+    it (`batch_key` names the batch), then folds it; `save()` persists what it learnt."""
+
+    def score(self, table: pa.Table, batch_key: str | None = None) -> np.ndarray: ...
+
+    def cache_version(self, batch_key: str) -> str: ...
+
+    def fold(self, table: pa.Table, batch_key: str) -> None: ...
+
+    def save(self) -> None: ...
 
 
 @dataclass
@@ -124,9 +138,22 @@ def _features(table: pa.Table, contract: Contract) -> np.ndarray:
 class NoveltyScorer:
     """Class rarity + spectral novelty against the running sketch (no model)."""
 
-    def __init__(self, contract: Contract, state: NoveltyState | None = None) -> None:
+    STATE_FILE = "novelty-state.json"
+
+    def __init__(self, contract: Contract, state: NoveltyState | None = None, state_path: Path | None = None) -> None:
         self.contract = contract
         self.state = state or NoveltyState()
+        self.state_path = state_path
+
+    @classmethod
+    def from_context(cls, ctx: ScorerContext) -> NoveltyScorer:
+        """The `novelty` entry point: state in the node's folder for this kind."""
+        path = ctx.state_dir / cls.STATE_FILE
+        return cls(ctx.contract, NoveltyState.load(path), state_path=path)
+
+    def save(self) -> None:
+        if self.state_path is not None:
+            self.state.save(self.state_path)
 
     @property
     def version(self) -> str:
@@ -168,23 +195,6 @@ class NoveltyScorer:
     def fold(self, table: pa.Table, batch_key: str) -> None:
         """Add a batch to the running sketch (idempotent per batch key)."""
         self.state.fold(batch_key, BatchSketch.of(table, self.contract))
-
-
-def get_scorer(
-    policy: TieringPolicy, store: ObjectStore | None, *, contract: Contract | None = None, state_path: Path | None = None
-) -> Scorer:
-    """The scorer the policy names. 'model' imports the training side's ModelScorer lazily, so the
-    edge does not import torch unless it uses a model."""
-    if policy.scorer == "novelty":
-        from edgehaul.contracts import load_contract
-
-        return NoveltyScorer(contract or load_contract("landsat_patch"), NoveltyState.load(state_path))
-    if policy.scorer == "model":
-        from edgehaul.edge.model_scorer import ModelScorer  # type: ignore[import-not-found, unused-ignore]
-
-        scorer: Scorer = ModelScorer(policy.model_uri, store)
-        return scorer
-    raise ValueError(f"tiering policy {policy.version}: unknown scorer {policy.scorer!r}")
 
 
 def scorer_cache_version(scorer: Scorer, batch_key: str) -> str:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.platform.block_loading import load_block
-from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import compact_task, file_set_task
@@ -39,7 +39,8 @@ class CompactDatasetParams(BaseModel):
                                 "'s3-bucket/edgehaul-core-results'); empty: the worker's default (local) storage.")
 
 
-@flow(name="compact_dataset", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
+@flow(name="compact_dataset", task_runner=from_environment(),  # EDGEHAUL_TASK_RUNNER of the run's process
+       flow_run_name=run_namer("compact_dataset", CompactDatasetParams, lambda p: p.kind))
 def compact_dataset(params: CompactDatasetParams | None = None) -> dict[str, Any]:
     """Bin-pack the dataset's small files into target-size files in one commit."""
     p = params or CompactDatasetParams()

@@ -7,19 +7,22 @@ What it does, in order:
    skipped (logged, named); a bundle without its manifest waits (left in landing, reported) until
    `manifest_wait_s` old; a manifest over its contract's limits (ranged reads, never a whole download),
    malformed, or naming another node or bundle than the prefix holding it is quarantined. A broken
-   contract (YAML, a field, an unknown expectation) fails the run before anything moves;
+   contract (YAML, a field, an unknown expectation) fails the run before anything moves; a bundle an
+   earlier run quarantined is done (`already_quarantined`), or skipped as `landing_changed` when its
+   landing objects were rewritten since;
 2. validates each bundle (one task run per bundle: checksum, manifest row count and sample ids,
    schema, the contract's Great Expectations suite); the task runs running at once in a worker
    process share one GE run (`edgehaul.core.validation.validate_bundle_batched`), verdicts per bundle;
-3. moves each failing bundle to `quarantine/<node>/<bundle>/` with `validation.json` (reason, every
-   check, every sample id) and emits `edgehaul.bundle.quarantined`;
+3. copies each failing bundle to `quarantine/<node>/<bundle>/` with `validation.json` (reason, every
+   check, every sample id, the landing ETags) and emits `edgehaul.bundle.quarantined`; landing is
+   write-once, so nothing is deleted there (the janitor, lifecycle_moves, moves landing to cold);
 4. appends the valid bundles of each contract to its Delta table in ONE commit (lineage in the
    commit metadata); a bundle already committed is a no-op; a bundle another live run is committing
    is deferred (left in landing for the next run);
 5. emits `edgehaul.dataset.committed` (with the version) and one `edgehaul.bundle.receipt` per bundle
    in the dataset, and publishes the validation results as a table artifact of the run.
 
-Blocks: `ObjectStore` (`store_block`, the core ingest identity: reads landing, writes curated,
+Blocks: `ObjectStore` (`store_block`, the core ingest identity: reads landing, never writes it; writes curated,
 quarantine and ops); the S3Bucket `result_storage` block (deployments: `edgehaul-core-results`, saved by
 `edgehaul blocks apply`; this flow never saves a block). Cache policy: validation is cached on bundle
 SHA-256 + the landed object's ETag + contract SHA-256 (see tasks/core.py), as JSON records in
@@ -48,7 +51,7 @@ from edgehaul.core.ingest import LandedScan
 from edgehaul.core.validation import ValidationResult
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
-from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import (
@@ -104,7 +107,12 @@ def _artifact_rows(passed: list[ValidationResult], rejected: list[dict[str, Any]
     return rows
 
 
-@flow(name="core_ingest", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
+def _about(p: CoreIngestParams) -> str:
+    return f"{len(p.bundle_keys)} bundles" if p.bundle_keys else f"landing/{p.prefix or '*'}"
+
+
+@flow(name="core_ingest", task_runner=from_environment(),  # EDGEHAUL_TASK_RUNNER of the run's process
+       flow_run_name=run_namer("core_ingest", CoreIngestParams, _about))
 def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     """Validate landed bundles, quarantine failures, commit the rest as one dataset version per contract."""
     p = params or CoreIngestParams()
@@ -124,6 +132,8 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     scan = read_manifests_task(store, keys, p.manifest_wait_s) if keys else LandedScan()
     for key, why in scan.skipped.items():
         logger.warning("core_ingest: skipped %s: %s", key, why)
+    if scan.quarantined:  # landing is write-once: an earlier run's quarantined bundles are still there
+        logger.info("core_ingest: %d bundles already quarantined (left in landing)", len(scan.quarantined))
     if scan.waiting:
         logger.info("core_ingest: %d bundles waiting for their manifest (left in landing): %s", len(scan.waiting),
                     ", ".join(scan.waiting[:20]) + (" ..." if len(scan.waiting) > 20 else ""))
@@ -180,6 +190,7 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "valid": len(passed),
         "waiting": scan.waiting,
         "skipped": scan.skipped,
+        "already_quarantined": sorted(scan.quarantined),
         "quarantined": [{"bundle_id": q["bundle_id"], "reason": q["reason"], "prefix": q["quarantine_prefix"],
                          "samples": len(q["sample_ids"])} for q in quarantined],
         "errors": errors,

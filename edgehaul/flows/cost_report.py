@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field, field_validator
 from edgehaul.blocks import ObjectStore, PriceSheet
 from edgehaul.ops.costs import RequestMeter, UsageRecord, markdown_summary, record_usage
 from edgehaul.platform.block_loading import load_block
-from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
 from edgehaul.tasks.costs import build_report_task, write_outputs_task
 
@@ -44,7 +44,8 @@ class CostReportParams(BaseModel):
         return v
 
 
-@flow(name="cost_report")
+@flow(name="cost_report",
+       flow_run_name=run_namer("cost_report", CostReportParams, lambda p: p.month or "last month"))
 def cost_report(params: CostReportParams = CostReportParams()) -> dict[str, Any]:
     """Meter and price a month; publish table + markdown artifacts, a Parquet report and a chart."""
     logger = get_run_logger()
@@ -55,12 +56,13 @@ def cost_report(params: CostReportParams = CostReportParams()) -> dict[str, Any]
     with RequestMeter.process() as meter:
         report = build_report_task(store, prices, month, now)
         out = write_outputs_task(store, report)
+    inline = out.pop("chart_inline")  # the artifact shows the chart itself; the run's result stays small
     # this run's own requests go to the metering log (they show in the report of `now`'s month)
     record_usage(store, UsageRecord(at=now, meter="requests", quantity=meter.count, source="cost_report"))
     key = f"cost-report-{month}"
     summary_table(key, [{**line, "cost": round(line["cost"], 6)} for line in report.lines],
                   f"Priced meters for {month} ({report.currency})")
-    create_markdown_artifact(markdown_summary(report, out["chart"], out["chart_url"], out["report"]),
+    create_markdown_artifact(markdown_summary(report, out["chart"], out["chart_url"], out["report"], inline),
                              key=f"{key}-summary", description=f"Cost summary {month}")
     totals = report.totals()
     logger.info("cost report %s: %d lines, total %.4f %s", month, len(report.lines), totals.get("cost", 0.0),

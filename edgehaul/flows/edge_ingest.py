@@ -35,14 +35,15 @@ from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import contract_by_id
 from edgehaul.edge.landsat import generate
 from edgehaul.edge.preprocess import batch_key
+from edgehaul.edge.scoring import ContextualScorer
 from edgehaul.edge.spool import Spool
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.caching import edge_result_storage
-from edgehaul.platform.reporting import Progress, summary_table
+from edgehaul.platform.reporting import Progress, run_namer, summary_table
 from edgehaul.platform.roles import EXAMPLE_NODE
 from edgehaul.platform.runners import from_environment
-from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, merge_reports, scorer_key
+from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, make_scorer, merge_reports, scorer_key
 
 
 class EdgeIngestParams(BaseModel):
@@ -108,7 +109,13 @@ def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore 
     return node, policy, store
 
 
-@flow(name="edge_ingest", task_runner=from_environment())  # EDGEHAUL_TASK_RUNNER of the run's process
+def _about(p: EdgeIngestParams) -> str:
+    node = p.node_id or p.edge_node
+    return f"{node}, {p.n_samples} samples" if p.source == "generate" else f"{node}, {p.source_path}"
+
+
+@flow(name="edge_ingest", task_runner=from_environment(),  # EDGEHAUL_TASK_RUNNER of the run's process
+       flow_run_name=run_namer("edge_ingest", EdgeIngestParams, _about))
 def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     """Preprocess, score, tier and bundle raw observations into the node's durable spool."""
     p = params or EdgeIngestParams()
@@ -121,7 +128,8 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     batch_task = ingest_batch.with_options(**opts)
     expected = max(1, -(-p.n_samples // p.batch_size)) if p.source == "generate" else 0
     # A model scorer's version (its model id) is fixed for the run: resolve it once, not per batch.
-    fixed_version = scorer_key(policy, node, "", store, contract) if policy.scorer != "novelty" else None
+    first = make_scorer(policy, node, contract, store)
+    fixed_version = None if isinstance(first, ContextualScorer) else first.version
     done: list[EdgeBatch] = []
     files = _source_files(p)
     # the progress artifact moves every 10%: an API call each, not one per batch on long runs

@@ -31,6 +31,7 @@ from edgehaul.blocks import ObjectStore, RetentionPolicy
 from edgehaul.ops import store_probe
 from edgehaul.ops.costs import RequestMeter, UsageRecord, record_usage
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
 from edgehaul.tasks.lifecycle import apply_config_task, pending_task, plan_task, prune_journal_task, run_batch_task
 
@@ -56,7 +57,8 @@ class LifecycleParams(BaseModel):
         return v
 
 
-@flow(name="lifecycle_moves", log_prints=False)
+@flow(name="lifecycle_moves", log_prints=False,
+       flow_run_name=run_namer("lifecycle_moves", LifecycleParams, lambda p: "dry run" if p.dry_run else ""))
 def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, Any]:
     """Move, restore and expire objects by the retention policy; safe to interrupt and rerun."""
     logger = get_run_logger()

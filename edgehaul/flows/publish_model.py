@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from edgehaul.blocks import ObjectStore
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.tasks.train import publish
 from edgehaul.training import registry
@@ -39,7 +40,8 @@ class QualityGateFailed(RuntimeError):
     """The model's validation accuracy is below the publish gate."""
 
 
-@flow(name="publish_model", log_prints=True)
+@flow(name="publish_model", log_prints=True,
+       flow_run_name=run_namer("publish_model", PublishModelParams, lambda p: f"{p.model_name} {p.model_id}"))
 def publish_model(params: PublishModelParams) -> dict[str, Any]:
     """Publish a registered model to the edge; see the module docstring."""
     store = load_block(ObjectStore, params.store_block, param="store_block")

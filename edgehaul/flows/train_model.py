@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore, TeamQuota
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_TEAM, StoreBlock
 from edgehaul.tasks.train import check_team_quota, plan_training, publish, report_training, train_run
 from edgehaul.training.model import estimate_storage_bytes
@@ -69,7 +70,11 @@ def current_work_pool() -> str | None:
         return client.read_flow_run(UUID(run_id)).work_pool_name
 
 
-@flow(name="train_model", log_prints=True)
+def _about(p: TrainModelParams) -> str:
+    return f"{p.model_name} on {p.dataset_kind}@{'latest' if p.dataset_version is None else p.dataset_version}"
+
+
+@flow(name="train_model", log_prints=True, flow_run_name=run_namer("train_model", TrainModelParams, _about))
 def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
     """Train the land-cover model on the central GPU pool; see the module docstring."""
     p = params or TrainModelParams()

@@ -44,6 +44,7 @@ from pydantic import BaseModel, Field
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_POLICY, EXAMPLE_NODE, node_store
 from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, probe_contact, publish_link_stats
 from edgehaul.uplink.pass_plan import load_passes
@@ -67,7 +68,8 @@ class UplinkDrainParams(BaseModel):
                                             "node's backup link (urgent bundles only, within its budget); None: none.")
 
 
-@flow(name="uplink_drain")
+@flow(name="uplink_drain",
+       flow_run_name=run_namer("uplink_drain", UplinkDrainParams, lambda p: p.edge_node))
 def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
     """Drain one node's spool into the landing zone and publish link metrics."""
     p = params or UplinkDrainParams()

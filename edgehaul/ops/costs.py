@@ -25,6 +25,7 @@ the chart can show bytes per tier over time), a markdown summary and a PNG chart
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import uuid
@@ -419,7 +420,9 @@ def chart_png(history: pa.Table, report: CostReport) -> bytes:
     return buf.getvalue()
 
 
-def markdown_summary(report: CostReport, chart_uri: str, chart_url: str, report_uri: str) -> str:
+def markdown_summary(report: CostReport, chart_uri: str, chart_url: str, report_uri: str, chart_inline: str = "") -> str:
+    """The summary in markdown; the chart is shown from `chart_inline` (a data: URI, which the UI renders
+    without reaching the store) when given, else from `chart_url`, and linked either way."""
     t = report.totals()
     cur = report.currency
     lines = [
@@ -438,15 +441,16 @@ def markdown_summary(report: CostReport, chart_uri: str, chart_url: str, report_
         "",
         "Cost per team: " + ", ".join(f"{k} {v:.4f}" for k, v in report.cost_by_team().items()),
         "",
-        f"![bytes per tier and cost per team]({chart_url})",
+        f"![bytes per tier and cost per team]({chart_inline or chart_url})",
         "",
-        f"Chart: `{chart_uri}`; report: `{report_uri}`",
+        f"Chart: [`{chart_uri}`]({chart_url}); report: `{report_uri}`",
     ]
     return "\n".join(lines)
 
 
 def write_outputs(store: ObjectStore, report: CostReport, s3: S3Client | None = None) -> dict[str, str]:
-    """Snapshot, Parquet report and chart into the ops bucket; returns their s3:// URIs and the chart URL."""
+    """Snapshot, Parquet report and chart into the ops bucket; returns their s3:// URIs, the chart's URL
+    (presigned for 7 days: the bucket is private) and the chart itself as a data: URI (`chart_inline`)."""
     s3 = s3 or store.client()
     ops = store.bucket("ops")
     snap_key = store.key("ops", f"{SNAPSHOTS}{report.taken_at:%Y%m%dT%H%M%S}.parquet")
@@ -460,7 +464,8 @@ def write_outputs(store: ObjectStore, report: CostReport, s3: S3Client | None = 
     history = storage_history(s3, store)
     assert history is not None  # the snapshot was just written
     chart_key = store.key("ops", f"{REPORTS}{report.month}/chart.png")
-    s3.put_object(Bucket=ops, Key=chart_key, Body=chart_png(history, report), ContentType="image/png")
-    url = f"{store.endpoint_url or 'https://s3.amazonaws.com'}/{ops}/{chart_key}"
+    png = chart_png(history, report)
+    s3.put_object(Bucket=ops, Key=chart_key, Body=png, ContentType="image/png")
+    url = s3.generate_presigned_url("get_object", Params={"Bucket": ops, "Key": chart_key}, ExpiresIn=7 * 86400)
     return {"report": f"s3://{ops}/{rep_key}", "chart": f"s3://{ops}/{chart_key}", "chart_url": url,
-            "snapshot": f"s3://{ops}/{snap_key}"}
+            "snapshot": f"s3://{ops}/{snap_key}", "chart_inline": "data:image/png;base64," + base64.b64encode(png).decode()}

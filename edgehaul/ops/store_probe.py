@@ -203,6 +203,45 @@ def probe(store: ObjectStore, *, classes: bool = True, lifecycle: bool = True,
     return [Check(f, *out[f], *FEATURES[f]) for f in FEATURES if f in out]
 
 
+# feature -> (how the product uses it, what it does without it); tried with a node's own identity
+LANDING_FEATURES: dict[str, tuple[str, str]] = {
+    "landing-no-overwrite": ("write-once landing: a node cannot replace its landed bundle (a PUT without "
+                             "If-None-Match is refused)",
+                             "core ingest commits only the bytes it validated; a rewrite is reported as "
+                             "landing_changed, never committed twice (docs/SECURITY.md)"),
+    "landing-no-delete": ("write-once landing: a node cannot delete its landed bundle",
+                          "a bundle deleted before core ingest is gone with its own node's samples; deleted "
+                          "between validation and commit: landing_vanished, not committed"),
+}
+
+
+def probe_landing(node_store: ObjectStore, node: str, *, s3: S3Client | None = None) -> list[Check]:
+    """Try write-once landing with a node's own identity: create `<node>/_probe/<uuid>.probe` create-only
+    (not a bundle: discovery takes only `.parquet` keys), then a plain PUT over it and a DELETE. Where the
+    store refuses the delete the probe object stays (that is the finding); the janitor's moves take it."""
+    s3 = s3 or node_store.client(retries={"total_max_attempts": 1, "mode": "standard"})
+    bucket, key = node_store.bucket("landing"), node_store.key("landing", f"{node}/_probe/{uuid.uuid4().hex[:12]}.probe")
+    out: dict[str, tuple[bool | None, str]] = {}
+    try:
+        s3.put_object(Bucket=bucket, Key=key, Body=b"edgehaul landing probe\n", IfNoneMatch="*")
+    except ClientError as e:
+        why = f"cannot create {key}: {s3compat.status(e)} {s3compat.code(e)}"
+        out = {f: (None, why) for f in LANDING_FEATURES}
+    else:
+        out["landing-no-overwrite"] = _fails(lambda: s3.put_object(Bucket=bucket, Key=key, Body=b"rewritten\n"),
+                                             "AccessDenied")
+        out["landing-no-delete"] = _fails(lambda: s3.delete_object(Bucket=bucket, Key=key), "AccessDenied")
+    return [Check(f, *out[f], *LANDING_FEATURES[f]) for f in LANDING_FEATURES]
+
+
+def landing_verdict(checks: list[Check]) -> str:
+    """One line: "landing write-once: enforced", or what is not (and that the core covers it)."""
+    missing = [c.feature.removeprefix("landing-") for c in checks if c.feature in LANDING_FEATURES and not c.present]
+    if not missing:
+        return "landing write-once: enforced"
+    return f"landing write-once: not enforced ({', '.join(missing)}); the core detects changes (docs/SECURITY.md)"
+
+
 def _probe_lifecycle(s3: S3Client, bucket: str, base: str) -> dict[str, tuple[bool | None, str]]:
     """Put a probe rule beside the bucket's own rules, read it back, then put the bucket's rules back."""
     out: dict[str, tuple[bool | None, str]] = {}
@@ -322,11 +361,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-record", action="store_true", help="Print only; do not write the record flows read.")
     ap.add_argument("--no-lifecycle", action="store_true", help="Leave the ops bucket's lifecycle rules untouched.")
     ap.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    ap.add_argument("--landing", metavar="NODE", help="Only try write-once landing, as node NODE (the block or the "
+                    "AWS_* keys must be that node's); prints, records nothing (a node cannot write ops).")
     a = ap.parse_args(argv)
     from edgehaul.blocks.object_store import ObjectStore
     from edgehaul.platform.block_loading import load_block
 
     store = ObjectStore.from_env(endpoint_url=a.endpoint) if a.endpoint else load_block(ObjectStore, a.block, param="block")
+    if a.landing:
+        checks = probe_landing(store, a.landing)
+        print(json.dumps([asdict(c) for c in checks], indent=1) if a.json else table(checks))
+        print(landing_verdict(checks))
+        return 0
     checks = probe(store, lifecycle=not a.no_lifecycle)
     print(json.dumps([asdict(c) for c in checks], indent=1) if a.json else table(checks))
     if not a.no_record:

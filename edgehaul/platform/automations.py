@@ -5,6 +5,11 @@
     level 3  checkpoint write failure                               (edgehaul.checkpoint.failed)
     level 2  a run of any pipeline stage failed or crashed          (prefect.flow-run.Failed / Crashed)
     level 3  ... and an automatic retry of the train_model run that failed on it (prefect.flow-run.Failed)
+    level 2  an edge node silent longer than its contact plan allows       (edgehaul.node.silent)
+    level 2  the published model older than the policy bound behind newer data (edgehaul.model.stale)
+
+The last two are decided by the fleet_report flow (edgehaul.ops.fleet), which emits the event with
+the bound it applied; the automation turns each into a notification.
 
 Triggers can only match resource labels (globs), so the compared numbers travel as permille labels
 that `edgehaul.events.emit` derives from the payload; `at_least_globs` turns a threshold into the
@@ -26,6 +31,7 @@ from uuid import UUID
 from pydantic import BaseModel, Field, model_validator
 
 from edgehaul import events
+from edgehaul.platform.reporting import CHECK_PREFIX
 from edgehaul.platform.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -37,9 +43,11 @@ L2_NAME = "edgehaul L2: edge spool above watermark"
 L3_NAME = "edgehaul L3: checkpoint write failed"
 L3_RETRY_NAME = "edgehaul L3: retry training after checkpoint failure"
 RUN_FAILED_NAME = "edgehaul L2: pipeline run failed or crashed"
+NODE_SILENT_NAME = "edgehaul L2: edge node silent beyond its contact plan"
+MODEL_STALE_NAME = "edgehaul L2: published model stale"
 # Every stage's flow: a failed or crashed run of any of them is an alert, not only the guide's three.
 PIPELINE_FLOWS = ("edge_ingest", "uplink_drain", "core_ingest", "compact_dataset", "train_model", "publish_model",
-                  "lifecycle_moves", "cost_report")
+                  "lifecycle_moves", "cost_report", "fleet_report")
 
 
 class AlertPolicy(BaseModel):
@@ -154,6 +162,7 @@ def alert_automations(policy: AlertPolicy, notify_block_id: UUID) -> list[Any]:
         tags=TAGS,
         trigger=EventTrigger(
             expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            match={"prefect.resource.name": f"!{CHECK_PREFIX}*"},  # a check's deliberate failure pages no one
             match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(PIPELINE_FLOWS)},
             posture=Posture.Reactive,
             threshold=1,
@@ -162,7 +171,28 @@ def alert_automations(policy: AlertPolicy, notify_block_id: UUID) -> list[Any]:
                          '"run": "{{ flow_run.name }}", "flow": "{{ flow.name }}", "state": "{{ flow_run.state.name }}", '
                          '"message": {{ (flow_run.state.message or "")[:300] | tojson }}')],
     )
-    out = [l1, l2, l3, failed]
+    silent = AutomationCore(
+        name=NODE_SILENT_NAME,
+        description="Level 2: fleet_report found a node quiet longer than its pass schedule (or the default bound) "
+                    "allows.",
+        tags=TAGS,
+        trigger=EventTrigger(expect={events.NODE_SILENT}, for_each={"prefect.resource.id"}, posture=Posture.Reactive,
+                             threshold=1),
+        actions=[_notify(notify_block_id, 2, "node-silent",
+                         '"node": "{{ event.payload.node_id }}", "last_seen": {{ event.payload.last_seen | tojson }}, '
+                         '"allowed_s": {{ event.payload.allowed_s }}, "reason": {{ event.payload.reason | tojson }}')],
+    )
+    stale = AutomationCore(
+        name=MODEL_STALE_NAME,
+        description="Level 2: the published model trails its dataset's latest version beyond the policy bound.",
+        tags=TAGS,
+        trigger=EventTrigger(expect={events.MODEL_STALE}, posture=Posture.Reactive, threshold=1),
+        actions=[_notify(notify_block_id, 2, "model-stale",
+                         '"model": "{{ event.payload.model_id }}", "trained_version": {{ event.payload.trained_version }}, '
+                         '"latest_version": {{ event.payload.latest_version }}, "age_s": {{ event.payload.age_s }}, '
+                         '"max_age_s": {{ event.payload.max_age_s }}')],
+    )
+    out = [l1, l2, l3, failed, silent, stale]
     if policy.checkpoint_retry:
         # The trainer already retries each write in-process and emits CHECKPOINT_FAILED per attempt, so
         # re-running on that event would start a second trainer beside a live one. The automatic retry

@@ -35,6 +35,15 @@ A batch leaves the queue only once Prefect has the event; one that failed is re-
 event id (Prefect's triggers skip an event id they have seen, and core_ingest commits a bundle once).
 `contact-window-opened` is emitted at once (one per node contact, nothing to coalesce).
 
+`node-events` is an edge node's outbox, forwarded (edgehaul.uplink.forwarder): a batch of the node's
+own events (`events.NODE_FORWARDED`), each with its outbox `seq`. Each is re-emitted as itself,
+attributed to `edgehaul.node.<id>` (the resource id the alert automations group by), with `occurred`
+= when it happened on the node, its payload (alerts keep `level`), `age_s` and, past
+`stale_after_s`, the label `edgehaul.stale: true`. Exactly once per (node, seq): the highest seq
+Prefect has is kept per node in the gateway's SQLite file and advanced after each event, and the
+event id is derived from (node, seq); a replayed webhook-id is answered 202 after re-sending only
+what Prefect does not have yet (nothing, unless an earlier attempt died midway).
+
 `POST /alerts` (bearer token derived from the gateway's own secret, `alert_token`; the secret is the 0600 file
 `gateway-secret` in the state dir or EDGEHAUL_GATEWAY_SECRET, never a Prefect block) is the local
 receiver of the alert automations' webhook notifications: it appends them to `alerts.jsonl`.
@@ -58,6 +67,7 @@ import binascii
 import contextlib
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -66,11 +76,12 @@ import sqlite3
 import stat
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
@@ -158,12 +169,43 @@ class BundleUploaded(_NodeHook):
         return self
 
 
+class NodeEvent(_Strict):
+    """One event of a node's outbox."""
+
+    seq: int = Field(ge=1)
+    event: str = Field(pattern=r"^edgehaul\.[a-z0-9._-]{1,100}$")
+    occurred: AwareDatetime
+    priority: int = Field(ge=0, le=99)
+    payload: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _forwardable(self) -> NodeEvent:
+        if self.event not in events.NODE_FORWARDED:
+            raise ValueError(f"event {self.event!r} may not be forwarded by a node "
+                             f"(allowed: {', '.join(sorted(events.NODE_FORWARDED))})")
+        return self
+
+
+class NodeEvents(_NodeHook):
+    """A batch of an edge node's outbox, in seq order."""
+
+    events: list[NodeEvent] = Field(min_length=1, max_length=500)
+
+    @model_validator(mode="after")
+    def _in_order(self) -> NodeEvents:
+        seqs = [e.seq for e in self.events]
+        if any(b <= a for a, b in itertools.pairwise(seqs)):
+            raise ValueError("events must be in strictly increasing seq order")
+        return self
+
+
 @dataclass(frozen=True)
 class HookKind:
     schema: type[_NodeHook]
     event: str
     resource: Callable[[Any], dict[str, str]]
     coalesced: bool = False  # queued and sent as part of an edgehaul.landing.batch event
+    fan_out: bool = False  # a batch of the node's own events, each re-emitted once per (node, seq)
 
 
 HOOKS: dict[str, HookKind] = {
@@ -181,6 +223,12 @@ HOOKS: dict[str, HookKind] = {
         events.LANDING_BATCH,
         lambda m: {"prefect.resource.id": f"edgehaul.bundle.{m.bundle_id}", "edgehaul.node.id": m.node_id},
         coalesced=True,
+    ),
+    "node-events": HookKind(
+        NodeEvents,
+        "(each event's own name)",
+        lambda m: {"prefect.resource.id": f"edgehaul.node.{m.node_id}", "edgehaul.node.id": m.node_id},
+        fan_out=True,
     ),
 }
 
@@ -348,6 +396,7 @@ class GatewayState:
                                                msg_id TEXT NOT NULL, object_key TEXT NOT NULL, node_id TEXT NOT NULL,
                                                bundle_id TEXT NOT NULL, accepted REAL NOT NULL, batch TEXT);
             CREATE INDEX IF NOT EXISTS landed_batch ON landed (batch, seq);
+            CREATE TABLE IF NOT EXISTS node_seq (node_id TEXT PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID;
             """
         )
 
@@ -383,6 +432,15 @@ class GatewayState:
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
+
+    def node_seq(self, node_id: str) -> int:
+        """The highest outbox seq of `node_id` that Prefect has (0: none yet)."""
+        row = self._db.execute("SELECT seq FROM node_seq WHERE node_id = ?", (node_id,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def advance_node_seq(self, node_id: str, seq: int) -> None:
+        self._db.execute("INSERT INTO node_seq VALUES (?, ?) ON CONFLICT(node_id) DO UPDATE SET seq = "
+                         "max(seq, excluded.seq)", (node_id, seq))
 
     def release(self, sender: str, msg_id: str) -> None:
         self._db.execute("DELETE FROM seen WHERE sender = ? AND msg_id = ?", (sender, msg_id))
@@ -420,7 +478,11 @@ class GatewayState:
 # ---- emitting ------------------------------------------------------------------------------------
 
 
-Emitter = Callable[[str, dict[str, str], dict[str, Any], uuid.UUID], Awaitable[None]]
+class Emitter(Protocol):
+    """Hands one event to Prefect; `occurred` defaults to now."""
+
+    async def __call__(self, name: str, resource: dict[str, str], payload: dict[str, Any], event_id: uuid.UUID,
+                       occurred: datetime | None = None) -> None: ...
 
 
 class PrefectEmitter:
@@ -438,10 +500,12 @@ class PrefectEmitter:
         await client.__aenter__()
         return client
 
-    async def __call__(self, name: str, resource: dict[str, str], payload: dict[str, Any], event_id: uuid.UUID) -> None:
+    async def __call__(self, name: str, resource: dict[str, str], payload: dict[str, Any], event_id: uuid.UUID,
+                       occurred: datetime | None = None) -> None:
         from prefect.events import Event
 
-        ev = Event(event=name, resource=resource, payload=payload, id=event_id)  # type: ignore[arg-type]
+        when = {"occurred": occurred} if occurred is not None else {}
+        ev = Event(event=name, resource=resource, payload=payload, id=event_id, **when)  # type: ignore[arg-type]
         async with self._lock:
             for attempt in range(2):
                 try:
@@ -475,6 +539,7 @@ class GatewayConfig:
     batch_max: int = 200
     alert_log: str | None = None
     stats: dict[str, int] = field(default_factory=dict)
+    stale_after_s: float = 600.0  # a forwarded node event older than this is labelled stale
 
 
 def alert_token(secret: str) -> str:
@@ -553,8 +618,10 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
     emit = emitter or PrefectEmitter()
     state = GatewayState(config.state_dir / "gateway.sqlite", config.replay_capacity)
     stats = config.stats
-    stats.update({k: stats.get(k, 0) for k in ("accepted", "rejected", "queued", "batches", "batch_errors")})
+    stats.update({k: stats.get(k, 0) for k in ("accepted", "rejected", "queued", "batches", "batch_errors",
+                                                "node_events", "node_events_skipped")})
     wake = asyncio.Event()
+    node_locks: dict[str, asyncio.Lock] = {}
 
     async def verify(request: Request, sender_id: str, kind_name: str) -> tuple[Sender, HookKind, str, int, bytes]:
         kind = HOOKS.get(kind_name)
@@ -607,7 +674,7 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
             if kind.coalesced and isinstance(model, BundleUploaded):
                 landed = Pending(model.object_key, node_id, model.bundle_id, sender.id)
             verdict = state.reserve(sender.id, msg_id, expires, landed)
-            if verdict == "replayed":
+            if verdict == "replayed" and not kind.fan_out:  # node events: deduplicated by (node, seq) below
                 raise _Reject(409, f"replayed request: webhook-id {msg_id[:64]!r} was already accepted")
             if verdict == "full":
                 raise _Reject(429, "replay store full; retry later")
@@ -626,6 +693,9 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
             wake.set()
             return JSONResponse({"event": kind.event, "queued": True, "webhook_id": msg_id}, status_code=202)
 
+        if kind.fan_out and isinstance(model, NodeEvents):
+            return await forward_node_events(sender, msg_id, model, replayed=verdict == "replayed")
+
         # Same sender and id -> same event id, so even a replay that outlived the store dedups.
         event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"edgehaul-gateway:{sender.id}:{msg_id}")
         payload = {**model.model_dump(mode="json"), "source": "gateway", "hook": kind_name, "sender": sender.id}
@@ -639,6 +709,46 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
         stats["accepted"] += 1
         log.info("accepted %s/%s -> %s %s", sender.id, kind_name, kind.event, event_id)
         return JSONResponse({"event": kind.event, "event_id": str(event_id)}, status_code=202)
+
+    async def forward_node_events(sender: Sender, msg_id: str, model: NodeEvents, *, replayed: bool) -> JSONResponse:
+        """Re-emit a node's outbox batch in seq order, each seq once; the high-water mark advances
+        after each event Prefect acknowledged, so a batch cut off midway resumes where it stopped."""
+        node = model.node_id
+        async with node_locks.setdefault(node, asyncio.Lock()):  # two batches of one node: one at a time
+            return await _forward_locked(sender, msg_id, model, replayed=replayed)
+
+    async def _forward_locked(sender: Sender, msg_id: str, model: NodeEvents, *, replayed: bool) -> JSONResponse:
+        node = model.node_id
+        have = state.node_seq(node)
+        emitted = skipped = 0
+        now = time.time()
+        for ev in model.events:
+            if ev.seq <= have:
+                skipped += 1
+                continue
+            age = max(0.0, now - ev.occurred.timestamp())
+            stale = age > config.stale_after_s
+            resource = {"prefect.resource.id": f"edgehaul.node.{node}", "edgehaul.node.id": node,
+                        "edgehaul.node": node, "edgehaul.sender.id": sender.id, "edgehaul.forwarded": "true",
+                        "edgehaul.stale": "true" if stale else "false", **events.alert_labels(ev.payload)}
+            payload = {**ev.payload, "seq": ev.seq, "age_s": round(age, 3), "stale": stale, "sender": sender.id}
+            event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"edgehaul-node-event:{node}:{ev.seq}")
+            try:
+                await emit(ev.event, resource, payload, event_id, ev.occurred)
+            except Exception as e:
+                if not replayed:
+                    state.release(sender.id, msg_id)  # the node retries; done seqs are skipped then
+                stats["node_events"] += emitted
+                log.warning("node %s: %d events emitted, stopped at seq %d: %s", node, emitted, ev.seq, e)
+                return _Reject(503, f"event seq {ev.seq} could not be delivered to Prefect; retry").response()
+            state.advance_node_seq(node, ev.seq)
+            emitted += 1
+        stats["accepted"] += 1
+        stats["node_events"] += emitted
+        stats["node_events_skipped"] += skipped
+        log.info("node %s: %d events emitted, %d already had (seq <= %d)", node, emitted, skipped, have)
+        return JSONResponse({"node_id": node, "emitted": emitted, "skipped": skipped,
+                             "seq": state.node_seq(node)}, status_code=202)
 
     async def flush(force: bool = False) -> int:
         """Send due batches; the number sent. A batch is due at batch_max keys or when its oldest

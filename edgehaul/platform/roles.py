@@ -55,4 +55,5 @@ FLOW_STORES: dict[str, FlowStore] = {
     "publish_model": FlowStore("store_block", StoreBlock.TRAINER),
     "lifecycle_moves": FlowStore("store_block", StoreBlock.LIFECYCLE),
     "cost_report": FlowStore("store_block", StoreBlock.LIFECYCLE),  # reads every bucket, writes ops: no admin needed
+    "fleet_report": FlowStore("store_block", StoreBlock.LIFECYCLE),  # reads curated/checkpoints/models, writes ops
 }

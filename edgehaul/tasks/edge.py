@@ -22,7 +22,7 @@ default `edgehaul.platform.caching.edge_result_storage`: `<spool>/prefect-result
 from __future__ import annotations
 
 import json
-import threading
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,13 +36,14 @@ from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.edge.batch import ingest_batch as run_batch
 from edgehaul.edge.preprocess import CODE_VERSION
-from edgehaul.edge.scoring import NoveltyScorer, NoveltyState, Scorer, get_scorer, scorer_cache_version
+from edgehaul.edge.scorer_registry import ScorerContext, build_scorer, scorer_state_dir
+from edgehaul.edge.scoring import ContextualScorer, NoveltyScorer, Scorer, scorer_cache_version
 from edgehaul.edge.spool import Spool, SpoolError
 from edgehaul.edge.tiering import TierReport
 from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
 
 BATCH_CACHE_VERSION = "edge-batch-1"  # bump to invalidate every cached edge batch result
-NOVELTY_STATE = Path("scorer") / "novelty-state.json"
+LEGACY_NOVELTY_STATE = Path("scorer") / "novelty-state.json"  # before scorer state was kept per kind
 RECEIPT_SUFFIX = ".receipt.json"
 
 
@@ -59,8 +60,16 @@ def open_spool(node: EdgeNode) -> Spool:
     return Spool.from_block(node)
 
 
-def novelty_state_path(node: EdgeNode) -> Path:
-    return Path(node.spool_dir) / NOVELTY_STATE
+def make_scorer(policy: TieringPolicy, node: EdgeNode, contract: Contract, store: ObjectStore | None = None) -> Scorer:
+    """The policy's scorer for this node and kind, its state in the node's folder for that kind."""
+    state_dir = scorer_state_dir(node.spool_dir, policy.scorer, contract)
+    legacy = Path(node.spool_dir) / LEGACY_NOVELTY_STATE
+    if policy.scorer == "novelty" and contract.id == "landsat_patch.v1" and legacy.exists():
+        # one state per node was only ever Landsat's: it becomes that kind's state (once, atomically)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        os.replace(legacy, state_dir / NoveltyScorer.STATE_FILE)
+    return build_scorer(policy.scorer, ScorerContext(contract=contract, policy=policy, store=store,
+                                                     state_dir=state_dir, node_dir=Path(node.spool_dir)))
 
 
 @dataclass(frozen=True)
@@ -94,33 +103,11 @@ def _batch_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
                            params["policy"], params["node"].node_id)
 
 
-_scorers: dict[tuple[str, str], Scorer] = {}
-_scorers_lock = threading.Lock()
-
-
-def model_scorer(policy: TieringPolicy, store: ObjectStore | None, contract: Contract | None = None) -> Scorer:
-    """The policy's (non-novelty) scorer, loaded once per process and model: a task per batch must
-    not download the model again. 'latest' is re-resolved on every call (a new model re-scores)."""
-    from edgehaul.training.registry import resolve_model_uri
-
-    store = store or ObjectStore.from_env()
-    store_id = store.model_dump_json()
-    uri = resolve_model_uri(store, policy.model_uri)
-    with _scorers_lock:
-        s = _scorers.get((uri, store_id))
-        if s is None:
-            s = _scorers[(uri, store_id)] = get_scorer(policy.model_copy(update={"model_uri": uri}), store,
-                                                       contract=contract)
-        return s
-
-
 def scorer_key(policy: TieringPolicy, node: EdgeNode, ctx_key: str, store: ObjectStore | None = None,
                contract: Contract | None = None) -> str:
     """What a batch's scores depend on besides the batch (part of the batch cache key)."""
-    if policy.scorer == "novelty":
-        state = NoveltyState.load(novelty_state_path(node))
-        return scorer_cache_version(NoveltyScorer(contract or contract_by_id("landsat_patch.v1"), state), ctx_key)
-    return model_scorer(policy, store, contract).version
+    return scorer_cache_version(make_scorer(policy, node, contract or contract_by_id("landsat_patch.v1"), store),
+                                ctx_key)
 
 
 @task(
@@ -135,18 +122,13 @@ def ingest_batch(
     `batch_key(raw)`; `scorer_version`: the caller's `scorer_key(...)`."""
     contract = contract_by_id(contract_id)
     ctx = context_key(raw_key, contract, node.node_id)
-    state_path = novelty_state_path(node)
-    scorer: Scorer | NoveltyScorer
-    if policy.scorer == "novelty":
-        scorer = NoveltyScorer(contract, NoveltyState.load(state_path))
-    else:
-        scorer = model_scorer(policy, store, contract)
+    scorer = make_scorer(policy, node, contract, store)
     spool = open_spool(node)
     try:
         res = run_batch(raw, contract, policy, spool, scorer, key=raw_key, hashes=hashes, context_key=ctx,
                         node_id=node.node_id, scorer_version=scorer_version, team=node.team)
-        if isinstance(scorer, NoveltyScorer):
-            scorer.state.save(state_path)
+        if isinstance(scorer, ContextualScorer):
+            scorer.save()
         key = batch_cache_key(raw_key, contract, scorer_version, policy, node.node_id)
         receipt = spool.write_staging(f"{key}{RECEIPT_SUFFIX}", json.dumps(
             {"raw_key": raw_key, "bundles": [b["bundle_id"] for b in res.bundles]}).encode())

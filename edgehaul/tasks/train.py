@@ -14,7 +14,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from edgehaul.blocks import ObjectStore, TeamQuota
-from edgehaul.platform.reporting import summary_table
+from edgehaul.platform.reporting import Progress, summary_table
 from edgehaul.platform.s3_errors import IO_RETRY
 from edgehaul.training import registry
 from edgehaul.training.catch_up import TrainingPlan, plan_version
@@ -47,7 +47,10 @@ def check_team_quota(store: ObjectStore, quota: TeamQuota, accelerators: int, ho
 
 @task(**IO_RETRY, cache_policy=NO_CACHE)
 def train_run(cfg: TrainConfig, store: ObjectStore, nproc_per_node: int) -> dict[str, Any]:
-    return asdict(run(cfg, store, nproc_per_node))
+    """The training, with a progress artifact `train-<model>-progress` (epochs done, loss, last checkpoint)."""
+    with Progress(f"train-{cfg.model_name}-progress", total=100,
+                  description=f"run {cfg.run_id}: {cfg.epochs} epochs on {cfg.dataset_uri} v{cfg.dataset_version}") as bar:
+        return asdict(run(cfg, store, nproc_per_node, lambda pct, what: bar.show(pct, f"run {cfg.run_id}: {what}")))
 
 
 @task(**IO_RETRY, cache_policy=NO_CACHE)

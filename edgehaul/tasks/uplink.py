@@ -159,6 +159,7 @@ def drain_spool(
         metrics = rep.metrics(link.cap_bytes_per_s)
         metrics["queue_lengths"] = {t: n for t, n in metrics["queue_lengths"].items()}
         metrics["retry_queue"] = len(queue)
+        metrics["spool_used_fraction"] = round(spool.usage().fraction, 4)  # the fleet view's spool figure
         metrics["link"] = rep.link
         metrics["landed_keys"] = [r.key for r in rep.landed]
         metrics["failed"] = rep.failed
@@ -210,15 +211,17 @@ def publish_link_stats(node_id: str, metrics: dict[str, Any]) -> bool:
         "queue_lengths": metrics.get("queue_lengths", {}),
         "retry_queue": metrics.get("retry_queue", 0),
         "bundles_landed": metrics.get("bundles_landed", 0),
+        "capture_to_landed_p50_s": metrics.get("capture_to_landed_p50_s", {}),
         "capture_to_landed_p99_s": metrics.get("capture_to_landed_p99_s", {}),
+        "spool_used_fraction": metrics.get("spool_used_fraction"),
     }
     ok = events.emit(events.LINK_STATS, f"edgehaul.link.{node_id}", payload, **{"edgehaul.node": node_id})
-    rows = [{"metric": k, "value": str(v)} for k, v in payload.items()]
+    rows = [{"metric": k, "value": v if isinstance(v, int | float) else str(v)} for k, v in payload.items()]
     # Planned vs sent of the pass, and what the following passes are planned to carry.
     for i, pp in enumerate([metrics.get("pass_plan"), *metrics.get("later_passes", [])]):
         if pp:
             what = "pass" if i == 0 else f"pass +{i} (planned)"
-            rows += [{"metric": f"{what} {k}", "value": str(v)} for k, v in pp.items()
+            rows += [{"metric": f"{what} {k}", "value": v if isinstance(v, int | float) else str(v)} for k, v in pp.items()
                      if k not in ("planned_ids", "not_sent")]
     summary_table(f"uplink-{node_id}", rows, f"Uplink metrics of node {node_id}")
     return ok

@@ -17,7 +17,7 @@ from typing import Any
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.platform.settings import get_settings, torchrun_env
-from edgehaul.training.trainer import TrainConfig, TrainResult, train
+from edgehaul.training.trainer import ProgressFn, TrainConfig, TrainResult, train
 
 SECRET_FIELDS = ("access_key_id", "secret_access_key")
 
@@ -75,8 +75,10 @@ def run_torchrun(cfg: TrainConfig, store: ObjectStore, nproc_per_node: int, time
         return TrainResult(**json.loads(res_path.read_text()))
 
 
-def run(cfg: TrainConfig, store: ObjectStore, nproc_per_node: int = 1) -> TrainResult:
-    """One process: in this one. More: torchrun children (rank 0's result is returned)."""
+def run(cfg: TrainConfig, store: ObjectStore, nproc_per_node: int = 1, progress: ProgressFn | None = None
+        ) -> TrainResult:
+    """One process: in this one. More: torchrun children (rank 0's result is returned; `progress` is
+    reported in-process only: the children's epoch lines come back in LaunchError's tail, not live)."""
     if nproc_per_node == 1 and not torchrun_env().pet_rdzv_endpoint:
-        return train(cfg, store)
+        return train(cfg, store, progress)
     return run_torchrun(cfg, store, nproc_per_node)

@@ -218,11 +218,20 @@ def publish(store: ObjectStore, name: str, model_id: str, allow_older: bool = Fa
     return pointer
 
 
-def load_model_file(store: ObjectStore, model_uri: str) -> dict[str, Any]:
+def read_model_bytes(store: ObjectStore, model_uri: str) -> bytes:
+    """A model file's bytes, checked against the sha256 it was stored with."""
     r = _get_object(store, model_uri, f"model {model_uri}")
-    data = r["Body"].read()
+    data: bytes = r["Body"].read()
     want = r.get("Metadata", {}).get("sha256")
     if want and hashlib.sha256(data).hexdigest() != want:
         raise RegistryError(f"model {model_uri} is corrupt: sha256 differs from its metadata")
+    return data
+
+
+def parse_model_file(data: bytes) -> dict[str, Any]:
     out: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     return out
+
+
+def load_model_file(store: ObjectStore, model_uri: str) -> dict[str, Any]:
+    return parse_model_file(read_model_bytes(store, model_uri))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -192,8 +193,13 @@ def _prepare(batch: pa.RecordBatch, contract: Contract, val_fraction: float, dev
     )
 
 
-def train(cfg: TrainConfig, store: ObjectStore) -> TrainResult:
-    """Train (or resume) run `cfg.run_id`; rank 0 registers the model and emits MODEL_READY."""
+ProgressFn = Callable[[float, str], None]
+"""Rank 0's progress: (percent of the run's epochs done, what just happened), e.g. for a progress artifact."""
+
+
+def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = None) -> TrainResult:
+    """Train (or resume) run `cfg.run_id`; rank 0 registers the model and emits MODEL_READY, and reports
+    each epoch and committed checkpoint to `progress` (never allowed to stop training)."""
     started = datetime.now(UTC)
     t_start = time.perf_counter()
     d = DistContext.from_env(cfg.device)
@@ -260,6 +266,15 @@ def train(cfg: TrainConfig, store: ObjectStore) -> TrainResult:
         if any(cleaned.values()):
             log.info("run %s: removed orphans of killed writers %s", cfg.run_id, cleaned)
 
+    def report(pct: float, what: str) -> None:
+        if progress is not None and d.rank == 0:
+            try:
+                progress(pct, what)
+            except Exception as e:  # a progress display is worth less than the training it shows
+                log.warning("run %s: progress not reported: %s", cfg.run_id, e)
+
+    if resumed_from is not None:
+        report(100.0 * pos.epoch / cfg.epochs, f"resumed at step {step}, epoch {pos.epoch + 1}/{cfg.epochs}")
     meta = {"dataset_uri": cfg.dataset_uri, "dataset_version": cfg.dataset_version, "world_size": d.world,
             "seed": cfg.seed, "config": cfg.model_dump(mode="json")}
     since_steps, since_train_s = 0, 0.0
@@ -281,11 +296,16 @@ def train(cfg: TrainConfig, store: ObjectStore) -> TrainResult:
             }
             try:
                 ckpts.write(state, step, {**meta, "epoch": pos.epoch})
+                committed = True
             except CheckpointError as e:
                 # Training goes on; the next interval tries again (each failure already emitted an event).
                 log.error("%s", e)
+                committed = False
             interval = ctl.observe(time.perf_counter() - t0, since_train_s, since_steps)
-            log.info("checkpoint committed run=%s step=%d interval=%d", cfg.run_id, step, interval)
+            if committed:
+                log.info("checkpoint committed run=%s step=%d interval=%d", cfg.run_id, step, interval)
+                report(100.0 * pos.epoch / cfg.epochs,
+                       f"epoch {pos.epoch + 1}/{cfg.epochs}, checkpoint committed at step {step}")
         ctl.interval = int(d.broadcast(interval))
         since_steps, since_train_s = 0, 0.0
 
@@ -345,6 +365,8 @@ def train(cfg: TrainConfig, store: ObjectStore) -> TrainResult:
         if d.rank == 0:
             log.info("run %s epoch %d: loss %.4f acc %.3f val_loss %.4f val_acc %.3f (%d samples)", cfg.run_id,
                      epoch, row["train_loss"], row["train_acc"], row["val_loss"], row["val_acc"], int(s[2]))
+            report(100.0 * (epoch + 1) / cfg.epochs, f"epoch {epoch + 1}/{cfg.epochs}: loss {row['train_loss']:.4f}, "
+                   f"val_loss {row['val_loss']:.4f}, val_acc {row['val_acc']:.3f} (step {step})")
         acc = _Acc()
         pos = Position(epoch + 1)
 

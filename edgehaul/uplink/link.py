@@ -4,7 +4,8 @@ Shaping happens in the client, per chunk of request body: a transfer's body stre
 `Shaper` for the tokens of its next chunk, and the shaper always serves the highest-priority
 waiter first, so an urgent bundle overtakes a normal one between two chunks. The rate is the
 profile's cap (default 70% of bandwidth); the other 30% stays free for control-plane traffic
-(Prefect API calls, events, heartbeats), which never goes through the shaper.
+(Prefect API calls, heartbeats), which never goes through the shaper. The node's forwarded events
+(`edgehaul.uplink.forwarder`) do: they are paced at the same cap, ahead of every bundle.
 
 `Link` is what production uses (shaping + known contact windows). `SimulatedLink` adds what a
 real constrained link does to the same calls, on the client side of a real S3 server: latency per

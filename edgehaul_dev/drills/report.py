@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -18,6 +19,7 @@ class TrialResult:
     duplicated: int
     hit: bool = True  # the fault struck mid-operation (not before/after all work)
     problems: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # what else a drill counted (e.g. alerts delivered)
 
 
 @dataclass
@@ -39,6 +41,13 @@ class DrillResult:
     @property
     def problems(self) -> list[str]:
         return [p for t in self.trials for p in t.problems]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for t in self.trials:
+            out.update(t.counts)
+        return dict(sorted(out.items()))
 
 
 def table_markdown(results: Sequence[DrillResult]) -> str:
@@ -89,6 +98,9 @@ def render_markdown(results: Sequence[DrillResult], trials: int, *, wall_s: floa
         "side, so the column adds up to more than the run.", width=104)
     found = [f"- {r.name}: {p}" for r in results for p in r.problems[:5]]
     problems = ("\nProblems found in this run (first 5 per drill):\n" + "\n".join(found) + "\n") if found else ""
+    counted = [f"- {r.name}: " + ", ".join(f"{k} {v}" for k, v in r.counts.items()) for r in results if r.counts]
+    if counted:
+        problems = "\nAlso counted, over all trials:\n" + "\n".join(counted) + "\n" + problems
     return f"""# Fault drills
 
 {head}

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from edgehaul_dev.drills.control_plane import drill_control_plane_down
 from edgehaul_dev.drills.core import (
     drill_commit_kill,
     drill_concurrent_ingest,
@@ -47,13 +48,14 @@ DRILLS: dict[str, str] = {
     "corrupt_landed": "corrupted landed objects (before or after validation)",
     "duplicate_delivery": "the same bundle delivered twice",
     "concurrent_ingest": "two ingest runs committing at once",
+    "control_plane_down": "central API and gateway unreachable for 2-48 simulated hours",
 }
 
 
 # Rough seconds per trial on an idle 2-core machine (ordering only: the longest drills start first).
 _COST = {"store_down": 3.0, "concurrent_ingest": 3.0, "ingest_commit_kill": 2.5, "uplink_kill": 2.0,
          "trainer_checkpoint_kill": 3.0, "duplicate_delivery": 1.5, "corrupt_landed": 1.2, "edge_ingest_kill": 1.2,
-         "disk_full": 1.0, "link_outage": 0.3}
+         "disk_full": 1.0, "link_outage": 0.3, "control_plane_down": 1.0}
 
 
 def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: int = 20261203,
@@ -75,6 +77,7 @@ def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: 
         "ingest_commit_kill": drill_commit_kill, "link_outage": drill_link_outage,
         "disk_full": drill_disk_full, "corrupt_landed": drill_corrupt_landed,
         "duplicate_delivery": drill_duplicate_delivery, "concurrent_ingest": drill_concurrent_ingest,
+        "control_plane_down": drill_control_plane_down,
         "trainer_checkpoint_kill": lambda e, r: drill_trainer_kill(e, r, data),  # type: ignore[arg-type]
     }
 
@@ -112,7 +115,8 @@ def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: 
             if len(res.trials) == trials:
                 w = res.row
                 say(f"drill {name}: {w['trials']} trials, {w['samples_in']} samples, lost {w['lost']}, "
-                    f"duplicated {w['duplicated']}, {w['seconds']} s")
+                    f"duplicated {w['duplicated']}, {w['seconds']} s"
+                    + "".join(f", {k} {v}" for k, v in res.counts.items()))
 
     try:
         # Trials wait on the store, on fsync and on their workers far more than they compute: run the
