@@ -328,3 +328,22 @@ def test_probe_contact_tells_a_dead_link_from_a_refusal(stack: localstack.StackS
     why = probe_contact.fn(dead)
     assert why is not None and "EndpointConnectionError" in why and dead.endpoint_url in why
     assert time.monotonic() - t < 5  # one request, no retries
+
+
+def test_a_routed_spool_alert_is_kept_once(tmp_path: Path) -> None:
+    """Flows that route `events.emit` into the node's outbox (the forwarder's way) get one row per alert."""
+    data, m = mk(200, 10)
+    node = EdgeNode(node_id=NODE, spool_dir=str(tmp_path / "spool"),
+                    spool_cap_bytes=int((len(data) + len(m.to_json())) * 4.3))
+    spool = Spool.from_block(node)
+    box = node_outbox(node.spool_dir, NODE)
+    try:
+        with events.routed(box.sink()):
+            for b in [mk(200, 20 + i) for i in range(4)]:
+                assert spool.put(*b) is not None
+        kept = box.peek(100)
+    finally:
+        spool.close()
+        box.close()
+    assert len(spool.alerts) == 1
+    assert [e.event for e in kept] == [events.SPOOL_WATERMARK] and kept[0].payload["used_fraction"] >= 0.85

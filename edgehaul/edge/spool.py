@@ -433,7 +433,7 @@ class Spool:
         }
         self.alerts.append(payload)
         log.warning("spool %s at %.1f%% of cap: alert", self.node_id or self.root, 100 * usage.fraction)
-        if self.outbox is not None:
+        if self.outbox is not None and not events.routing():  # routed, the emit below is the outbox's append
             self.outbox.append(events.SPOOL_WATERMARK, dict(payload), priority=PRIO_ALERT_L2,
                                occurred=datetime.fromtimestamp(self.clock(), UTC))
         self._emit(events.SPOOL_WATERMARK, f"edgehaul.spool.{self.node_id or 'local'}", dict(payload),
