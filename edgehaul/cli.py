@@ -5,6 +5,7 @@
     edgehaul blocks apply <file>  create every block the flows load from one YAML file (docs/STORAGE.md)
     edgehaul automations [...]    create or update the alert automations on the Prefect server
     edgehaul gateway [...]        run the signed webhook gateway (ground stations -> Prefect events)
+    edgehaul node init|run        an edge node on its own: its own Prefect server, blocks and schedules
     edgehaul metrics serve [...]  the fleet view (fleet_report's latest) as OpenMetrics on /metrics
     edgehaul quarantine list      quarantined bundles: bundle, node, reason, samples, age (--node, --reason)
     edgehaul quarantine readmit BUNDLE... --reason TEXT [--by NAME]
@@ -36,6 +37,7 @@ COMMANDS = {
     "blocks": ("edgehaul.platform.block_setup", "apply <file>: create every block the flows load from a YAML file"),
     "automations": ("edgehaul.platform.automations", "create or update the alert automations"),
     "gateway": ("edgehaul.platform.gateway", "run the signed webhook gateway"),
+    "node": ("edgehaul.node", "init --config FILE | run --state-dir DIR: an edge node on its own (own Prefect server)"),
     "metrics": ("edgehaul.ops.metrics_endpoint", "serve: the fleet view as OpenMetrics for Prometheus"),
     "quarantine": ("edgehaul.cli", "list | readmit BUNDLE... --reason TEXT: quarantined bundles, audited re-admission"),
     "downlink": ("edgehaul.cli", "publish | sync | status: models, policies and contracts sent to nodes"),

@@ -95,6 +95,11 @@ def routed(sink: Sink) -> Iterator[None]:
         _route.reset(token)
 
 
+def routing() -> bool:
+    """Whether `emit` in this context hands events to a `routed` sink (the node's outbox) instead of Prefect."""
+    return _route.get() is not None
+
+
 def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **labels: str) -> bool:
     """Emit a Prefect event, or hand it to the sink of `routed`; never raises (an unreachable API
     must not fail the data path).

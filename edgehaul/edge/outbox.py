@@ -32,6 +32,7 @@ PRIO_ALERT_L1 = 1
 PRIO_ALERT_L2 = 2
 PRIO_ALERT_L3 = 3
 PRIO_STATS = 9
+OUTBOX_FILE = "outbox.sqlite"  # in the node's spool folder: its persistent disk, beside the ledger
 _LEVEL_PRIO = {1: PRIO_ALERT_L1, 2: PRIO_ALERT_L2, 3: PRIO_ALERT_L3}
 
 
@@ -136,3 +137,8 @@ class Outbox:
 
     def close(self) -> None:
         self._db.close()
+
+
+def node_outbox(spool_dir: str | Path, node_id: str) -> Outbox:
+    """The node's one outbox, `<spool_dir>/outbox.sqlite`: every writer on the node opens this one."""
+    return Outbox(Path(spool_dir) / OUTBOX_FILE, node_id)

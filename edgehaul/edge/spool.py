@@ -24,9 +24,12 @@ clean-up, so the spool never exceeds its cap. At >= cleanup_watermark, clean-up 
 entries, stale staging files, then raw-store entries lowest value first, until the spool is back
 under the clean-up watermark (bundles waiting for uplink are not touched by clean-up). At
 >= alert_watermark after a write, `edgehaul.spool.watermark` (level 2) is emitted once per
-upward crossing. When a write would still not fit: `reject-new` refuses it; `drop-lowest-value`
-drops waiting bundles of lower value (tier first, then max_value, oldest first) if that frees
-enough, else refuses. Every refused, dropped, evicted or expired sample goes to the ledger.
+upward crossing (a flag in spool.sqlite: once for every process that opens the spool), and appended
+to the node's outbox (`edgehaul.edge.outbox`) when the spool has one (`from_block` opens it), so the
+alert is kept in order while the central API is out of reach.
+When a write would still not fit: `reject-new` refuses it; `drop-lowest-value` drops waiting
+bundles of lower value (tier first, then max_value, oldest first) if that frees enough, else refuses.
+Every refused, dropped, evicted or expired sample goes to the ledger.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +53,7 @@ from edgehaul.bundles import BundleError, BundleManifest
 from edgehaul.contracts import tier_rank
 from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
+from edgehaul.edge.outbox import PRIO_ALERT_L2, Outbox, node_outbox
 
 if TYPE_CHECKING:
     from edgehaul.blocks.policies import EdgeNode
@@ -128,6 +133,7 @@ class Spool:
         raw_ttl_seconds: float | None = None,
         staging_ttl_seconds: float = 86400,
         emit: Callable[..., bool] | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         if cap_bytes <= 0:
             raise SpoolError(f"cap_bytes must be > 0, got {cap_bytes}")
@@ -147,6 +153,7 @@ class Spool:
         self.clock = clock
         # How alerts leave: edgehaul.events.emit (Prefect events) unless a test passes a recorder.
         self._emit = emit or events.emit
+        self.outbox = outbox
         self.bundles_dir = self.root / "bundles"
         self.raw_dir = self.root / "raw"
         self.staging_dir = self.root / "staging"
@@ -159,9 +166,12 @@ class Spool:
         self._acks.execute(
             "CREATE TABLE IF NOT EXISTS acks (bundle_id TEXT PRIMARY KEY, remote_key TEXT, sha256 TEXT, at REAL)"
         )
+        # "above the alert watermark" is the spool's state, not one opener's: every batch task and drain opens
+        # its own Spool, and a crossing must alert once, not once per opener
+        self._acks.execute("CREATE TABLE IF NOT EXISTS flags (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+        self._acks.execute("INSERT OR IGNORE INTO flags VALUES ('alerted', 0)")
         self._tlock = threading.RLock()
         self._cache: dict[Path, tuple[int, int, SpoolEntry]] = {}
-        self._alerted = False
         self.alerts: list[dict[str, float | int | str]] = []  # watermark alerts emitted by this instance
         with self._locked():
             self.recovered = self._recover()
@@ -177,6 +187,7 @@ class Spool:
             ttl_seconds=node.bundle_ttl_seconds,
             node_id=node.node_id,
             clock=clock,
+            outbox=node_outbox(node.spool_dir, node.node_id),
         )
 
     # ---- locking and recovery -------------------------------------------------------------
@@ -410,18 +421,21 @@ class Spool:
             used -= e.nbytes
 
     def _check_alert(self, usage: SpoolUsage) -> None:
-        if usage.fraction < self.alert_watermark:
-            self._alerted = False
+        below = usage.fraction < self.alert_watermark
+        with self._tlock:  # test-and-set in one statement: two processes crossing together alert once
+            cur = self._acks.execute("UPDATE flags SET value = ? WHERE name = 'alerted' AND value = ?",
+                                     (0, 1) if below else (1, 0))
+        if below or cur.rowcount != 1:
             return
-        if self._alerted:
-            return
-        self._alerted = True
         payload: dict[str, float | int | str] = {
             "level": 2, "used_fraction": round(usage.fraction, 4), "node_id": self.node_id,
             "used_bytes": usage.used_bytes, "cap_bytes": usage.cap_bytes,
         }
         self.alerts.append(payload)
         log.warning("spool %s at %.1f%% of cap: alert", self.node_id or self.root, 100 * usage.fraction)
+        if self.outbox is not None and not events.routing():  # routed, the emit below is the outbox's append
+            self.outbox.append(events.SPOOL_WATERMARK, dict(payload), priority=PRIO_ALERT_L2,
+                               occurred=datetime.fromtimestamp(self.clock(), UTC))
         self._emit(events.SPOOL_WATERMARK, f"edgehaul.spool.{self.node_id or 'local'}", dict(payload),
                     **{"edgehaul.node": self.node_id})
 
@@ -489,3 +503,5 @@ class Spool:
     def close(self) -> None:
         self.ledger.close()
         self._acks.close()
+        if self.outbox is not None:
+            self.outbox.close()

@@ -57,6 +57,9 @@ class EdgeIngestParams(BaseModel):
     contract: str = Field(default="landsat_patch.v1", description="Data contract id of the raw observations.")
     source: Literal["generate", "parquet"] = Field(default="generate", description="Generated patches or Parquet files.")
     source_path: str | None = Field(default=None, description="Folder of raw Parquet files (source=parquet).")
+    done_path: str | None = Field(
+        default=None, description="source=parquet as a drop folder: files this run ingested move here at its end, "
+        "and an empty folder is a run with nothing to do (a scheduled node); None: every file, every run.")
     n_samples: int = Field(default=10_000, ge=1, le=100_000_000, description="Samples to generate.")
     batch_size: int = Field(default=50_000, ge=100, le=200_000, description="Samples per raw batch (one task run each).")
     seed: int = Field(default=0, ge=0, description="Generator seed.")
@@ -76,14 +79,21 @@ class EdgeIngestParams(BaseModel):
         return self
 
 
-def _raw_batches(p: EdgeIngestParams, node_id: str) -> Iterator[pa.Table]:
+def _source_files(p: EdgeIngestParams) -> list[Path]:
+    """The Parquet files this run reads, listed once: a file dropped during the run waits for the next."""
+    if p.source != "parquet":
+        return []
+    files = sorted(Path(cast(str, p.source_path)).glob("*.parquet"))
+    if not files and not p.done_path:
+        raise FileNotFoundError(f"no *.parquet files in {p.source_path}")
+    return files
+
+
+def _raw_batches(p: EdgeIngestParams, node_id: str, files: list[Path]) -> Iterator[pa.Table]:
     if p.source == "generate":
         yield from generate(p.n_samples, node_id, seed=p.seed, class_weights=p.class_weights, start_seq=p.start_seq,
                             batch_size=p.batch_size)
         return
-    files = sorted(Path(cast(str, p.source_path)).glob("*.parquet"))
-    if not files:
-        raise FileNotFoundError(f"no *.parquet files in {p.source_path}")
     for f in files:
         for rb in pq.ParquetFile(f).iter_batches(batch_size=p.batch_size):
             yield pa.Table.from_batches([rb])
@@ -121,11 +131,12 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     first = make_scorer(policy, node, contract, store)
     fixed_version = None if isinstance(first, ContextualScorer) else first.version
     done: list[EdgeBatch] = []
+    files = _source_files(p)
     # the progress artifact moves every 10%: an API call each, not one per batch on long runs
     with run_logging.for_node(node.node_id), Progress(
             f"edge-ingest-{node.node_id}-progress", total=expected,
             description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
-        for i, raw in enumerate(_raw_batches(p, node.node_id)):
+        for i, raw in enumerate(_raw_batches(p, node.node_id, files)):
             raw_key, hashes = batch_key(raw)
             version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store,
                                                   contract)
@@ -138,6 +149,13 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
             done.append(res)
             if expected:  # a folder source has no known total: the artifact shows 100% at the end
                 progress.advance()
+    if p.done_path and files:
+        # only after every batch is spooled: a run that dies re-reads its files (cached, idempotent on bundle id)
+        done_dir = Path(p.done_path)
+        done_dir.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            f.replace(done_dir / f.name)
+        logger.info("moved %d ingested files to %s", len(files), done_dir)
 
     spool = Spool.from_block(node)
     try:

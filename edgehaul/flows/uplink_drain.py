@@ -20,6 +20,8 @@ What it does, in order:
    backup as long as this month's budget (metered on the node, `uplink-backup/backup-YYYY-MM.json`)
    covers them; bulk always waits for the primary; an urgent bundle the budget cannot cover waits too
    (logged, counted in `backup_refusals`). `bytes_by_link` meters each link;
+   Out of contact (the store does not answer one probe request; not probed with `contact_wait_s`):
+   nothing is sent, the run completes at once with `out_of_contact` set, and the schedule tries again;
 4. publish metrics: an `edgehaul.link.stats` event and a table artifact (goodput, rate cap use,
    retransmissions, queue length per tier, capture-to-landed time per tier; by plan also the pass's
    capacity, planned vs sent bytes and value, and what the following passes are planned to carry).
@@ -44,7 +46,7 @@ from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_POLICY, EXAMPLE_NODE, node_store
-from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, publish_link_stats
+from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, probe_contact, publish_link_stats
 from edgehaul.uplink.pass_plan import load_passes
 
 
@@ -84,6 +86,11 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
               if p.backup_link_profile else None)
     with run_logging.for_node(node.node_id):  # the node on every domain log line of its drain
         expired = expire_retries(node)
+        # a drain told to wait for a contact window expects the store out of reach until the window opens
+        if not p.contact_wait_s and (down := probe_contact(store)) is not None:
+            logger.info("node %s: store out of reach, nothing sent; %d bundles wait (%s)", node.node_id,
+                        expired["spool_pending"], down)
+            return {"out_of_contact": down, "bundles_landed": 0, **expired}
         aborted = abort_orphans(store, profile, node, p.orphan_age_s)
         metrics = drain_spool(
             store, profile, node, max_seconds=p.max_seconds, max_active=p.max_active, simulate=p.simulate,

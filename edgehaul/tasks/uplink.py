@@ -60,9 +60,29 @@ def expire_retries(node: EdgeNode) -> dict[str, int]:
         q = open_retry_queue(spool, node)
         expired = q.expire()
         ttl = spool.expire()
-        return {"retry_expired": len(expired), "ttl_expired": len(ttl), "retry_queue": len(q)}
+        return {"retry_expired": len(expired), "ttl_expired": len(ttl), "retry_queue": len(q),
+                "spool_pending": len(spool.pending())}
     finally:
         spool.close()
+
+
+@task(name="probe-contact", cache_policy=NO_CACHE)
+def probe_contact(store: ObjectStore, timeout_s: float = 5.0) -> str | None:
+    """None when the store answers (any answer, a refusal included); else why it is out of reach.
+
+    One request, no retries: out of contact, a drain attempt costs seconds instead of a failed run
+    that waited through every retry (the node's schedule simply tries again)."""
+    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    client = store.client(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1})
+    try:
+        client.head_bucket(Bucket=store.bucket("landing"))
+    except ClientError:
+        return None  # e.g. 403 to a prefix-scoped node identity: the store is there
+    except (BotoConnectionError, HTTPClientError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 @task(name="abort-orphaned-uploads", retries=TASK_RETRIES, retry_delay_seconds=TASK_RETRY_DELAYS_S,

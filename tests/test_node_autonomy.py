@@ -1,0 +1,349 @@
+"""An edge node runs a whole (compressed) day on its own: own Prefect server, no central API, link down.
+
+Compressed clock: one hour is `HOUR` seconds of wall time, and every duration of the node's config
+(schedules, bundle TTL) is scaled by the same factor; the spool, the ledger and Prefect's schedules run
+on the real clock. The node is started with the two README commands (`edgehaul node init`, `edgehaul
+node run`) in subprocesses whose PREFECT_API_URL points nowhere; its S3 endpoint is a relay that does
+not listen (link down) until the test reconnects it to the session's SeaweedFS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from edgehaul import events
+from edgehaul.blocks import EdgeNode
+from edgehaul.bundles import BundleManifest
+from edgehaul.edge import ledger
+from edgehaul.edge.landsat import generate
+from edgehaul.edge.outbox import node_outbox
+from edgehaul.edge.spool import STAGE_RAW, Spool
+from edgehaul.node import NodeError, NodeLayout, load_config, node_settings
+from edgehaul.tasks.uplink import probe_contact
+from edgehaul_dev import localstack
+from tests.conftest import store_for
+from tests.test_spool import mk
+
+ROOT = Path(__file__).resolve().parents[1]
+HOUR = 8.0  # wall seconds per simulated hour
+DAY_H = 24
+NODE = "node-a"  # a stack identity: its keys may write landing/node-a/ only
+SAMPLES_PER_HOUR = 1000
+INGEST_H, DRAIN_H = 3, 6  # schedules, in simulated hours: a run takes 5-25 s of wall time on a busy 2-core host
+
+
+class Relay:
+    """The node's link to S3: a TCP relay that listens on `port` only while the link is up."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.port = localstack.free_port()
+        self._srv: socket.socket | None = None
+
+    def up(self) -> None:
+        srv = socket.create_server(("127.0.0.1", self.port))
+        self._srv = srv
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+
+    def down(self) -> None:
+        if self._srv is not None:
+            self._srv.close()
+            self._srv = None
+
+    def _accept(self, srv: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = srv.accept()
+                upstream = socket.create_connection(self.target)
+                for a, b in ((conn, upstream), (upstream, conn)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    # the central API is out of reach for the node: anything that tried it would fail
+    env.update(PYTHONPATH=str(ROOT), PREFECT_API_URL=f"http://127.0.0.1:{localstack.free_port()}/api",
+               PREFECT_LOGGING_LEVEL="INFO")
+    return env
+
+
+def _drop(folder: Path, hour: int) -> list[str]:
+    """One hour of raw observations, written beside and renamed in (a reader never sees half a file)."""
+    table = next(iter(generate(SAMPLES_PER_HOUR, NODE, seed=hour, start_seq=hour * SAMPLES_PER_HOUR,
+                               batch_size=SAMPLES_PER_HOUR)))
+    tmp = folder / f".h{hour:03d}.tmp"
+    pq.write_table(table, tmp)
+    tmp.replace(folder / f"h{hour:03d}.parquet")
+    return table.column("sample_id").to_pylist()
+
+
+@contextlib.contextmanager
+def _node_running(layout: NodeLayout, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "edgehaul.cli", "node", "run", "--state-dir", str(layout.root)],
+                                env=_env(), cwd=layout.root, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def _run_states(layout: NodeLayout) -> dict[str, list[str]]:
+    """Flow name -> state names of the finished runs on the node's own server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+
+    out: dict[str, list[str]] = {}
+    async with get_client() as client:
+        flows = {f.id: f.name for f in await client.read_flows()}
+        done = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+            any_=[StateType.COMPLETED, StateType.FAILED, StateType.CRASHED])))
+        for r in await client.read_flow_runs(flow_run_filter=done, limit=200):
+            out.setdefault(flows[r.flow_id], []).append(r.state_name or "")
+    return out
+
+
+def _node_runs(layout: NodeLayout) -> dict[str, list[str]]:
+    import asyncio
+
+    with node_settings(layout):
+        return asyncio.run(_run_states(layout))
+
+
+def _out_of_contact(log: Path) -> int:
+    return log.read_text().count(f"node {NODE}: store out of reach, nothing sent")
+
+
+def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(1.0)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
+        stack: localstack.StackState, tmp_path: Path) -> None:
+    host, port = stack.s3_endpoint.removeprefix("http://").split(":")
+    relay = Relay((host, int(port)))  # down: nothing listens on the node's S3 endpoint
+    keys = stack.identities[NODE]
+    state = tmp_path / "node"
+    cfg = {
+        "node_id": NODE, "state_dir": str(state),
+        "store": {"endpoint_url": f"http://127.0.0.1:{relay.port}"},
+        "keys": {"access_key_id": keys.access_key_id, "secret_access_key": keys.secret_access_key},
+        # ~1.4 MB of bundles + raw store per simulated hour: the cap is reached in about 8 h
+        "edge": {"spool_cap_bytes": 12_000_000, "bundle_ttl_seconds": int(10 * HOUR)},
+        "link": {"bandwidth_bps": 100e6},
+        "batch_size": SAMPLES_PER_HOUR,
+        "schedules": {"ingest_every_s": INGEST_H * HOUR, "drain_every_s": DRAIN_H * HOUR, "poll_s": 1},
+        "drain": {"max_seconds": 120},
+        "prefect_port": 0,
+    }
+    (tmp_path / "node.yaml").write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "node.log"
+    init = subprocess.run([sys.executable, "-m", "edgehaul.cli", "node", "init", "--config", str(tmp_path / "node.yaml")],
+                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert init.returncode == 0, init.stderr[-3000:]
+    layout = NodeLayout(state)
+    assert oct(layout.credentials.stat().st_mode & 0o777) == "0o600"
+    assert keys.secret_access_key not in layout.config.read_text()  # keys only in the node's 0600 file
+
+    sample_ids: list[str] = []
+    with _node_running(layout, log) as proc:
+        t0 = time.monotonic()
+        for hour in range(DAY_H):  # data keeps arriving, an hour's worth per simulated hour
+            sample_ids += _drop(layout.drop, hour)
+            time.sleep(max(0.0, t0 + (hour + 1) * HOUR - time.monotonic()))
+            assert proc.poll() is None, log.read_text()[-3000:]
+        # a busy host runs late (runs wait their turn, an ingest run reads every file that waited): let it catch up
+        _wait(lambda: not any(layout.drop.glob("*.parquet")), 20 * HOUR, "the last drop to be ingested")
+        _wait(lambda: _out_of_contact(log) >= 2, 20 * HOUR, "two drain attempts out of contact")
+        day = _node_runs(layout)
+
+        relay.up()  # contact: the next scheduled drain sends what waited
+        try:
+            spool = Spool.from_block(EdgeNode(node_id=NODE, spool_dir=str(layout.spool), spool_cap_bytes=12_000_000))
+            try:
+                waiting = {e.bundle_id for e in spool.pending()}
+                _wait(lambda: not spool.pending(), 12 * HOUR + 120, "the spool to drain after reconnection")
+                counts = spool.ledger.counts()
+                acked = {b for b in waiting if spool.is_acked(b)}
+                assert not spool.pending()
+                with contextlib.closing(sqlite3.connect(layout.spool / "ledger.sqlite")) as db:
+                    dropped = {b for (b,) in db.execute("SELECT DISTINCT bundle_id FROM ledger")}
+                    spool_dropped = {i for (i,) in db.execute("SELECT sample_id FROM ledger WHERE stage = ?",
+                                                              (ledger.STAGE_SPOOL,))}
+            finally:
+                spool.close()
+        finally:
+            relay.down()
+
+    text = log.read_text()
+    ingested = [int(m) for m in re.findall(rf"node {NODE}: (\d+) samples in \d+ batches", text)]
+    out_of_contact = _out_of_contact(log)
+    print(f"day: runs { {k: len(v) for k, v in day.items()} }, {out_of_contact} drains out of contact; ledger {counts}; "
+          f"{len(waiting)} bundles waiting at reconnection, {len(acked)} acked")
+    # schedules fired on the node's own server, with no central API
+    # (how many depends on the host: on an idle one every schedule fires on time, 8 ingests and 4 drains)
+    assert day.get("edge_ingest", []).count("Completed") >= 2, day
+    assert day.get("uplink_drain", []).count("Completed") >= 2, day
+    assert set(day.get("edge_ingest", [])) == set(day.get("uplink_drain", [])) == {"Completed"}, day
+    assert sum(ingested) == len(sample_ids) == DAY_H * SAMPLES_PER_HOUR  # every dropped file read once
+    # the spool reached its watermarks: clean-up evicted raw samples; bundles expired (TTL) or were dropped
+    assert counts.get((STAGE_RAW, ledger.RAW_EVICTED), 0) > 0, counts
+    assert counts.get((ledger.STAGE_SPOOL, ledger.TTL_EXPIRED), 0) + counts.get(
+        (ledger.STAGE_SPOOL, ledger.FULL_DROPPED), 0) > 0, counts
+    # ...and alerted locally: level-2 alerts in the node's outbox, in order, each at >= 85%
+    box = node_outbox(layout.spool, NODE)
+    try:
+        alerts = [e for e in box.peek(10_000) if e.event == events.SPOOL_WATERMARK]
+    finally:
+        box.close()
+    assert alerts, "no spool alert in the outbox"
+    assert [a.seq for a in alerts] == sorted(a.seq for a in alerts)
+    assert [a.occurred for a in alerts] == sorted(a.occurred for a in alerts)
+    assert all(a.payload["used_fraction"] >= 0.85 and a.payload["level"] == 2 for a in alerts)
+    # after reconnection the bundles that waited left the spool: landed and acked, or in the ledger
+    assert waiting and acked, (len(waiting), len(acked))
+    assert waiting - acked <= dropped, waiting - acked - dropped
+    store = store_for(stack)
+    s3 = store.client()
+    manifests = [BundleManifest.from_json(s3.get_object(Bucket=store.bucket("landing"), Key=o["Key"])["Body"].read())
+                 for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket("landing"),
+                                                                           Prefix=f"{NODE}/")
+                 for o in page.get("Contents", []) if o["Key"].endswith(".manifest.json")]
+    landed = {m.bundle_id: m for m in manifests}
+    assert acked <= landed.keys(), acked - landed.keys()
+    # every sample accounted for by id, once: landed in a bundle (low tier: its summary row) or in the
+    # ledger with the reason its bundle left the spool (TTL, displaced, refused); none still waiting
+    in_bundles = [i for m in landed.values() for i in m.sample_ids]
+    assert len(in_bundles) == len(set(in_bundles)), "a sample landed twice"
+    assert not set(in_bundles) & spool_dropped, "a sample both landed and dropped"
+    assert set(in_bundles) | spool_dropped == set(sample_ids), len(set(sample_ids) - set(in_bundles) - spool_dropped)
+    # nothing of the node reached the central Prefect server
+    assert not _central_runs_tagged("node-local")
+
+
+def _central_runs_tagged(tag: str) -> int:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    async def count() -> int:
+        async with get_client() as client:
+            return len(await client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag]))))
+
+    return asyncio.run(count())
+
+
+def test_spool_alerts_land_in_the_node_outbox_in_order(tmp_path: Path) -> None:
+    data, m = mk(200, 10)
+    size = len(data) + len(m.to_json())
+    node = EdgeNode(node_id=NODE, spool_dir=str(tmp_path / "spool"), spool_cap_bytes=int(size * 4.3))
+    spool = Spool.from_block(node)
+    try:
+        spool._emit = lambda *a, **k: False  # the central API is out of reach: only the outbox keeps the alert
+        bundles = [mk(200, 20 + i) for i in range(6)]
+        for b in bundles[:4]:
+            assert spool.put(*b) is not None  # the 4th crosses 85%
+        other = Spool.from_block(node)  # another process's view (a batch task, a drain): same crossing, no alert
+        try:
+            other._emit = spool._emit
+            assert other.check_watermarks().fraction >= 0.85 and other.alerts == []
+        finally:
+            other.close()
+        for _, mb in bundles[:2]:  # contact: two land, the spool falls below the watermarks
+            spool.ack(mb.bundle_id, remote_key=mb.object_key, sha256=mb.sha256)
+        for b in bundles[4:]:
+            assert spool.put(*b) is not None  # ...and crosses 85% again
+        assert len(spool.alerts) == 2
+    finally:
+        spool.close()
+    box = node_outbox(node.spool_dir, NODE)
+    try:
+        kept = box.peek(100)
+    finally:
+        box.close()
+    assert [e.event for e in kept] == [events.SPOOL_WATERMARK] * 2
+    assert kept[0].seq < kept[1].seq and kept[0].occurred <= kept[1].occurred
+    assert all(e.node_id == NODE and e.priority == 2 and e.payload["used_fraction"] >= 0.85 for e in kept)
+    assert [e.payload for e in kept] == spool.alerts
+
+
+@pytest.mark.parametrize(("change", "where"), [
+    ({"node_id": "Node_A"}, "node_id"),
+    ({"edge": {"spool_cap": 1}}, "edge.spool_cap"),
+    ({"schedules": {"ingest_every_s": 0}}, "schedules.ingest_every_s"),
+    ({"colour": "red"}, "colour"),
+])
+def test_node_config_errors_name_the_field(tmp_path: Path, change: dict[str, object], where: str) -> None:
+    cfg = {"node_id": NODE, "state_dir": str(tmp_path / "state"), **change}
+    (tmp_path / "node.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(NodeError, match=rf"node.yaml: {re.escape(where)}"):
+        load_config(tmp_path / "node.yaml")
+
+
+@pytest.mark.integration
+def test_probe_contact_tells_a_dead_link_from_a_refusal(stack: localstack.StackState) -> None:
+    node_store = store_for(stack, NODE)
+    assert probe_contact.fn(node_store) is None  # reachable (a prefix-scoped identity may get 403: still contact)
+    dead = node_store.model_copy(update={"endpoint_url": f"http://127.0.0.1:{localstack.free_port()}"})
+    t = time.monotonic()
+    why = probe_contact.fn(dead)
+    assert why is not None and "EndpointConnectionError" in why and dead.endpoint_url in why
+    assert time.monotonic() - t < 5  # one request, no retries
+
+
+def test_a_routed_spool_alert_is_kept_once(tmp_path: Path) -> None:
+    """Flows that route `events.emit` into the node's outbox (the forwarder's way) get one row per alert."""
+    data, m = mk(200, 10)
+    node = EdgeNode(node_id=NODE, spool_dir=str(tmp_path / "spool"),
+                    spool_cap_bytes=int((len(data) + len(m.to_json())) * 4.3))
+    spool = Spool.from_block(node)
+    box = node_outbox(node.spool_dir, NODE)
+    try:
+        with events.routed(box.sink()):
+            for b in [mk(200, 20 + i) for i in range(4)]:
+                assert spool.put(*b) is not None
+        kept = box.peek(100)
+    finally:
+        spool.close()
+        box.close()
+    assert len(spool.alerts) == 1
+    assert [e.event for e in kept] == [events.SPOOL_WATERMARK] and kept[0].payload["used_fraction"] >= 0.85
