@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from botocore.exceptions import ClientError
 
+from edgehaul import events
 from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import error_code
 
@@ -52,8 +53,8 @@ Kind = Literal["model", "policy", "contract"]
 KINDS: tuple[Kind, ...] = ("model", "policy", "contract")
 NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
 MAX_ITEM_BYTES = 512 * 1024 * 1024
-APPLIED_EVENT = "edgehaul.node.downlink.applied"
-REFUSED_EVENT = "edgehaul.node.downlink.refused"
+APPLIED_EVENT = events.DOWNLINK_APPLIED
+REFUSED_EVENT = events.DOWNLINK_REFUSED
 
 
 class DownlinkError(RuntimeError):

@@ -35,8 +35,10 @@ LEDGER_COUNTS = "edgehaul.ledger.counts"  # payload: drops per stage and reason 
 
 # What an edge node may have forwarded in its name (gateway hook `node-events`): its own alerts,
 # statistics and summaries, never an event that starts work centrally (e.g. LANDING_BATCH).
+DOWNLINK_APPLIED = "edgehaul.node.downlink.applied"  # payload: generation, previous, items
+DOWNLINK_REFUSED = "edgehaul.node.downlink.refused"  # payload: generation, in_force, why
 NODE_FORWARDED = frozenset({SPOOL_WATERMARK, LINK_STATS, CHECKPOINT_FAILED, CONTACT_OPENED, RETRY_EXPIRED,
-                            NODE_RUN_SUMMARY, LEDGER_COUNTS})
+                            NODE_RUN_SUMMARY, LEDGER_COUNTS, DOWNLINK_APPLIED, DOWNLINK_REFUSED})
 
 log = logging.getLogger(__name__)
 

@@ -80,6 +80,13 @@ class Schedules(_Strict):
     poll_s: float = Field(default=10, gt=0, description="How often the node's runner looks for runs that are due.")
 
 
+class GatewayConfig(_Strict):
+    url: str = Field(min_length=1, description="The central webhook gateway, e.g. https://gw.example/ .")
+    key: SecretStr | None = Field(default=None, description="The node's own gateway key ('whsec_...'), written to "
+                                  "<state>/gateway-key (0600) and never into a block; None: the file is provisioned.")
+    sender_id: str | None = Field(default=None, description="Sender id of that key at the gateway; None: node id.")
+
+
 class NodeConfig(_Strict):
     node_id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     state_dir: str = Field(description="The node's persistent folder: everything it needs lives here.")
@@ -94,6 +101,10 @@ class NodeConfig(_Strict):
     schedules: Schedules = Field(default_factory=Schedules)
     drain: dict[str, Any] = Field(default_factory=dict, description="Further uplink_drain parameters "
                                   "(max_seconds, max_active, backup_link_profile, ...).")
+    gateway: GatewayConfig | None = Field(default=None, description="Where the node forwards its outbox (alerts, "
+                                          "run summaries, link statistics) when in contact; None: it keeps them.")
+    downlink: bool = Field(default=True, description="Fetch and apply what the core publishes for this node "
+                                                     "(models, policies, contracts) when in contact.")
     prefect_port: int = Field(default=4210, ge=0, le=65535, description="Port of the node-local Prefect server "
                               "(bound to 127.0.0.1 only).")
 
@@ -115,6 +126,7 @@ class NodeLayout:
         self.drop = self.root / "drop"
         self.done = self.root / "done"
         self.logs = self.root / "logs"
+        self.gateway_key = self.root / "gateway-key"
 
     def load(self) -> NodeConfig:
         try:
@@ -185,6 +197,10 @@ def init(cfg: NodeConfig) -> NodeLayout:
                                cfg.keys.secret_access_key.get_secret_value())
     elif not layout.credentials.exists():
         raise NodeError(f"node {cfg.node_id}: no keys in the config and no credentials file {layout.credentials}")
+    if cfg.gateway and cfg.gateway.key:
+        write_private(layout.gateway_key, cfg.gateway.key.get_secret_value() + "\n")
+    elif cfg.gateway and not layout.gateway_key.exists():
+        raise NodeError(f"node {cfg.node_id}: gateway.key not given and no key file {layout.gateway_key}")
     kind = cfg.contract.rsplit(".v", 1)[0]
     src = get_settings().contracts_dir
     copied = [shutil.copy2(p, layout.contracts / p.name) for p in src.glob(f"{kind}.v*.yaml")]
@@ -202,7 +218,7 @@ def init(cfg: NodeConfig) -> NodeLayout:
         "EDGEHAUL_CONTRACTS_DIR": str(layout.contracts),
     }
     write_private(layout.env_file, json.dumps(env, indent=1))
-    layout.config.write_text(cfg.model_dump_json(indent=1, exclude={"keys"}))
+    layout.config.write_text(cfg.model_dump_json(indent=1, exclude={"keys": True, "gateway": {"key"}}))
     with local_server(layout), node_settings(layout):
         for slug, block in blocks.items():
             block.save(slug.split("/", 1)[1], overwrite=True)
@@ -294,7 +310,12 @@ def deployments(cfg: NodeConfig, layout: NodeLayout) -> list[Any]:
     ingest = {"edge_node": cfg.node_id, "tiering_policy": DEFAULT_POLICY, "contract": cfg.contract,
               "source": "parquet", "source_path": str(layout.drop), "done_path": str(layout.done),
               "batch_size": cfg.batch_size}
-    drain = {"edge_node": cfg.node_id, "link_profile": DEFAULT_POLICY, **cfg.drain}
+    drain: dict[str, Any] = {"edge_node": cfg.node_id, "link_profile": DEFAULT_POLICY, "route_events_to_outbox": True,
+                             "downlink": cfg.downlink, **cfg.drain}
+    ingest["route_events_to_outbox"] = True
+    if cfg.gateway:
+        drain.update(gateway_url=cfg.gateway.url, gateway_key_file=str(layout.gateway_key),
+                     gateway_sender=cfg.gateway.sender_id)
     return [
         edge_ingest.to_deployment(name=cfg.node_id, interval=cfg.schedules.ingest_every_s,
                                   parameters={"params": ingest}, tags=["edgehaul", "node-local"],

@@ -257,7 +257,8 @@ def test_a_waiting_batch_of_events_overtakes_a_waiting_bundle_chunk() -> None:
 def test_the_task_forwards_through_the_stacks_gateway_process(stack: localstack.StackState, tmp_path: Path,
                                                               node: str) -> None:
     from edgehaul.blocks import EdgeNode
-    from edgehaul.tasks.forwarding import forward_node_events, node_outbox_path
+    from edgehaul.edge.outbox import node_outbox
+    from edgehaul.tasks.forwarding import forward_node_events
 
     url = localstack.start_gateway(stack)  # the real uvicorn process, emitting to the session's Prefect
     sender, key = localstack.gateway_sender(stack)
@@ -265,7 +266,7 @@ def test_the_task_forwards_through_the_stacks_gateway_process(stack: localstack.
     key_file.write_text(key)
     key_file.chmod(0o600)
     edge = EdgeNode(node_id=node, spool_dir=str(tmp_path / "spool"))
-    box = Outbox(node_outbox_path(edge), node)
+    box = node_outbox(edge.spool_dir, node)
     with events.routed(box.sink()):
         events.emit(events.SPOOL_WATERMARK, f"edgehaul.spool.{node}", {"level": 2, "used_fraction": 0.91})
     box.close()

@@ -10,6 +10,7 @@ not listen (link down) until the test reconnects it to the session's SeaweedFS.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -19,14 +20,16 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from edgehaul import events
+from edgehaul import downlink, events
 from edgehaul.blocks import EdgeNode
 from edgehaul.bundles import BundleManifest
 from edgehaul.edge import ledger
@@ -160,6 +163,9 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
         stack: localstack.StackState, tmp_path: Path) -> None:
     host, port = stack.s3_endpoint.removeprefix("http://").split(":")
     relay = Relay((host, int(port)))  # down: nothing listens on the node's S3 endpoint
+    gw_host, gw_port = localstack.start_gateway(stack).removeprefix("http://").rstrip("/").split(":")
+    gw_relay = Relay((gw_host, int(gw_port)))  # the central gateway, out of reach with the rest of the centre
+    sender, gw_key = localstack.gateway_sender(stack)
     keys = stack.identities[NODE]
     state = tmp_path / "node"
     cfg = {
@@ -172,6 +178,7 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
         "batch_size": SAMPLES_PER_HOUR,
         "schedules": {"ingest_every_s": INGEST_H * HOUR, "drain_every_s": DRAIN_H * HOUR, "poll_s": 1},
         "drain": {"max_seconds": 120},
+        "gateway": {"url": f"http://127.0.0.1:{gw_relay.port}", "key": gw_key, "sender_id": sender},
         "prefect_port": 0,
     }
     (tmp_path / "node.yaml").write_text(yaml.safe_dump(cfg))
@@ -182,6 +189,12 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
     layout = NodeLayout(state)
     assert oct(layout.credentials.stat().st_mode & 0o777) == "0o600"
     assert keys.secret_access_key not in layout.config.read_text()  # keys only in the node's 0600 file
+    assert gw_key not in layout.config.read_text() and oct(layout.gateway_key.stat().st_mode & 0o777) == "0o600"
+    # the core publishes a policy for the node while it is out of contact: it arrives with the contact
+    version = f"day-{uuid.uuid4().hex[:8]}"
+    update = downlink.publish_update(store_for(stack, "ingest"), NODE, [
+        ("tiering", "policy", version, json.dumps({"version": version}).encode())])
+    since = datetime.now(UTC)
 
     sample_ids: list[str] = []
     with _node_running(layout, log) as proc:
@@ -195,12 +208,19 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
         _wait(lambda: _out_of_contact(log) >= 2, 20 * HOUR, "two drain attempts out of contact")
         day = _node_runs(layout)
 
+        box = node_outbox(layout.spool, NODE)
+        try:  # what the node raised out of contact, before the contact forwards (and removes) it
+            history = box.peek(10_000)
+        finally:
+            box.close()
         relay.up()  # contact: the next scheduled drain sends what waited
+        gw_relay.up()
         try:
             spool = Spool.from_block(EdgeNode(node_id=NODE, spool_dir=str(layout.spool), spool_cap_bytes=12_000_000))
             try:
                 waiting = {e.bundle_id for e in spool.pending()}
                 _wait(lambda: not spool.pending(), 12 * HOUR + 120, "the spool to drain after reconnection")
+                _wait(lambda: _outbox_empty(layout), 12 * HOUR + 120, "the outbox to be forwarded")
                 counts = spool.ledger.counts()
                 acked = {b for b in waiting if spool.is_acked(b)}
                 assert not spool.pending()
@@ -212,6 +232,7 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
                 spool.close()
         finally:
             relay.down()
+            gw_relay.down()
 
     text = log.read_text()
     ingested = [int(m) for m in re.findall(rf"node {NODE}: (\d+) samples in \d+ batches", text)]
@@ -229,11 +250,7 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
     assert counts.get((ledger.STAGE_SPOOL, ledger.TTL_EXPIRED), 0) + counts.get(
         (ledger.STAGE_SPOOL, ledger.FULL_DROPPED), 0) > 0, counts
     # ...and alerted locally: level-2 alerts in the node's outbox, in order, each at >= 85%
-    box = node_outbox(layout.spool, NODE)
-    try:
-        alerts = [e for e in box.peek(10_000) if e.event == events.SPOOL_WATERMARK]
-    finally:
-        box.close()
+    alerts = [e for e in history if e.event == events.SPOOL_WATERMARK]
     assert alerts, "no spool alert in the outbox"
     assert [a.seq for a in alerts] == sorted(a.seq for a in alerts)
     assert [a.occurred for a in alerts] == sorted(a.occurred for a in alerts)
@@ -255,8 +272,49 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
     assert len(in_bundles) == len(set(in_bundles)), "a sample landed twice"
     assert not set(in_bundles) & spool_dropped, "a sample both landed and dropped"
     assert set(in_bundles) | spool_dropped == set(sample_ids), len(set(sample_ids) - set(in_bundles) - spool_dropped)
-    # nothing of the node reached the central Prefect server
+    # nothing of the node's runs reached the central Prefect server...
     assert not _central_runs_tagged("node-local")
+    # ...but its history did, through the gateway after reconnection: in order, each event once
+    central = _central_node_events(stack, since)
+    seqs = [int(e["payload"]["seq"]) for e in central]
+    assert seqs == sorted(seqs) and len(seqs) == len(set(seqs)), seqs
+    by_seq = {int(e["payload"]["seq"]): e for e in central}
+    assert [a.seq for a in alerts] == [q for q in seqs if by_seq[q]["event"] == events.SPOOL_WATERMARK]
+    assert {e.seq for e in history} <= set(by_seq)  # everything raised out of contact, none lost
+    kinds = {e["event"] for e in central}
+    assert {events.SPOOL_WATERMARK, events.NODE_RUN_SUMMARY, events.LEDGER_COUNTS, events.LINK_STATS} <= kinds, kinds
+    # ...and the policy the core published meanwhile was applied at the contact, and reported back
+    assert downlink.current_generation(layout.spool) >= update.generation
+    assert any(e["event"] == downlink.APPLIED_EVENT for e in central), kinds
+
+
+def _outbox_empty(layout: NodeLayout) -> bool:
+    box = node_outbox(layout.spool, NODE)
+    try:
+        return len(box) == 0
+    finally:
+        box.close()
+
+
+def _central_node_events(stack: localstack.StackState, since: datetime) -> list[dict[str, object]]:
+    """The central Prefect's events of the node (resource edgehaul.node.<id>), oldest first, every page."""
+    import httpx
+
+    from tests.conftest import api_auth
+
+    api = stack.prefect_api_url
+    body = {"filter": {"resource": {"id": [f"edgehaul.node.{NODE}"]}, "occurred": {"since": since.isoformat()},
+                       "order": "ASC"}, "limit": 50}
+    r = httpx.post(f"{api}/events/filter", json=body, auth=api_auth(), timeout=30)
+    r.raise_for_status()
+    page = r.json()
+    out = list(page["events"])
+    while page.get("next_page"):
+        r = httpx.get(page["next_page"], auth=api_auth(), timeout=30)
+        r.raise_for_status()
+        page = r.json()
+        out += page["events"]
+    return out
 
 
 def _central_runs_tagged(tag: str) -> int:

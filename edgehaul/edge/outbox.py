@@ -142,3 +142,10 @@ class Outbox:
 def node_outbox(spool_dir: str | Path, node_id: str) -> Outbox:
     """The node's one outbox, `<spool_dir>/outbox.sqlite`: every writer on the node opens this one."""
     return Outbox(Path(spool_dir) / OUTBOX_FILE, node_id)
+
+
+def record_run(box: Outbox, flow: str, counts: dict[str, Any], ledger: dict[str, int]) -> None:
+    """A node-local run's summary and the node's ledger totals (stage/reason -> samples), for the centre:
+    what the node did while nobody was watching, forwarded with its alerts."""
+    box.append(events.NODE_RUN_SUMMARY, {"flow": flow, "node_id": box.node_id, **counts})
+    box.append(events.LEDGER_COUNTS, {"node_id": box.node_id, "totals": ledger})

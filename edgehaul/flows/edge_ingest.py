@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, model_validator
 from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import contract_by_id
 from edgehaul.edge.landsat import generate
+from edgehaul.edge.outbox import node_outbox, record_run
 from edgehaul.edge.preprocess import batch_key
 from edgehaul.edge.scoring import ContextualScorer
 from edgehaul.edge.spool import Spool
@@ -57,6 +58,8 @@ class EdgeIngestParams(BaseModel):
     contract: str = Field(default="landsat_patch.v1", description="Data contract id of the raw observations.")
     source: Literal["generate", "parquet"] = Field(default="generate", description="Generated patches or Parquet files.")
     source_path: str | None = Field(default=None, description="Folder of raw Parquet files (source=parquet).")
+    route_events_to_outbox: bool = Field(default=False, description="A node-local run: its summary and alerts go "
+                                         "to the node's outbox (forwarded when in contact), not to a Prefect API.")
     done_path: str | None = Field(
         default=None, description="source=parquet as a drop folder: files this run ingested move here at its end, "
         "and an empty folder is a run with nothing to do (a scheduled node); None: every file, every run.")
@@ -186,6 +189,15 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
         "ledger": {f"{s}/{r}": n for (s, r), n in ledger_counts.items()},
         "bundle_ids": [b["bundle_id"] for t in done for b in t.bundles], **report.summary(),
     }
+    if p.route_events_to_outbox:
+        box = node_outbox(node.spool_dir, node.node_id)
+        try:
+            record_run(box, "edge_ingest", {k: summary[k] for k in ("batches", "samples_in", "rejected", "bundles",
+                                                                   "bundles_refused", "pending", "expired",
+                                                                   "spool_used_fraction")},
+                       {f"{s}/{r}": n for (s, r), n in ledger_counts.items()})
+        finally:
+            box.close()
     logger.info("node %s: %d samples in %d batches, %d rejected, %d bundles, tiers %s, value/MB %.1f vs %.1f baseline",
                 node.node_id, n_in, len(done), sum(rejects.values()), summary["bundles"], report.samples,
                 report.value_per_mb, report.baseline_value_per_mb)

@@ -22,6 +22,11 @@ What it does, in order:
    (logged, counted in `backup_refusals`). `bytes_by_link` meters each link;
    Out of contact (the store does not answer one probe request; not probed with `contact_wait_s`):
    nothing is sent, the run completes at once with `out_of_contact` set, and the schedule tries again;
+   In contact, before any data: the node's outbox (alerts, run summaries, link statistics raised out of
+   contact) goes to the central gateway with the node's own key (`gateway_url`, `gateway_key_file`; in
+   order, exactly once), and what the core published for the node is fetched and applied (`downlink`);
+   the drain's own statistics are forwarded again at its end. A node-local run
+   (`route_events_to_outbox`) emits nothing straight to a Prefect API: everything goes through the outbox;
 4. publish metrics: an `edgehaul.link.stats` event and a table artifact (goodput, rate cap use,
    retransmissions, queue length per tier, capture-to-landed time per tier; by plan also the pass's
    capacity, planned vs sent bytes and value, and what the following passes are planned to carry).
@@ -36,16 +41,22 @@ writers, and the deployment should set a concurrency limit of 1).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prefect import flow, get_run_logger
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from edgehaul import events
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
+from edgehaul.edge.outbox import node_outbox, record_run
+from edgehaul.edge.spool import Spool
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_POLICY, EXAMPLE_NODE, node_store
+from edgehaul.tasks.downlink import sync_downlink
+from edgehaul.tasks.forwarding import forward_node_events
 from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, probe_contact, publish_link_stats
 from edgehaul.uplink.pass_plan import load_passes
 
@@ -66,6 +77,22 @@ class UplinkDrainParams(BaseModel):
                                       "None: the EdgeNode block's pass_schedule.")
     backup_link_profile: str | None = Field(default=None, min_length=1, description="LinkProfile block of the "
                                             "node's backup link (urgent bundles only, within its budget); None: none.")
+    route_events_to_outbox: bool = Field(default=False, description="A node-local run: the node's events go to "
+                                         "its outbox (forwarded to the gateway), never straight to a Prefect API.")
+    gateway_url: str | None = Field(default=None, min_length=1, description="Central gateway the node forwards its "
+                                    "outbox to when in contact (control traffic, before data); None: no forwarding.")
+    gateway_key_file: str | None = Field(default=None, min_length=1, description="The node's own gateway key "
+                                         "(0600 file, 'whsec_...').")
+    gateway_sender: str | None = Field(default=None, min_length=1, description="Sender id of that key; None: the "
+                                       "node id.")
+    downlink: bool = Field(default=False, description="When in contact, fetch and apply what the core published "
+                                                      "for this node (models, policies, contracts).")
+
+    @model_validator(mode="after")
+    def _gateway_needs_a_key(self) -> UplinkDrainParams:
+        if self.gateway_url and not self.gateway_key_file:
+            raise ValueError("gateway_url needs gateway_key_file (the node's own gateway key)")
+        return self
 
 
 @flow(name="uplink_drain",
@@ -84,21 +111,38 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
     passes = load_passes(schedule) if p.by_plan and schedule else None
     backup = (load_block(LinkProfile, p.backup_link_profile, param="backup_link_profile")
               if p.backup_link_profile else None)
-    with run_logging.for_node(node.node_id):  # the node on every domain log line of its drain
+    box = node_outbox(node.spool_dir, node.node_id) if p.route_events_to_outbox else None
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(run_logging.for_node(node.node_id))  # the node on every domain log line of its drain
+        if box is not None:
+            scope.callback(box.close)
+            scope.enter_context(events.routed(box.sink()))
         expired = expire_retries(node)
         # a drain told to wait for a contact window expects the store out of reach until the window opens
         if not p.contact_wait_s and (down := probe_contact(store)) is not None:
             logger.info("node %s: store out of reach, nothing sent; %d bundles wait (%s)", node.node_id,
                         expired["spool_pending"], down)
             return {"out_of_contact": down, "bundles_landed": 0, **expired}
+        forwarded = _forward(p, node) if p.gateway_url else None  # control traffic first
+        synced = sync_downlink(store, node) if p.downlink else None
         aborted = abort_orphans(store, profile, node, p.orphan_age_s)
         metrics = drain_spool(
             store, profile, node, max_seconds=p.max_seconds, max_active=p.max_active, simulate=p.simulate,
             seed=p.seed, contact_wait_s=p.contact_wait_s, passes=passes, backup=backup,
         )
-    metrics["orphans_aborted"] = aborted
-    metrics.update(expired)
-    publish_link_stats(node.node_id, metrics)
+        metrics["orphans_aborted"] = aborted
+        metrics.update(expired)
+        publish_link_stats(node.node_id, metrics)
+        if box is not None:
+            record_run(box, "uplink_drain", {k: metrics.get(k) for k in (
+                "bundles_landed", "bytes_landed", "bundles_failed", "retry_queue", "retry_expired", "ttl_expired",
+                "orphans_aborted")}, _ledger_totals(node))
+        if p.gateway_url:  # this drain's own statistics, in the same contact
+            after = _forward(p, node)
+            metrics["events_forwarded"] = (forwarded or {}).get("events", 0) + after.get("events", 0)
+            metrics["events_left"] = after.get("left", 0)
+        if synced is not None:
+            metrics["downlink"] = synced
     logger.info(
         "node %s: %d bundles landed, goodput %.0f bit/s (%.0f%% of cap), %d in retry queue, %d orphans aborted",
         node.node_id, metrics["bundles_landed"], metrics["goodput_bps"], 100 * metrics["rate_cap_use"],
@@ -110,3 +154,19 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
                     pp.get("planned_bytes", 0) + pp.get("planned_overhead_bytes", 0), pp.get("sent_value", 0.0),
                     pp.get("planned_value", 0.0))
     return metrics
+
+
+def _forward(p: UplinkDrainParams, node: EdgeNode) -> dict[str, Any]:
+    out = forward_node_events(node, str(p.gateway_url), str(p.gateway_key_file), sender_id=p.gateway_sender)
+    if out["error"]:
+        get_run_logger().info("node %s: %d events forwarded, %d wait (%s)", node.node_id, out["events"], out["left"],
+                              out["error"])
+    return out
+
+
+def _ledger_totals(node: EdgeNode) -> dict[str, int]:
+    spool = Spool.from_block(node)
+    try:
+        return {f"{s}/{r}": n for (s, r), n in spool.ledger.counts().items()}
+    finally:
+        spool.close()

@@ -15,25 +15,18 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from edgehaul.blocks import EdgeNode
-from edgehaul.edge.outbox import Outbox
+from edgehaul.edge.outbox import node_outbox
 from edgehaul.uplink.forwarder import Forwarder
 from edgehaul.uplink.link import Link
 
 log = logging.getLogger(__name__)
-
-OUTBOX_FILE = "outbox.sqlite"  # in the node's spool folder, beside its ledger
-
-
-def node_outbox_path(node: EdgeNode) -> Path:
-    return Path(node.spool_dir) / OUTBOX_FILE
-
 
 @task(name="forward-node-events", cache_policy=NO_CACHE)
 def forward_node_events(node: EdgeNode, gateway_url: str, key_file: str, *, sender_id: str | None = None,
                         link: Link | None = None, max_batches: int = 1_000) -> dict[str, Any]:
     """Send the node's outbox to `gateway_url` as the node (its key in the 0600 `key_file`), over `link`
     when given (same cap as data, ahead of it). Returns what was sent and what is left."""
-    box = Outbox(node_outbox_path(node), node.node_id)
+    box = node_outbox(node.spool_dir, node.node_id)
     try:
         fw = Forwarder.to_gateway(box, gateway_url, Path(key_file), sender_id=sender_id, link=link)
         try:
