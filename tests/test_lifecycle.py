@@ -102,6 +102,12 @@ def _sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+def _as_landing_writer(stack: object, store: ObjectStore) -> ObjectStore:
+    """Landing data is written by nodes (and the operator), never by the lifecycle identity (write-once landing):
+    test objects under `store`'s prefix come from the operator's identity."""
+    return store_for(stack, prefix=store.prefix)  # type: ignore[arg-type]
+
+
 def _put_raw(store: ObjectStore, n: int, size: int = 140 * KiB) -> dict[str, str]:
     s3 = store.client()
     out = {}
@@ -144,7 +150,7 @@ def test_interrupted_move_leaves_one_authoritative_copy_and_rerun_finishes(stack
     n = 3
     for crash_at in range(2 * n + 1):  # every point between copy, verify, delete of every object, and none
         store = _fresh_store(stack, "lifecycle")
-        want = _put_raw(store, n)
+        want = _put_raw(_as_landing_writer(stack, store), n)
         calls = []
 
         def hook(step: str, a: lc.Action, crash_at: int = crash_at, calls: list = calls) -> None:
@@ -193,7 +199,7 @@ def test_large_objects_move_by_multipart_copy(stack: object) -> None:
 def test_minimum_size_and_duration_rules_with_injected_time(stack: object) -> None:
     store = _fresh_store(stack)
     s3 = store.client()
-    big = _put_raw(store, 1)
+    big = _put_raw(_as_landing_writer(stack, store), 1)
     small_key = store.key("landing", "node-a/2026-01-01/small.parquet")
     s3.put_object(Bucket=store.bucket("landing"), Key=small_key, Body=os.urandom(20 * KiB))
     policy = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=35)])
@@ -224,7 +230,7 @@ def test_minimum_size_and_duration_rules_with_injected_time(stack: object) -> No
 @pytest.mark.integration
 def test_last_use_keeps_recently_read_objects_hot(stack: object) -> None:
     store = _fresh_store(stack)
-    keys = list(_put_raw(store, 2))
+    keys = list(_put_raw(_as_landing_writer(stack, store), 2))
     policy = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=None, cold_if_unused_days=14)])
     now = datetime.now(UTC) + timedelta(days=20)
     lc.record_access(store, at=now - timedelta(days=3), reader="eval-run-7", bucket=store.bucket("landing"),
@@ -336,7 +342,7 @@ def test_lifecycle_flow_dry_run_then_moves_and_meters_its_requests(stack: object
     from edgehaul.ops.costs import usage_records
 
     store = _fresh_store(stack, "lifecycle")
-    want = _put_raw(store, 3)
+    want = _put_raw(_as_landing_writer(stack, store), 3)
     name = f"t-{uuid.uuid4().hex[:10]}"
     store.save(name)  # the lifecycle identity: its grants suffice (incl. the ops bucket)
     RAW_POLICY.save(name)
@@ -359,12 +365,13 @@ def test_lifecycle_flow_dry_run_then_moves_and_meters_its_requests(stack: object
 @pytest.mark.integration
 def test_object_rewritten_after_plan_is_left_alone_and_batch_closes(stack: object) -> None:
     store = _fresh_store(stack, "lifecycle")
-    (key, _), (gone, _) = _put_raw(store, 2).items()
+    (key, _), (gone, _) = _put_raw(_as_landing_writer(stack, store), 2).items()
     now = datetime.now(UTC) + timedelta(days=31)
     p = lc.plan(store, RAW_POLICY, now)
     new = os.urandom(150 * KiB)
-    store.client().put_object(Bucket=store.bucket("landing"), Key=key, Body=new)
-    store.client().delete_object(Bucket=store.bucket("landing"), Key=gone)
+    operator = _as_landing_writer(stack, store).client()  # someone else changes landing after the plan
+    operator.put_object(Bucket=store.bucket("landing"), Key=key, Body=new)
+    operator.delete_object(Bucket=store.bucket("landing"), Key=gone)
     res = lc.run_batch(store, p.actions, now)
     assert res.done == {"skipped: changed since planned": 1, "skipped: source gone": 1} and not res.errors
     assert not lc.pending_batches(store)

@@ -36,7 +36,8 @@ def store_to_public(store: ObjectStore) -> dict[str, Any]:
 def store_from_public(fields: dict[str, Any]) -> ObjectStore:
     # the keys travel in the child's environment (child_env), never in the config file
     extra: dict[str, Any] = {}
-    if creds := get_settings().aws_credentials():
+    names_its_keys = fields.get("credentials_file") or fields.get("credentials_from_environment")
+    if not names_its_keys and (creds := get_settings().aws_credentials()):
         extra = {"access_key_id": creds[0], "secret_access_key": creds[1]}
     return ObjectStore(**{k: v for k, v in fields.items() if k not in SECRET_FIELDS}, **extra)
 
