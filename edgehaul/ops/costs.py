@@ -165,30 +165,39 @@ def _manifests(s3: S3Client, store: ObjectStore) -> list[tuple[datetime, str]]:
 
 
 def _read_json(s3: S3Client, bucket: str, key: str) -> dict[str, Any]:
-    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    return _read_json_and_metadata(s3, bucket, key)[0]
+
+
+def _read_json_and_metadata(s3: S3Client, bucket: str, key: str) -> tuple[dict[str, Any], dict[str, str]]:
+    resp = s3.get_object(Bucket=bucket, Key=key)
+    body = resp["Body"].read()
     try:
         doc = json.loads(body)
     except json.JSONDecodeError as e:
         raise MeteringError(f"s3://{bucket}/{key}: not JSON ({e})") from e
     if not isinstance(doc, dict):
         raise MeteringError(f"s3://{bucket}/{key}: expected a JSON object")
-    return doc
+    return doc, dict(resp.get("Metadata") or {})
 
 
 def meter_uplink(s3: S3Client, store: ObjectStore, start: datetime, end: datetime) -> list[dict[str, Any]]:
-    """Per node and team: bundles and bytes that arrived in [start, end)."""
-    acc: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    """Per node and team: bundles and bytes that arrived in [start, end), and of those bytes how many the
+    backup link carried (the `link` metadata the uplink writes on each manifest object)."""
+    acc: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     for at, key in _manifests(s3, store):
         if not start <= at < end:
             continue
-        m = _read_json(s3, store.bucket("landing"), key)
+        m, meta = _read_json_and_metadata(s3, store.bucket("landing"), key)
         try:
             node, team, nbytes = str(m["node_id"]), str(m.get("team") or SHARED), int(m["nbytes"])
         except (KeyError, ValueError) as e:
             raise MeteringError(f"s3://{store.bucket('landing')}/{key}: manifest lacks {e}") from e
         acc[(node, team)][0] += 1
         acc[(node, team)][1] += nbytes
-    return [{"node": n, "team": t, "bundles": v[0], "bytes": v[1]} for (n, t), v in sorted(acc.items())]
+        if meta.get("link") == "backup":
+            acc[(node, team)][2] += nbytes
+    return [{"node": n, "team": t, "bundles": v[0], "bytes": v[1], "backup_bytes": v[2]}
+            for (n, t), v in sorted(acc.items())]
 
 
 @dataclass
@@ -262,24 +271,9 @@ def meter_accelerators(lineages: list[dict[str, Any]], start: datetime, end: dat
     return [{"team": t, "runs": int(v[0]), "hours": v[1]} for t, v in sorted(acc.items())]
 
 
-def link_usage(receipts: Sequence[Any], node: str, *, at: datetime) -> list[UsageRecord]:
-    """Usage records (per team) for the bytes a drain sent over the backup link; primary bytes are
-    metered from the landing manifests, which every bundle has whichever link carried it."""
-    acc: dict[str, int] = defaultdict(int)
-    for r in receipts:
-        if r.link == "backup" and not r.already_present:
-            acc[r.team or SHARED] += int(r.nbytes)
-    return [UsageRecord(at=at, meter="uplink_backup", quantity=n, unit="bytes", team=t, node=node,
-                        source="uplink_drain") for t, n in sorted(acc.items()) if n]
-
-
-def meter_backup_uplink(records: list[UsageRecord]) -> list[dict[str, Any]]:
-    """Per node and team: bytes that went over the backup link."""
-    acc: dict[tuple[str, str], float] = defaultdict(float)
-    for r in records:
-        if r.meter == "uplink_backup":
-            acc[(r.node, r.team)] += r.quantity
-    return [{"node": n, "team": t, "bytes": int(q)} for (n, t), q in sorted(acc.items())]
+def meter_backup_uplink(uplink: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per node and team: the landed bytes the backup link carried (from `meter_uplink`)."""
+    return [{"node": u["node"], "team": u["team"], "bytes": u["backup_bytes"]} for u in uplink if u.get("backup_bytes")]
 
 
 def meter_requests(records: list[UsageRecord]) -> list[dict[str, Any]]:
@@ -369,9 +363,10 @@ def build_report(
     lineages = model_lineages(s3, store)
     teams = team_map(s3, store, lineages)
     records = usage_records(s3, store, start, end)
+    uplink = meter_uplink(s3, store, start, end)
     return price(
-        month, prices, meter_uplink(s3, store, start, end), meter_storage(s3, store, teams),
-        meter_accelerators(lineages, start, end), meter_requests(records), now, meter_backup_uplink(records),
+        month, prices, uplink, meter_storage(s3, store, teams),
+        meter_accelerators(lineages, start, end), meter_requests(records), now, meter_backup_uplink(uplink),
     )
 
 

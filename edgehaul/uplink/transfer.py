@@ -147,8 +147,10 @@ class Uplink:
     def key_of(self, manifest: BundleManifest) -> str:
         return self.store.key("landing", manifest.object_key)
 
-    def send(self, data: bytes, manifest: BundleManifest, *, priority: Priority | None = None) -> Receipt:
-        """Land one bundle (idempotent); raises UplinkError or the underlying boto error."""
+    def send(self, data: bytes, manifest: BundleManifest, *, priority: Priority | None = None,
+             link: str = "primary") -> Receipt:
+        """Land one bundle (idempotent); raises UplinkError or the underlying boto error. `link` names the
+        link that carries it, recorded on its manifest object (the cost report meters each link)."""
         t0 = time.monotonic()
         if len(data) != manifest.nbytes or hashlib.sha256(data).hexdigest() != manifest.sha256:
             raise UplinkError(f"bundle {manifest.bundle_id}: bytes do not match the manifest (spool corrupt?)",
@@ -160,7 +162,7 @@ class Uplink:
         r = Receipt(
             bundle_id=manifest.bundle_id, bucket=self.bucket, key=key,
             manifest_key=self.store.key("landing", manifest.manifest_key), sha256=manifest.sha256,
-            nbytes=manifest.nbytes, tier=manifest.tier, rows=manifest.row_count, team=manifest.team,
+            nbytes=manifest.nbytes, tier=manifest.tier, rows=manifest.row_count, team=manifest.team, link=link,
         )
         small = manifest.nbytes < self.profile.multipart_threshold_bytes
         # HEAD first saves re-sending the bytes of a bundle that already landed (a crash between
@@ -486,7 +488,7 @@ class Uplink:
                 resp = self.client.put_object(
                     Bucket=self.bucket, Key=manifest_key, Body=self.link.body(body, prio), ChecksumSHA256=checksum,
                     ContentMD5=_b64(md5), IfNoneMatch="*", ContentType="application/json",
-                    Metadata={"bundle-id": m.bundle_id, "sha256": m.sha256},
+                    Metadata={"bundle-id": m.bundle_id, "sha256": m.sha256, "link": r.link},
                 )
             except ClientError as e:
                 if not s3compat.is_precondition_failed(e):
@@ -753,8 +755,7 @@ class Drainer:
     def _transfer(self, e: Any) -> Receipt:
         data = self.source.read(e.bundle_id)
         if self.backup is not None and _tier(e) == "high" and not self.uplink.link.is_up() and self._take_backup(e):
-            r = self.backup.send(data, e.manifest, priority=self._shaper_priority(e))
-            r.link = "backup"
+            r = self.backup.send(data, e.manifest, priority=self._shaper_priority(e), link="backup")
             return r
         # Primary down and no backup for this one: send raises LinkDown and the bundle is retried later.
         return self.uplink.send(data, e.manifest, priority=self._shaper_priority(e))
