@@ -2,7 +2,9 @@
 
 Meters (one source each, so nothing is counted twice):
 - uplink bytes per node and team: landing manifests (`nbytes`, `node_id`, `team`) whose object arrived
-  (LastModified) in the month; the lifecycle never moves manifests, so they stay countable;
+  (LastModified) in the month; the lifecycle never moves manifests, so they stay countable. Bytes
+  whose manifest object says `link: backup` (metadata written by the uplink) are billed as `uplink_backup`
+  at the backup link's price, the rest as `uplink`;
 - storage bytes per class and team: a listing of every zone bucket under the store prefix (Size,
   StorageClass). Team: landing and quarantine objects by their node (node -> team from its latest
   manifest), `models/<name>/<id>/` by that model's lineage, cold copies like their source; anything
