@@ -229,3 +229,33 @@ def test_operator_commands_publish_sync_and_status(stack: localstack.StackState,
     with pytest.raises(SystemExit, match="2"):  # nothing named to send: a usage error, nothing published
         main(["downlink", "publish", "--node", "node-a", "--store-block", f"dl-core-{tag}"])
     assert "nothing to send" in capsys.readouterr().err
+
+
+def test_edge_ingest_tiers_with_the_downlinked_policy(stack: localstack.StackState, tmp_path: Path) -> None:
+    """A changed tiering policy published by the core is what the node's next ingest uses (recorded in
+    every bundle's manifest), once it has been applied; before that, the node's own block."""
+    import uuid
+
+    from edgehaul.edge.spool import Spool
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+
+    version = f"dl-{uuid.uuid4().hex[:8]}"
+    spool_dir = tmp_path / "spool"
+    params = EdgeIngestParams(edge_node=None, node_id="node-a", spool_dir=str(spool_dir), n_samples=300,
+                              batch_size=300, result_storage=None, seed=11)
+
+    def versions() -> set[str]:
+        spool = Spool(spool_dir, cap_bytes=2**30, emit=lambda *a, **k: True)
+        try:
+            return {e.manifest.policy_version for e in spool.pending() + spool.raw_entries()}
+        finally:
+            spool.close()
+
+    edge_ingest(params)
+    before = versions()
+    assert before and version not in before
+    downlink.publish_update(store_for(stack, "ingest"), "node-a", [
+        ("tiering", "policy", version, json.dumps({"version": version, "high_threshold": 0.9}).encode())])
+    assert downlink.sync(store_for(stack, "node-a"), "node-a", spool_dir).applied
+    edge_ingest(params.model_copy(update={"seed": 12, "refresh_cache": True}))
+    assert version in versions() - before

@@ -54,10 +54,18 @@ class ScorerContext:
 ScorerFactory = Callable[[ScorerContext], Scorer]
 
 
+# The shipped scorers, also registered in pyproject.toml: known without the package's metadata (a checkout
+# on PYTHONPATH, a stale editable install), so the default policy always works.
+BUILTIN = {name: EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP) for name, value in (
+    ("novelty", "edgehaul.edge.scoring:NoveltyScorer.from_context"),
+    ("model", "edgehaul.edge.model_scorer:from_context"))}
+
+
 @cache
 def available_scorers() -> dict[str, EntryPoint]:
-    """Registered scorers by name (entry point group `edgehaul.scorers`), read once per process."""
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    """Scorers by name: the shipped ones, then those registered under the entry point group `edgehaul.scorers`
+    by installed packages (read once per process)."""
+    return {**BUILTIN, **{ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}}
 
 
 def check_scorer_name(name: str) -> str:

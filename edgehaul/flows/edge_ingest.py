@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field, model_validator
 
+from edgehaul import downlink
 from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import contract_by_id
 from edgehaul.edge.landsat import generate
@@ -108,6 +109,11 @@ def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore 
     else:
         node = EdgeNode(node_id=cast(str, p.node_id), spool_dir=cast(str, p.spool_dir), spool_cap_bytes=p.spool_cap_bytes)
     policy = load_block(TieringPolicy, p.tiering_policy, param="tiering_policy") if p.tiering_policy else TieringPolicy()
+    if (f := downlink.current_file(Path(node.spool_dir), "policy", "tiering")) is not None:
+        # the core's policy for this node, downlinked and verified: it wins over the node's own block
+        policy = TieringPolicy.model_validate_json(f.read_bytes())
+        get_run_logger().info("node %s: tiering policy %s from the downlink (%s)", node.node_id, policy.version,
+                              f.parent.name)
     store = load_block(ObjectStore, p.object_store, param="object_store") if p.object_store else None
     return node, policy, store
 
