@@ -308,7 +308,7 @@ def deployments(cfg: NodeConfig, layout: NodeLayout) -> list[Any]:
     from edgehaul.flows.uplink_drain import uplink_drain
 
     ingest = {"edge_node": cfg.node_id, "tiering_policy": DEFAULT_POLICY, "contract": cfg.contract,
-              "source": "parquet", "source_path": str(layout.drop), "done_path": str(layout.done),
+              "source": "drop", "source_path": str(layout.drop), "done_path": str(layout.done),
               "batch_size": cfg.batch_size}
     drain: dict[str, Any] = {"edge_node": cfg.node_id, "link_profile": DEFAULT_POLICY, "route_events_to_outbox": True,
                              "downlink": cfg.downlink, **cfg.drain}

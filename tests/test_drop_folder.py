@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,7 +33,8 @@ class Clock:
 
 
 def _raw(n: int = 60, seed: int = 1) -> pa.Table:
-    return next(generate(n, "node-a", seed=seed, batch_size=n))
+    """A file's observations: the same seed, the same content; another seed, other sample ids."""
+    return next(generate(n, "node-a", seed=seed, batch_size=n, start_seq=seed * 10_000))
 
 
 def _write(t: pa.Table, path: Path, fmt: str) -> None:
@@ -190,3 +192,35 @@ def test_every_distinct_content_is_read_exactly_once(tmp_path_factory: pytest.Te
 def test_partial_names() -> None:
     assert all(map(is_partial_name, [".x.parquet", "~x.csv", "x.csv.tmp", "x.PART", "x.parquet.inprogress"]))
     assert not any(map(is_partial_name, ["x.parquet", "x.csv", "tmp.arrow"]))
+
+
+@pytest.mark.integration
+def test_edge_ingest_reads_a_drop_folder_once(stack: object, tmp_path: Path) -> None:
+    """The flow on a node's drop folder: two formats read, a file still being written left alone, nothing read
+    twice by the next run, every sample spooled once."""
+    from edgehaul.edge.spool import Spool
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+
+    drop, done = tmp_path / "drop", tmp_path / "done"
+    drop.mkdir()
+    a, b, c = _raw(120, seed=31), _raw(80, seed=32), _raw(50, seed=33)
+    _write(a, drop / "a.parquet", "parquet")
+    _write(b, drop / "b.csv", "csv")
+    _write(c, drop / "c.arrow.part", "ipc-file")  # the instrument is still writing it
+    for p in drop.iterdir():
+        os.utime(p, (p.stat().st_mtime - 60, p.stat().st_mtime - 60))
+    params = EdgeIngestParams(edge_node=None, node_id="node-a", spool_dir=str(tmp_path / "spool"), source="drop",
+                              source_path=str(drop), done_path=str(done), batch_size=100, result_storage=None)
+    first = edge_ingest(params)
+    assert first["samples_in"] == 200 and {p.name for p in done.iterdir()} == {"a.parquet", "b.csv"}
+    (drop / "c.arrow.part").rename(drop / "c.arrow")
+    os.utime(drop / "c.arrow", (time.time() - 60, time.time() - 60))
+    assert edge_ingest(params)["samples_in"] == 50  # only the file that was finished since
+    assert edge_ingest(params)["samples_in"] == 0
+    spool = Spool(tmp_path / "spool", cap_bytes=2**30, emit=lambda *a, **k: True)
+    try:
+        held = [i for e in spool.pending() + spool.raw_entries() for i in e.manifest.sample_ids]
+    finally:
+        spool.close()
+    want = [i for t in (a, b, c) for i in t.column("sample_id").to_pylist()]
+    assert sorted(set(held)) == sorted(want)

@@ -33,7 +33,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from edgehaul import downlink
 from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
-from edgehaul.contracts import contract_by_id
+from edgehaul.contracts import Contract, contract_by_id
+from edgehaul.edge.drop_folder import DropFile, DropFolder
 from edgehaul.edge.landsat import generate
 from edgehaul.edge.outbox import node_outbox, record_run
 from edgehaul.edge.preprocess import batch_key
@@ -57,13 +58,16 @@ class EdgeIngestParams(BaseModel):
     tiering_policy: str | None = Field(default=None, description="TieringPolicy block name; None: the default policy.")
     object_store: str | None = Field(default=None, description="ObjectStore block for the model scorer.")
     contract: str = Field(default="landsat_patch.v1", description="Data contract id of the raw observations.")
-    source: Literal["generate", "parquet"] = Field(default="generate", description="Generated patches or Parquet files.")
-    source_path: str | None = Field(default=None, description="Folder of raw Parquet files (source=parquet).")
+    source: Literal["generate", "parquet", "drop"] = Field(
+        default="generate", description="generate: Landsat demo patches; parquet: every Parquet file of a folder, "
+        "every run; drop: an instrument's drop folder (Parquet, Arrow IPC, CSV; each file once, then to done_path).")
+    source_path: str | None = Field(default=None, description="The folder (source=parquet or drop).")
+    settle_s: float = Field(default=5.0, ge=0, le=3600, description="source=drop: a file modified more recently "
+                            "than this may still be written: it waits for the next run.")
     route_events_to_outbox: bool = Field(default=False, description="A node-local run: its summary and alerts go "
                                          "to the node's outbox (forwarded when in contact), not to a Prefect API.")
-    done_path: str | None = Field(
-        default=None, description="source=parquet as a drop folder: files this run ingested move here at its end, "
-        "and an empty folder is a run with nothing to do (a scheduled node); None: every file, every run.")
+    done_path: str | None = Field(default=None, description="source=drop: where read files go (beside it, "
+                                  "`rejected/` for unknown formats); the read-once log is in the spool.")
     n_samples: int = Field(default=10_000, ge=1, le=100_000_000, description="Samples to generate.")
     batch_size: int = Field(default=50_000, ge=100, le=200_000, description="Samples per raw batch (one task run each).")
     seed: int = Field(default=0, ge=0, description="Generator seed.")
@@ -78,29 +82,43 @@ class EdgeIngestParams(BaseModel):
     def _check(self) -> EdgeIngestParams:
         if not self.edge_node and not (self.node_id and self.spool_dir):
             raise ValueError("set edge_node (a block name) or both node_id and spool_dir")
-        if self.source == "parquet" and not self.source_path:
-            raise ValueError("source 'parquet' needs source_path")
+        if self.source in ("parquet", "drop") and not self.source_path:
+            raise ValueError(f"source {self.source!r} needs source_path")
+        if self.source == "drop" and not self.done_path:
+            raise ValueError("source 'drop' needs done_path")
         return self
 
 
-def _source_files(p: EdgeIngestParams) -> list[Path]:
-    """The Parquet files this run reads, listed once: a file dropped during the run waits for the next."""
-    if p.source != "parquet":
-        return []
-    files = sorted(Path(cast(str, p.source_path)).glob("*.parquet"))
-    if not files and not p.done_path:
-        raise FileNotFoundError(f"no *.parquet files in {p.source_path}")
-    return files
-
-
-def _raw_batches(p: EdgeIngestParams, node_id: str, files: list[Path]) -> Iterator[pa.Table]:
+def _raw_batches(p: EdgeIngestParams, node_id: str, drop: DropFolder | None, contract: Contract
+                 ) -> Iterator[tuple[pa.Table, tuple[DropFile, int] | None]]:
+    """Raw batches; with a drop folder, the last batch of each file carries (file, its rows) so the caller
+    records the file as read only once all of it is spooled."""
     if p.source == "generate":
-        yield from generate(p.n_samples, node_id, seed=p.seed, class_weights=p.class_weights, start_seq=p.start_seq,
-                            batch_size=p.batch_size)
+        for t in generate(p.n_samples, node_id, seed=p.seed, class_weights=p.class_weights, start_seq=p.start_seq,
+                          batch_size=p.batch_size):
+            yield t, None
         return
-    for f in files:
-        for rb in pq.ParquetFile(f).iter_batches(batch_size=p.batch_size):
-            yield pa.Table.from_batches([rb])
+    if drop is not None:
+        claimed = drop.claim()  # listed once: a file dropped during the run waits for the next
+        if claimed.waiting or claimed.duplicates or claimed.rejected:
+            get_run_logger().info("drop folder: %d files to read, %d still being written, %d already read, "
+                                  "%d rejected %s", len(claimed.files), len(claimed.waiting),
+                                  len(claimed.duplicates), len(claimed.rejected), claimed.rejected or "")
+        for f in claimed.files:
+            batches = [b for b in drop.read(f, contract, p.batch_size) if b.num_rows]
+            if not batches:  # an empty file: read, nothing to spool
+                drop.mark_read(f, 0)
+                continue
+            rows = sum(b.num_rows for b in batches)
+            for j, b in enumerate(batches):
+                yield b, ((f, rows) if j == len(batches) - 1 else None)
+        return
+    files = sorted(Path(cast(str, p.source_path)).glob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no *.parquet files in {p.source_path}")
+    for path in files:
+        for rb in pq.ParquetFile(path).iter_batches(batch_size=p.batch_size):
+            yield pa.Table.from_batches([rb]), None
 
 
 def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore | None]:
@@ -140,12 +158,14 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     first = make_scorer(policy, node, contract, store)
     fixed_version = None if isinstance(first, ContextualScorer) else first.version
     done: list[EdgeBatch] = []
-    files = _source_files(p)
+    drop = (DropFolder(cast(str, p.source_path), cast(str, p.done_path), node.spool_dir, settle_s=p.settle_s)
+            if p.source == "drop" else None)
+    files_read = 0
     # the progress artifact moves every 10%: an API call each, not one per batch on long runs
     with run_logging.for_node(node.node_id), Progress(
             f"edge-ingest-{node.node_id}-progress", total=expected,
             description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
-        for i, raw in enumerate(_raw_batches(p, node.node_id, files)):
+        for i, (raw, file_done) in enumerate(_raw_batches(p, node.node_id, drop, contract)):
             raw_key, hashes = batch_key(raw)
             version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store,
                                                   contract)
@@ -156,15 +176,19 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
                     raw, raw_key, contract.id, policy, node, version, store, hashes)
             del raw, hashes
             done.append(res)
+            if drop is not None and file_done is not None:  # all of the file is spooled: it is read
+                read_file, n_rows = file_done
+                if drop.unchanged(read_file):
+                    drop.mark_read(read_file, n_rows)
+                    files_read += 1
+                else:  # written to while read: read again next run (the core drops re-sent sample ids)
+                    logger.warning("drop file %s changed while it was read; it is read again next run",
+                                   read_file.path.name)
             if expected:  # a folder source has no known total: the artifact shows 100% at the end
                 progress.advance()
-    if p.done_path and files:
-        # only after every batch is spooled: a run that dies re-reads its files (cached, idempotent on bundle id)
-        done_dir = Path(p.done_path)
-        done_dir.mkdir(parents=True, exist_ok=True)
-        for f in files:
-            f.replace(done_dir / f.name)
-        logger.info("moved %d ingested files to %s", len(files), done_dir)
+    if drop is not None:
+        drop.close()
+        logger.info("drop folder: %d files read and moved to %s", files_read, p.done_path)
 
     spool = Spool.from_block(node)
     try:
