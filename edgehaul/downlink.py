@@ -307,3 +307,30 @@ def _fetch(s3: S3Client, bucket: str, key: str, item: Item, where: str) -> bytes
         raise DownlinkError(f"{where}: {item.kind} {item.name}: content says version {stated!r}, "
                             f"update says {item.version!r}")
     return data
+
+
+def install_contracts(state_dir: Path, contracts_dir: Path) -> list[str]:
+    """Copy the contracts of the generation in force into the folder the node's runs read contracts from.
+    A contract id names fixed content: an id already there with other bytes is refused (a new content is a
+    new version), never overwritten. Each file appears whole (written beside, then renamed). Returns the
+    ids installed now."""
+    cur = root(state_dir) / "current"
+    if not cur.exists():
+        return []
+    up = Update.parse((cur / "update.json").read_bytes(), str(cur))
+    done = []
+    for item in up.items:
+        if item.kind != "contract":
+            continue
+        data = (cur / item.filename).read_bytes()
+        dest = Path(contracts_dir) / f"{item.name}.yaml"
+        if dest.exists():
+            if dest.read_bytes() != data:
+                raise DownlinkError(f"contract {item.name} in {contracts_dir} differs from the downlinked one "
+                                    f"(generation {up.generation}): a changed contract needs a new version")
+            continue
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+        done.append(item.name)
+    return done

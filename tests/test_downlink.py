@@ -259,3 +259,24 @@ def test_edge_ingest_tiers_with_the_downlinked_policy(stack: localstack.StackSta
     assert downlink.sync(store_for(stack, "node-a"), "node-a", spool_dir).applied
     edge_ingest(params.model_copy(update={"seed": 12, "refresh_cache": True}))
     assert version in versions() - before
+
+
+def test_a_downlinked_contract_version_becomes_readable_and_is_never_rewritten(
+        stack: localstack.StackState, tmp_path: Path) -> None:
+    from edgehaul.contracts import load_contract
+
+    core, node = store_for(stack, "ingest"), store_for(stack, "node-a")
+    contracts = tmp_path / "contracts"
+    contracts.mkdir()
+    v2 = CONTRACT.replace(b"version: 1", b"version: 2", 1)
+    downlink.publish_update(core, "node-a", [("landsat_patch.v2", "contract", "landsat_patch.v2", v2)])
+    assert downlink.sync(node, "node-a", tmp_path / "state").applied
+    assert "landsat_patch.v2" in downlink.install_contracts(tmp_path / "state", contracts)
+    assert load_contract("landsat_patch", 2, directory=contracts).id == "landsat_patch.v2"
+    assert downlink.install_contracts(tmp_path / "state", contracts) == []  # already there: nothing to do
+    changed = v2.replace(b"16x16 px patches", b"16x16 pixel patches", 1)
+    downlink.publish_update(core, "node-a", [("landsat_patch.v2", "contract", "landsat_patch.v2", changed)])
+    assert downlink.sync(node, "node-a", tmp_path / "state").applied
+    with pytest.raises(DownlinkError, match="differs from the downlinked one"):
+        downlink.install_contracts(tmp_path / "state", contracts)
+    assert (contracts / "landsat_patch.v2.yaml").read_bytes() == v2

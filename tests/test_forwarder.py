@@ -277,3 +277,36 @@ def test_the_task_forwards_through_the_stacks_gateway_process(stack: localstack.
     (ev,) = _node_events(stack.prefect_api_url, node, 1)
     assert ev["event"] == events.SPOOL_WATERMARK and ev["payload"]["level"] == 2
     assert ev["resource"][events.ALERT_LABELS["used_fraction"]] == "0910"
+
+
+class Recorder:
+    """Stands in for Prefect where the test is about what the gateway accepts, not about Prefect."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    async def __call__(self, name: str, resource: dict[str, str], payload: dict[str, Any], event_id: uuid.UUID,
+                       occurred: datetime | None = None) -> None:
+        self.names.append(name)
+
+
+def test_an_event_the_gateway_refuses_is_set_aside_and_the_history_goes_on(tmp_path: Path, node: str) -> None:
+    senders, key = _senders(tmp_path, node)
+    box = Outbox(tmp_path / "o.sqlite", node)
+    for i in range(5):
+        box.append(events.LINK_STATS, {"i": i})
+    bad = box.append("edgehaul.not.a.node.event", {"i": 99})  # e.g. written by an older or broken node version
+    for i in range(5, 9):
+        box.append(events.LINK_STATS, {"i": i})
+    rec = Recorder()
+    with _gateway(tmp_path, senders, rec) as gw:
+        rep = Forwarder(box, gw, node, key, batch_max=4).forward()
+    assert rep.ok and rep.set_aside == [bad] and rep.events == 9 and len(box) == 0, rep
+    assert rec.names == [events.LINK_STATS] * 9  # every good event, in order, once
+    ((seq, name, why),) = box.set_aside_events()
+    assert (seq, name) == (bad, "edgehaul.not.a.node.event") and why == "422 invalid node-events payload"
+    # a refused sender is not "content": it stops the forwarder and keeps everything
+    box.append(events.LINK_STATS, {"i": 10})
+    with _gateway(tmp_path, senders, rec) as gw, pytest.raises(ForwardError, match=r"401|403"):
+        Forwarder(box, gw, node, new_secret()).forward()
+    assert len(box) == 1

@@ -69,6 +69,10 @@ class Outbox:
             " event TEXT NOT NULL, occurred TEXT NOT NULL, priority INTEGER NOT NULL, payload TEXT NOT NULL)"
         )
         self._db.execute("CREATE TABLE IF NOT EXISTS dropped (event TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS set_aside (seq INTEGER PRIMARY KEY, event TEXT NOT NULL, occurred TEXT NOT NULL,"
+            " payload TEXT NOT NULL, why TEXT NOT NULL)"
+        )
 
     def append(
         self, event: str, payload: dict[str, Any], *, priority: int = PRIO_STATS, occurred: datetime | None = None
@@ -114,6 +118,25 @@ class Outbox:
         with self._lock:
             cur = self._db.execute("DELETE FROM outbox WHERE seq <= ?", (upto_seq,))
         return cur.rowcount
+
+    def set_aside(self, seq: int, why: str) -> None:
+        """Move one event the gateway refuses as content (not as a sender) out of the queue, kept with the
+        reason: one bad row must not hold back the node's whole history."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO set_aside SELECT seq, event, occurred, payload, ? FROM outbox"
+                                 " WHERE seq = ?", (why, seq))
+                self._db.execute("DELETE FROM outbox WHERE seq = ?", (seq,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def set_aside_events(self) -> list[tuple[int, str, str]]:
+        """(seq, event, why) of every event set aside."""
+        with self._lock:
+            return list(self._db.execute("SELECT seq, event, why FROM set_aside ORDER BY seq").fetchall())
 
     def __len__(self) -> int:
         with self._lock:

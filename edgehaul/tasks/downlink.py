@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from edgehaul import downlink
 from edgehaul.blocks import EdgeNode, ObjectStore
 from edgehaul.edge.outbox import node_outbox
+from edgehaul.platform.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,15 @@ def sync_downlink(store: ObjectStore, node: EdgeNode) -> dict[str, Any]:
         return {"applied": None, "refused": None, "error": f"{type(e).__name__}: {e}"}
     finally:
         box.close()
+    installed: list[str] = []
     if res.applied:
         log.info("node %s: downlink generation %d applied: %s", node.node_id, res.applied, ", ".join(res.items))
+        try:  # new contract versions become readable by the node's next runs
+            installed = downlink.install_contracts(Path(node.spool_dir), get_settings().contracts_dir)
+        except (downlink.DownlinkError, OSError) as e:
+            log.warning("node %s: downlinked contracts not installed: %s", node.node_id, e)
     elif res.refused:
         log.warning("node %s: downlink generation %d refused: %s", node.node_id, res.refused, res.why)
     return {"applied": res.applied, "refused": res.refused, "why": res.why, "items": res.items,
+            "contracts_installed": installed,
             "in_force": downlink.current_generation(Path(node.spool_dir))}

@@ -55,11 +55,13 @@ class EventQueue(Protocol):
 
     def peek(self, limit: int) -> list[Any]: ...
     def ack(self, upto_seq: int) -> int: ...
+    def set_aside(self, seq: int, why: str) -> None: ...
     def __len__(self) -> int: ...
 
 
 class ForwardError(RuntimeError):
-    """The gateway refused a batch for a reason a retry will not fix (a 4xx other than 429)."""
+    """The gateway refused the sender (401/403/404/409...): a retry will not fix it, an operator must.
+    A refused event (400/422: its content) is set aside on the node instead, and the rest goes on."""
 
 
 @dataclass
@@ -70,6 +72,7 @@ class ForwardReport:
     left: int = 0
     error: str = ""
     statuses: list[int] = field(default_factory=list)
+    set_aside: list[int] = field(default_factory=list)  # seqs the gateway refused as content (kept on the node)
 
     @property
     def ok(self) -> bool:
@@ -117,8 +120,8 @@ class Forwarder:
         client = httpx.Client(base_url=gateway_url, timeout=timeout_s)
         return cls(outbox, client, sender_id or outbox.node_id, key, link=link)
 
-    def _next_batch(self) -> tuple[list[QueuedEvent], bytes]:
-        rows: list[QueuedEvent] = self.outbox.peek(self.batch_max)
+    def _next_batch(self, limit: int | None = None) -> tuple[list[QueuedEvent], bytes]:
+        rows: list[QueuedEvent] = self.outbox.peek(limit or self.batch_max)
         body = batch_body(self.outbox.node_id, rows)
         while len(rows) > 1 and len(body) > self.max_body_bytes:  # under the gateway's body cap
             rows = rows[: max(1, len(rows) // 2)]
@@ -129,11 +132,12 @@ class Forwarder:
         """Send batches until the outbox is empty, the link is down, the gateway is unreachable or
         refuses; what was not acknowledged stays in the outbox for the next call."""
         rep = ForwardReport()
+        limit = self.batch_max  # halved on a content refusal until the refused event stands alone
         for _ in range(max_batches):
             if self.link is not None and not self.link.is_up():
                 rep.error = f"link down: {self.link.down_reason()}"
                 break
-            rows, body = self._next_batch()
+            rows, body = self._next_batch(limit)
             if not rows:
                 break
             first, last = rows[0].seq, rows[-1].seq
@@ -154,8 +158,19 @@ class Forwarder:
                 self.outbox.ack(last)
                 rep.events += len(rows)
                 rep.batches += 1
+                limit = self.batch_max
                 continue
             why = _error_of(r)
+            if r.status_code in (400, 422):  # the content, not the sender: find the event and set it aside
+                if len(rows) > 1:
+                    limit = max(1, len(rows) // 2)
+                    continue
+                self.outbox.set_aside(first, f"{r.status_code} {why}")
+                rep.set_aside.append(first)
+                log.warning("node %s: outbox event seq %d (%s) refused by the gateway, set aside: %s",
+                            self.outbox.node_id, first, rows[0].event, why)
+                limit = self.batch_max
+                continue
             if r.status_code in (429, 500, 502, 503, 504):
                 rep.error = f"gateway busy or Prefect unreachable ({r.status_code}: {why}); seq {first}-{last} kept"
                 break
