@@ -122,7 +122,8 @@ class Result:
         """Seconds from the burst's contact until the backlog is back at the steady stretch's maximum."""
         level = self.steady_backlog_max()
         peak_passed = False
-        for t in _grid(self.burst_at, self.end, 0.5):
+        # up to the last commit: one that came after the wait for commits gave up still ends the recovery
+        for t in _grid(self.burst_at, max([self.end, *self.committed.values()]), 0.5):
             b = self.backlog(t)
             if t >= self.burst_landed_at:
                 peak_passed = True
@@ -153,7 +154,9 @@ class Result:
 
 
 def _grid(a: float, b: float, step: float = 1.0) -> list[float]:
-    return [a + i * step for i in range(int(max(b - a, 0) / step) + 1)]
+    """a, a + step, ... and b itself: a last commit in the final step before `b` is not missed."""
+    pts = [a + i * step for i in range(int(max(b - a, 0) / step) + 1)]
+    return [*pts, b] if b > pts[-1] else pts
 
 
 def _pct(xs: list[float], q: float) -> float:
