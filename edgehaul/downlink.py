@@ -40,6 +40,7 @@ import yaml
 from botocore.exceptions import ClientError
 
 from edgehaul import events
+from edgehaul.edge.spool import fsync_dir
 from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import error_code
 
@@ -225,14 +226,6 @@ def current_file(state_dir: Path, kind: Kind, name: str) -> Path | None:
     return p if p.is_file() else None
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def sync(store: ObjectStore, node_id: str, state_dir: Path, *, outbox: Outbox | None = None,
          s3: S3Client | None = None) -> SyncResult:
     """Fetch, verify and apply the node's newest update if it is newer than the one in force."""
@@ -261,7 +254,7 @@ def sync(store: ObjectStore, node_id: str, state_dir: Path, *, outbox: Outbox | 
                 f.flush()
                 os.fsync(f.fileno())
         (staging / "update.json").write_bytes(up.to_json())
-        _fsync_dir(staging)
+        fsync_dir(staging)
         final = base / f"gen-{up.generation}"
         if final.exists():  # applied before a crash between rename and link switch: it is complete
             shutil.rmtree(staging)
@@ -271,7 +264,7 @@ def sync(store: ObjectStore, node_id: str, state_dir: Path, *, outbox: Outbox | 
         tmp_link.unlink(missing_ok=True)
         os.symlink(final.name, tmp_link)
         os.replace(tmp_link, base / "current")  # the one atomic step: readers see old or new, never a mix
-        _fsync_dir(base)
+        fsync_dir(base)
     except DownlinkError as e:
         shutil.rmtree(base / f".staging-{up.generation}-{os.getpid()}", ignore_errors=True)
         res.refused, res.why = up.generation, str(e)

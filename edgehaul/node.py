@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.blocks.object_store import write_credentials_file
+from edgehaul.platform.block_setup import Keys
 from edgehaul.platform.private_files import write_private
 from edgehaul.platform.roles import DEFAULT_POLICY, node_store
 from edgehaul.platform.settings import get_settings
@@ -67,11 +68,6 @@ class StoreConfig(_Strict):
     region: str = "us-east-1"
     path_style: bool = True
     prefix: str = ""
-
-
-class Keys(_Strict):
-    access_key_id: SecretStr
-    secret_access_key: SecretStr
 
 
 class Schedules(_Strict):

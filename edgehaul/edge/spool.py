@@ -88,7 +88,8 @@ class SpoolUsage:
     fraction: float
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create inside `path` durable (the directory entry itself is fsynced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -110,7 +111,7 @@ def _atomic_write(path: Path, data: bytes, *, mtime: float | None = None) -> Non
     if mtime is not None:
         os.utime(tmp, ns=(int(mtime * 1e9), int(mtime * 1e9)))
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _value_key(e: SpoolEntry) -> tuple[int, float, float]:
@@ -231,7 +232,7 @@ class Spool:
                     side.unlink(missing_ok=True)
                     data.unlink(missing_ok=True)
                     removed += 1
-            _fsync_dir(d)
+            fsync_dir(d)
         if removed:
             log.info("spool %s: removed %d leftover files at open", self.root, removed)
         return removed
@@ -377,7 +378,7 @@ class Spool:
         side.unlink(missing_ok=True)
         e.path.unlink(missing_ok=True)
         self._cache.pop(side, None)
-        _fsync_dir(e.path.parent)
+        fsync_dir(e.path.parent)
 
     def _drop(self, e: SpoolEntry, stage: str, reason: str, detail: str = "") -> None:
         # Ledger first: a crash between the two re-drops the same entry, and the ledger ignores repeats.
