@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -128,3 +129,33 @@ def test_observations_are_batched(tmp_path: Path) -> None:
     assert sorted(ids) == [f"o{i:02d}" for i in range(25)]
     assert all(pc.all(pc.equal(t.column("digit"), pc.cast(pc.utf8_slice_codeunits(t.column("sample_id"), 2, 3),
                                                           "int16"))).as_py() for t, _ in batches)
+
+
+def test_edge_ingest_spools_every_png_of_a_drop_folder_once(stack: object, tmp_path: Path) -> None:
+    """The flow on a file kind's drop folder: every valid PNG spooled once under its stem, the bad ones moved
+    aside with their reason, a second run reads nothing."""
+    from edgehaul.edge.spool import Spool
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+
+    drop, done = tmp_path / "drop", tmp_path / "done"
+    drop.mkdir()
+    now = time.time()
+    for i in range(130):  # two batches of observation files
+        _drop(drop, f"digit-{i:03d}.png", _png(i), {"digit": i % 10}, mtime=now - 60)
+    _drop(drop, "huge.png", b"\x89PNG\r\n\x1a\n" + bytes(5000), mtime=now - 60)
+    _drop(drop, "gif.png", b"GIF89a....", mtime=now - 60)
+    params = EdgeIngestParams(edge_node=None, node_id="node-a", spool_dir=str(tmp_path / "spool"), source="drop",
+                              contract="digits_png.v1", source_path=str(drop), done_path=str(done), batch_size=100,
+                              result_storage=None)
+    first = edge_ingest(params)
+    assert first["samples_in"] == 130
+    assert sorted(p.name for p in (tmp_path / "rejected").iterdir()) == ["gif.png", "huge.png"]
+    assert len(list(done.iterdir())) == 260 and list(drop.iterdir()) == []  # each PNG with its sidecar
+    assert edge_ingest(params)["samples_in"] == 0
+    spool = Spool(tmp_path / "spool", cap_bytes=2**30, emit=lambda *a, **k: True)
+    try:
+        held = [i for e in spool.pending() + spool.raw_entries() for i in e.manifest.sample_ids]
+        assert {e.manifest.contract for e in spool.pending()} == {"digits_png.v1"}
+    finally:
+        spool.close()
+    assert sorted(set(held)) == [f"digit-{i:03d}" for i in range(130)]
