@@ -159,3 +159,31 @@ def test_edge_ingest_spools_every_png_of_a_drop_folder_once(stack: object, tmp_p
     finally:
         spool.close()
     assert sorted(set(held)) == [f"digit-{i:03d}" for i in range(130)]
+
+
+def test_a_telemetry_csv_with_one_bad_value_rejects_only_its_row(tmp_path: Path) -> None:
+    """A columns kind from an instrument's CSV: one unreadable reading and one out of range reject their rows;
+    the batch's other rows go on (the issue's 'one string rejected the 39 valid rows of its batch')."""
+    gait = load_contract("daphnet_gait")
+    d = DropFolder(tmp_path / "drop", tmp_path / "done", tmp_path / "spool", settle_s=5, clock=lambda: NOW,
+                   contract=gait)
+    (tmp_path / "drop").mkdir()
+    header = ["sample_id", "capture_time", "seq", "is_anomaly", *gait.numeric_columns]
+    lines = [",".join(header)]
+    for i in range(40):
+        values = [str(1000 + i)] * len(gait.numeric_columns)
+        if i == 7:
+            values[2] = "ERR"
+        if i == 9:
+            values[0] = "9999"
+        lines.append(",".join([f"g{i}", "2026-03-01T12:00:00Z", str(i), str(i % 2), *values]))
+    path = tmp_path / "drop" / "run1.csv"
+    path.write_text("\n".join(lines) + "\n")
+    os.utime(path, (NOW - 60, NOW - 60))
+    [f] = d.claim().files
+    [raw] = list(d.read(f, gait, batch_size=100))
+    r = preprocess(raw, gait, node_id="node-a")
+    assert r.accepted.num_rows == 38 and r.accounted()
+    assert dict(zip(r.rejects.column("sample_id").to_pylist(), r.rejects.column("reason").to_pylist(),
+                    strict=True)) == {"g7": "bad-type", "g9": "out-of-range"}
+    assert r.accepted.column("ankle_horiz_fwd").to_pylist()[:2] == [1000.0, 1001.0]
