@@ -153,6 +153,42 @@ def test_file_kind_hashes_from_batch_key_are_used() -> None:
     assert pp.preprocess(raw, DIGITS, key=key, hashes=hashes).accepted.equals(pp.preprocess(raw, DIGITS).accepted)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["ok", "big", "jpeg", "truncated", "null", "dup", "label"]), min_size=1, max_size=20))
+def test_every_file_row_is_accounted_exactly_once(kinds: list[str]) -> None:
+    good = [_png(np.full((8, 8), i, np.uint8)) for i in range(len(kinds))]
+    files: list[bytes | None] = list(good)
+    ids = [f"s{i}" for i in range(len(kinds))]
+    labels: list[int | None] = [i % 10 for i in range(len(kinds))]
+    expect: dict[int, str] = {}
+    for i, k in enumerate(kinds):
+        if k == "big":
+            files[i] = good[i] + bytes(5000)
+            expect[i] = pp.TOO_LARGE
+        elif k == "jpeg":
+            files[i] = b"\xff\xd8\xff" + good[i]
+            expect[i] = pp.BAD_FILE
+        elif k == "truncated":
+            files[i] = good[i][:30]
+            expect[i] = pp.BAD_FILE
+        elif k == "null":
+            files[i] = None
+            expect[i] = pp.MISSING_FIELD
+        elif k == "dup" and i > 0 and 0 not in expect:
+            ids[i] = ids[0]
+            expect[i] = pp.DUPLICATE_ID
+        elif k == "label":
+            labels[i] = 10
+            expect[i] = pp.BAD_LABEL
+    t = pa.table({**_identity(len(kinds)), "digit": pa.array(labels, pa.int16()), "image": pa.array(files, pa.binary())})
+    t = t.set_column(0, "sample_id", pa.array(ids))
+    r = pp.preprocess(t, DIGITS)
+    assert r.accounted()
+    assert sorted(zip(r.rejects.column("sample_id").to_pylist(), r.rejects.column("reason").to_pylist(),
+                      strict=True)) == sorted((ids[i], why) for i, why in expect.items())
+    assert r.accepted.column("image").to_pylist() == [good[i] for i in range(len(kinds)) if i not in expect]
+
+
 # ---- columns kinds -----------------------------------------------------------------------------------------
 
 def _gait(n: int, seed: int = 0) -> dict[str, np.ndarray]:
