@@ -60,14 +60,16 @@ class EdgeIngestParams(BaseModel):
     contract: str = Field(default="landsat_patch.v1", description="Data contract id of the raw observations.")
     source: Literal["generate", "parquet", "drop"] = Field(
         default="generate", description="generate: Landsat demo patches; parquet: every Parquet file of a folder, "
-        "every run; drop: an instrument's drop folder (Parquet, Arrow IPC, CSV; each file once, then to done_path).")
+        "every run; drop: an instrument's drop folder (Parquet, Arrow IPC, CSV, or one file per observation of a file "
+        "kind, e.g. *.png with an optional <stem>.json sidecar; each file once, then to done_path).")
     source_path: str | None = Field(default=None, description="The folder (source=parquet or drop).")
     settle_s: float = Field(default=5.0, ge=0, le=3600, description="source=drop: a file modified more recently "
                             "than this may still be written: it waits for the next run.")
     route_events_to_outbox: bool = Field(default=False, description="A node-local run: its summary and alerts go "
                                          "to the node's outbox (forwarded when in contact), not to a Prefect API.")
     done_path: str | None = Field(default=None, description="source=drop: where read files go (beside it, "
-                                  "`rejected/` for unknown formats); the read-once log is in the spool.")
+                                  "`rejected/` for unknown formats and refused observation files); the read-once "
+                                  "log is in the spool.")
     n_samples: int = Field(default=10_000, ge=1, le=100_000_000, description="Samples to generate.")
     batch_size: int = Field(default=50_000, ge=100, le=200_000, description="Samples per raw batch (one task run each).")
     seed: int = Field(default=0, ge=0, description="Generator seed.")
