@@ -269,6 +269,11 @@ label: {column: alarm, kind: anomaly}
     ref1 = (b"\x00" + b"\0" * 8 + b"\x01" + struct.pack("<I", 4) + b"rain" + b"\x01" + struct.pack("<I", 1) + b"b"
             + b"\x00\x00" + b"\x00" + b"\0" * 8)
     assert acc.column("content_sha256")[1].as_py() == hashlib.sha256(ref1).hexdigest()
+    # a nullable column the instrument does not write at all is null in every row; a required one is missing
+    r = pp.preprocess(t.drop_columns(["windy", "seen"]), c)
+    assert r.accepted.num_rows == 2 and r.accepted.column("windy").null_count == 2
+    r = pp.preprocess(t.drop_columns(["station"]), c)
+    assert r.accepted.num_rows == 0 and "column 'station' absent" in r.rejects.column("detail")[0].as_py()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
