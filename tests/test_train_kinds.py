@@ -20,6 +20,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgehaul import events
 from edgehaul.blocks import ObjectStore, TeamQuota, TieringPolicy
 from edgehaul.contracts import Contract, ContractError, load_contract
 from edgehaul.edge.scorer_registry import ScorerContext
@@ -171,18 +172,13 @@ def test_the_train_trigger_matches_commits_of_trainable_kinds_only() -> None:
     assert trigger["parameters"]["params"]["dataset_kind"] == "{{ event.payload.kind }}"
     assert "model_name" not in trigger["parameters"]["params"]  # the contract names the model
 
-    def labels(kind: str) -> Resource:  # what core_ingest puts on its dataset.committed event
-        c = load_contract(kind)
-        return Resource({"prefect.resource.id": f"edgehaul.dataset.{kind}", "edgehaul.dataset.kind": kind,
-                         "edgehaul.dataset.trainable": str(c.training is not None).lower()})
+    def committed(kind: str, trainable: bool) -> Resource:  # the resource of core_ingest's event
+        return Resource({"prefect.resource.id": f"edgehaul.dataset.{kind}",
+                         **events.dataset_committed_labels(kind, trainable)})
 
     for kind in (*KINDS, "landsat_patch"):
-        assert match.matches(labels(kind)), kind
-    untrainable = Resource({"prefect.resource.id": "edgehaul.dataset.notes", "edgehaul.dataset.kind": "notes",
-                            "edgehaul.dataset.trainable": "false"})
-    assert not match.matches(untrainable)
-    core_ingest = (ROOT / "edgehaul" / "flows" / "core_ingest.py").read_text()
-    assert '"edgehaul.dataset.trainable": str(contract_by_id(contract_id).training is not None).lower()' in core_ingest
+        assert match.matches(committed(kind, load_contract(kind).training is not None)), kind
+    assert not match.matches(committed("notes", trainable=False))
 
 
 # ---------------------------------------------------------------------------------------- integration
@@ -357,3 +353,14 @@ def test_train_model_trains_the_kind_with_the_contracts_defaults(store: ObjectSt
     with pytest.raises(ContractError, match="no data contract for kind 'no_such_kind'"):
         train_model(TrainModelParams(dataset_kind="no_such_kind", allow_local=True))
     assert issubclass(KindNotTrainable, ContractError)
+
+
+def test_the_metrics_artifact_rows_carry_the_per_class_metrics() -> None:
+    from edgehaul.training.report import metrics_table
+
+    row = {"epoch": 0, "step": 5, "train_loss": 0.5, "val_loss": 0.6, "train_acc": 0.9, "val_acc": 0.98,
+           "train_samples": 80.0, "val_samples": 20.0,
+           **class_metrics(np.array([[98.0, 0.0], [2.0, 0.0]]), (0, 1))}
+    (out,) = metrics_table([row])
+    assert out["val_recall_1"] == 0.0 and out["val_rare_recall"] == 0.0 and out["val_recall_0"] == 1.0
+    assert out["val_macro_f1"] == pytest.approx(0.49495, abs=1e-5)
