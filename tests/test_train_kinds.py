@@ -20,7 +20,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgehaul import events
+from edgehaul import downlink, events
 from edgehaul.blocks import ObjectStore, TeamQuota, TieringPolicy
 from edgehaul.contracts import Contract, ContractError, load_contract
 from edgehaul.edge.scorer_registry import ScorerContext
@@ -143,6 +143,17 @@ def test_inputs_follow_the_contracts_layout() -> None:
     d = _rows("digits_png", 4, unusable_every=1000)
     xd = inputs(d, digits, arch_for(digits, 8))
     assert xd.shape == (4, 1, 8, 8) and float(xd.min()) >= 0 and float(xd.max()) <= 1  # scale 1/255
+
+
+def test_a_checkpoint_of_an_unweighted_run_restores_its_weight_sum() -> None:
+    from edgehaul.training.trainer import _Acc
+
+    # what a pre-weights (Landsat) checkpoint holds for the epoch in progress
+    old = {"loss": 12.0, "correct": 7.0, "n": 10.0, "val_loss": 1.0, "val_correct": 1.0, "val_n": 2.0, "steps": 3}
+    acc = _Acc.restore(old, n_classes=7)
+    assert acc.wsum == 10.0 and acc.val_confusion == [0.0] * 49 and acc.loss / acc.wsum == 1.2
+    new = _Acc.restore({**old, "wsum": 40.0, "val_confusion": [1.0] * 4}, n_classes=2)
+    assert new.wsum == 40.0 and new.val_confusion == [1.0] * 4
 
 
 def test_a_legacy_landsat_arch_without_a_family_is_the_cnn2d() -> None:
@@ -302,7 +313,8 @@ def test_a_non_landsat_run_stopped_after_a_checkpoint_resumes_to_the_same_metric
 
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_published_model_scores_its_kind_at_the_edge(runs: dict[str, KindRun], kind: str, tmp_path: Path) -> None:
+def test_the_published_model_scores_its_kind_at_the_edge(runs: dict[str, KindRun], kind: str, tmp_path: Path,
+                                                         stack: localstack.StackState) -> None:
     from edgehaul.edge.model_scorer import ModelScorer, from_context
 
     r = runs[kind]
@@ -327,6 +339,14 @@ def test_the_published_model_scores_its_kind_at_the_edge(runs: dict[str, KindRun
     policy = TieringPolicy(scorer="model", model_uri="latest")
     ctx = ScorerContext(contract=r.contract, policy=policy, store=r.store, state_dir=tmp_path)
     assert from_context(ctx).version == r.cfg.run_id
+    # the same model downlinked to a node (no store access there): `downlink:` alone is the kind's own model
+    data = registry.read_model_bytes(r.store, scorer.model_uri)
+    downlink.publish_update(store_for(stack, "ingest"), "node-a", [(name, "model", r.cfg.run_id, data)])
+    assert downlink.sync(store_for(stack, "node-a"), "node-a", tmp_path).applied
+    node_ctx = ScorerContext(contract=r.contract, policy=TieringPolicy(scorer="model", model_uri="downlink:"),
+                             store=None, state_dir=tmp_path / "state", node_dir=tmp_path)
+    on_node = from_context(node_ctx)
+    assert on_node.version == r.cfg.run_id and np.allclose(on_node.score(rows), values)
     other = load_contract("landsat_patch" if kind != "landsat_patch" else "basic_motions")
     with pytest.raises(ValueError, match=f"trained on {r.contract.id}, cannot score {other.id}"):
         from_context(ScorerContext(contract=other, policy=TieringPolicy(scorer="model", model_uri=f"latest:{name}"),
@@ -343,13 +363,18 @@ def test_train_model_trains_the_kind_with_the_contracts_defaults(store: ObjectSt
     store.save(f"store-{tag}", overwrite=True)
     TeamQuota(team="geo", accelerator_hours_per_month=100, storage_bytes=10**9).save(f"quota-{tag}", overwrite=True)
     out = train_model(TrainModelParams(team="geo", dataset_kind="daphnet_gait", store_block=f"store-{tag}",
-                                       quota_block=f"quota-{tag}", num_threads=1, allow_local=True, max_hours=0.5))
+                                       quota_block=f"quota-{tag}", num_threads=1, allow_local=True, max_hours=0.5,
+                                       publish=True))
     assert c.training is not None
     assert out["model_name"] == c.training.model_name == "gait-freeze" and out["model_family"] == "mlp"
     assert len(out["history"]) == c.training.epochs and out["contract"] == "daphnet_gait.v1"
     lin = registry.read_lineage(store, "gait-freeze", out["model_id"])
     assert lin is not None and lin["config"]["batch_size"] == c.training.batch_size
     assert "val_macro_f1" in lin["final"]
+    from edgehaul.edge.model_scorer import ModelScorer
+
+    assert out["published"]["model_id"] == out["model_id"]  # the closed loop: the kind's edge model
+    assert ModelScorer("latest:gait-freeze", store).version == out["model_id"]
     with pytest.raises(ContractError, match="no data contract for kind 'no_such_kind'"):
         train_model(TrainModelParams(dataset_kind="no_such_kind", allow_local=True))
     assert issubclass(KindNotTrainable, ContractError)
