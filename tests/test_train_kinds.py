@@ -389,3 +389,35 @@ def test_the_metrics_artifact_rows_carry_the_per_class_metrics() -> None:
     (out,) = metrics_table([row])
     assert out["val_recall_1"] == 0.0 and out["val_rare_recall"] == 0.0 and out["val_recall_0"] == 1.0
     assert out["val_macro_f1"] == pytest.approx(0.49495, abs=1e-5)
+
+
+def _image_contract(tmp_path: Path, kind: str, shape: list[int], axis: int) -> Contract:
+    doc = {"kind": kind, "version": 1,
+           "tensor": {"column": "img", "shape": shape, "dtype": "uint8", "channel_axis": axis,
+                      "channels": ["r", "g", "b"], "scale": 0.5},
+           "label": {"column": "label", "values": [1, 2]},
+           "training": {"model": "cnn2d", "model_name": kind.replace("_", "-")}}
+    (tmp_path / f"{kind}.v1.yaml").write_text(yaml.safe_dump(doc))
+    return load_contract(kind, directory=tmp_path)
+
+
+def test_cnn2d_takes_images_channels_last_or_first_of_any_size(tmp_path: Path) -> None:
+    last = _image_contract(tmp_path, "hwc_kind", [5, 7, 3], -1)
+    first = _image_contract(tmp_path, "chw_kind", [3, 5, 7], 0)
+    hwc = np.random.default_rng(0).integers(0, 256, (4, 5, 7, 3), dtype=np.uint8)
+    chw = np.ascontiguousarray(hwc.transpose(0, 3, 1, 2))
+    xl = inputs(pa.table({"img": pa.array([a.tobytes() for a in hwc], pa.binary())}), last, arch_for(last, 8))
+    xf = inputs(pa.table({"img": pa.array([a.tobytes() for a in chw], pa.binary())}), first, arch_for(first, 8))
+    assert xl.shape == xf.shape == (4, 3, 5, 7) and torch.equal(xl, xf)
+    assert torch.equal(xl, torch.from_numpy(chw.astype(np.float32) * 0.5))
+    assert build_model(arch_for(first, 8))(xf).shape == (4, 2)
+
+
+def test_an_mlp_takes_a_flattened_tensor() -> None:
+    motions = load_contract("basic_motions")
+    arch = arch_for(motions, 8, family="mlp")
+    t = _rows("basic_motions", 3, unusable_every=1000)
+    x = inputs(t, motions, arch)
+    assert arch["in_features"] == 600 and x.shape == (3, 600)
+    assert torch.equal(x[2], torch.from_numpy(np.frombuffer(t.column("series")[2].as_py(), np.float32).copy()))
+    assert build_model(arch)(x).shape == (3, 4)
