@@ -354,3 +354,39 @@ def test_table_artifacts_show_byte_counts_in_units_and_keep_everything_else(n: i
     assert [out[0]["value"], out[2]["quantity"], out[3]["uplink_bytes"]] == [human_bytes(n)] * 3
     assert [out[1]["value"], out[2]["billed_quantity"], out[3]["samples"]] == [other] * 3
     assert out[1]["metric"] == "bundles_landed" and out[0]["quantity"] == ""
+
+
+@pytest.mark.integration
+def test_ui_block_pages_show_no_logo_that_needs_the_internet(stack: localstack.StackState, tmp_path: Path) -> None:
+    """The core's results block (prefect-aws S3Bucket) and the alert webhook block, as `blocks apply` and
+    the alert automations save them: their pages in Chromium name no image off this site (cdn.sanity.io,
+    raw.githubusercontent.com load nowhere offline: broken icons)."""
+    from prefect.client.orchestration import get_client
+
+    from edgehaul.blocks.logos import UNREACHABLE
+    from edgehaul.platform.automations import ensure_webhook_block
+    from edgehaul.platform.caching import core_result_storage_block
+    from edgehaul_dev import configure
+    from tests.conftest import store_for
+
+    tag = uuid.uuid4().hex[:8]
+    with get_client(sync_client=True) as client:
+        core_result_storage_block(store_for(stack, "ingest")).save(f"logo-results-{tag}")  # as prefect-aws saves it
+        assert client.read_block_type_by_slug("s3-bucket").logo_url is not None  # the internet logo is back
+        assert "S3Bucket" in configure.save_blocks(stack)  # `edgehaul blocks apply` for the stack
+        hook = ensure_webhook_block("http://127.0.0.1:9/alerts", f"logo-hook-{tag}")
+        results = client.read_block_document_by_name(f"logo-results-{tag}", "s3-bucket")
+        assert {s: client.read_block_type_by_slug(s).logo_url for s in UNREACHABLE} == dict.fromkeys(UNREACHABLE)
+    ui_proxy = AuthProxy(stack.prefect_ui_url, api_auth())
+    try:
+        for doc_id, name in ((results.id, f"logo-results-{tag}"), (hook, f"logo-hook-{tag}")):
+            dom = browse(f"{ui_proxy.url}/blocks/block/{doc_id}", tmp_path, raw=True)
+            assert name in dom, dom[:2000]
+            srcs = re.findall(r'<img[^>]*src="([^"]+)"', dom)
+            offsite = [s for s in srcs if re.match(r"https?://", s) and not s.startswith(ui_proxy.url)]
+            assert not offsite, offsite
+    finally:
+        ui_proxy.close()
+        with get_client(sync_client=True) as client:
+            for doc in (results.id, hook):
+                client.delete_block_document(doc)
