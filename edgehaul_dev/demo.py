@@ -28,6 +28,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
+from edgehaul import events
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock, node_store
 from edgehaul_dev import configure, localstack
 from edgehaul_dev.settings import dev_settings
@@ -176,12 +177,13 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
         for i, n in enumerate(nodes)}, max(1.0, deadline - time.monotonic()), say)
     runs += up.values()
     say(f"uplink_drain: {[f'{k} {r.state_name}' for k, r in up.items()]}")
-    # The event chain: one core_ingest run per landed bundle; each commit triggers training (one at a
-    # time; a commit during a run is covered by a later run), a trained model triggers publishing.
+    # The event chain: one core_ingest run per landing batch (a drain's landed bundles); each commit triggers
+    # training (queued; a run covered by a newer model ends at once, announcing nothing), each model ready
+    # triggers publishing.
     chain: list[Any] = []
-    landed = 0
+    landed = batches = 0
     for _ in range(10):  # the landed events reach the server a moment after the drains end
-        landed = _count_events(state.prefect_api_url, "edgehaul.bundle.landed", since, state.api_auth_string)
+        landed = _count_events(state.prefect_api_url, events.BUNDLE_LANDED, since, state.api_auth_string)
         if landed:
             break
         time.sleep(1)
@@ -194,15 +196,17 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
     quiet_since: tuple[float, int] | None = None  # (when the chain was last seen done, its run count then)
     told = time.monotonic()
     while landed and time.monotonic() < deadline:
-        # Events reach the server asynchronously and triggers fire a moment later: count again each
-        # time, and call the chain done only when it has stayed done for 10 s.
-        landed = _count_events(state.prefect_api_url, "edgehaul.bundle.landed", since, state.api_auth_string)
+        # Events reach the server asynchronously and triggers fire a moment later: count what starts each
+        # step every time, and call the chain done only when it has stayed done for 10 s.
+        batches = _count_events(state.prefect_api_url, events.LANDING_BATCH, since, state.api_auth_string)
+        ready = _count_events(state.prefect_api_url, events.MODEL_READY, since, state.api_auth_string)
         named = _chain_runs(since)
         chain = [r for _, r in named]
         ok = {n: [r for d, r in named if d == n and r.state and r.state.is_completed()] for n in CHAIN}
         ingests = [r for d, r in named if d == CHAIN[0]]
+        publishes = [r for d, r in named if d == CHAIN[2]]
         settled = all(r.state and r.state.is_final() for r in chain)
-        if settled and len(ingests) >= landed and ok[CHAIN[1]] and len(ok[CHAIN[2]]) >= len(ok[CHAIN[1]]):
+        if settled and batches and len(ingests) >= batches and ok[CHAIN[1]] and len(publishes) >= ready:
             if quiet_since is None or quiet_since[1] != len(chain):
                 quiet_since = (time.monotonic(), len(chain))
             elif time.monotonic() - quiet_since[0] >= 10:
@@ -212,11 +216,14 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
         if time.monotonic() - told >= 30:
             told = time.monotonic()
             active = [f"{r.name} {r.state_name}" for r in chain if not (r.state and r.state.is_final())]
-            say(f"event chain: {len(chain)} runs so far, {len(ingests)}/{landed} ingests; still running: {active}")
+            say(f"event chain: {len(chain)} runs so far, {len(ingests)}/{batches} ingests (one per landing batch), "
+                f"{len(publishes)}/{ready} publishes; still running: {active}")
         time.sleep(3)
     if landed and time.monotonic() >= deadline:
         pending = [f"{r.name}:{r.state_name}" for r in chain if not (r.state and r.state.is_final())]
         raise TimeoutError(f"event chain not finished after {timeout:.0f} s ({len(chain)} runs; pending {pending})")
+    if landed:  # the count of the summary: events that arrived during the wait too
+        landed = _count_events(state.prefect_api_url, events.BUNDLE_LANDED, since, state.api_auth_string)
     runs += chain
     ops_store = StoreBlock.LIFECYCLE.value
     ops = _run_all({"lifecycle_moves/daily": ("lifecycle_moves/daily", {"store_block": ops_store, "dry_run": True}),

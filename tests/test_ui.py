@@ -1,19 +1,24 @@
 """The real Prefect UI (served by the session's `prefect server start`) in headless Debian Chromium:
 a demo flow run, its artifacts, and an event-triggered run appear; a training run shows its name,
-progress and epoch lines, the cost report its chart, the fleet view its table and chart. Screenshots:
-docs/ui-screenshot.png, docs/ui-training-run.png, docs/ui-fleet-view.png."""
+progress and epoch lines, the cost report its chart, the fleet view its table and chart; after demo, deploy,
+a run through the deployments and two verifies, the Runs page filtered to Failed/Crashed counts none; block
+pages load no image from the internet. Screenshots: docs/ui-screenshot.png, docs/ui-training-run.png,
+docs/ui-fleet-view.png."""
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -354,3 +359,146 @@ def test_table_artifacts_show_byte_counts_in_units_and_keep_everything_else(n: i
     assert [out[0]["value"], out[2]["quantity"], out[3]["uplink_bytes"]] == [human_bytes(n)] * 3
     assert [out[1]["value"], out[2]["billed_quantity"], out[3]["samples"]] == [other] * 3
     assert out[1]["metric"] == "bundles_landed" and out[0]["quantity"] == ""
+
+
+def _failed_runs_view(ui: str, since: datetime, tmp: Path, states: tuple[str, ...] = ("Failed", "Crashed"),
+                      screenshot: Path | None = None) -> tuple[int, str]:
+    """(runs the UI's Runs page counts, its text) with the page's own filters: these states, started
+    since `since` (the saved-search query the state and date pickers write into the address)."""
+    from urllib.parse import urlencode
+
+    query = urlencode([("state", s) for s in states] + [
+        ("type", "range"), ("startDate", since.isoformat().replace("+00:00", "Z")),
+        ("endDate", (datetime.now(UTC) + timedelta(hours=1)).isoformat().replace("+00:00", "Z"))])
+    page = browse(f"{ui}/runs?{query}", tmp, screenshot=screenshot)
+    if "No flow runs" in page:
+        return 0, page
+    m = re.search(r"\b(\d+) runs?\b", page)
+    assert m, f"the Runs page shows neither a run count nor 'No flow runs': {page[:2000]}"
+    return int(m.group(1)), page
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1500)  # 4 worker processes and a process per flow run on a loaded 2-core machine
+def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_and_two_verifies(
+        stack: localstack.StackState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22's done-when, in the order an operator types it: `make demo`, `make deploy`, a run through
+    the deployments (`demo --via-deployments`), `make verify` twice; then the UI's Runs page filtered to
+    Failed and Crashed, read in Chromium, counts no run since the sequence began."""
+    from prefect.client.orchestration import get_client
+
+    from edgehaul_dev import configure, demo, deploy, verify
+
+    t0 = datetime.now(UTC) - timedelta(seconds=2)
+    # `make` targets read the stack of EDGEHAUL_STACK_DIR (localstack.DEFAULT_ROOT): here the session's
+    monkeypatch.setattr(localstack, "DEFAULT_ROOT", Path(stack.root))
+    timings: dict[str, float] = {}
+    clock = time.monotonic()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        timings[name] = round(time.monotonic() - clock, 1)
+        clock = time.monotonic()
+
+    # make demo (edgehaul_dev.demo._main): blocks, then the pipeline as flow runs of this process
+    configure.register_block_types()
+    configure.save_blocks(stack)
+    out = demo.run(samples=400, epochs=1, nodes=["node-a", "node-b"])
+    assert out["train"].get("model_id"), out["train"]
+    lap("demo")
+    # make deploy: blocks, pools, deployments, triggers, alert automations, workers
+    deployed = deploy.deploy()
+    lap("deploy")
+    try:
+        # a run through the deployments: another sample count than the demo's, so edge batches are new; one
+        # node (a process per flow run: each costs 10-20 s here)
+        via = demo.run_via_deployments(300, 1, ["node-a"], stack, timeout=900)
+        lap("via_deployments")
+        assert via["bundles_landed"] > 0, via
+        bad = [r for r in via["runs"] if not demo.run_ok(r)]
+        assert not bad, bad
+        # make verify, twice
+        verdicts = []
+        for i in (1, 2):
+            verify.prerequisites(stack)
+            checks = verify.run_checks(stack, say=lambda s: None)
+            verdicts.append({c.name: (c.ok, c.detail) for c in checks})
+            lap(f"verify_{i}")
+
+        ui_proxy = AuthProxy(stack.prefect_ui_url, api_auth())
+        try:
+            shot = tmp_path / "ui-failed-runs.png"
+            failed, page = _failed_runs_view(ui_proxy.url, t0, tmp_path, screenshot=shot)
+            done, done_page = _failed_runs_view(ui_proxy.url, t0, tmp_path, states=("Completed",))
+        finally:
+            ui_proxy.close()
+        lap("ui")
+        print(f"timings {timings}; failed runs in the UI: {failed}; completed: {done}")
+        with get_client(sync_client=True) as client:  # only to name them when the page counts some
+            from prefect.client.schemas.filters import (
+                FlowRunFilter,
+                FlowRunFilterStartTime,
+                FlowRunFilterState,
+                FlowRunFilterStateName,
+            )
+
+            named = [f"{r.name}: {r.state_name}: {(r.state.message or '')[:300] if r.state else ''}"
+                     for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                         state=FlowRunFilterState(name=FlowRunFilterStateName(any_=["Failed", "Crashed"])),
+                         start_time=FlowRunFilterStartTime(after_=t0)), limit=50)]  # type: ignore[arg-type]
+        assert failed == 0, (failed, named, page[:2000])
+        # the same page does count runs: the sequence's completed ones
+        assert done >= len(via["runs"]), (done, done_page[:2000])
+        assert all(ok for v in verdicts for ok, _ in v.values()), verdicts
+    finally:
+        pid = localstack._read_pid(Path(stack.root), "workers")
+        if pid:
+            os.killpg(pid, signal.SIGTERM)
+            (Path(stack.root) / "pids" / "workers.pid").unlink(missing_ok=True)
+        spec = deploy.load_spec(overlay=deploy.DEMO_OVERLAY)
+        with get_client(sync_client=True) as client:  # leave no schedules or triggers to the session's other tests
+            for name in deploy.deployment_names(spec):
+                with contextlib.suppress(Exception):  # not deployed: deploy failed before it
+                    client.delete_deployment(client.read_deployment_by_name(name).id)
+            for name in {t["name"] for ts in deploy.split_triggers(spec)[1].values() for t in ts}:
+                for a in client.read_automations_by_name(name):
+                    client.delete_automation(a.id)
+            for name in deployed.get("automations", []):
+                for a in client.read_automations_by_name(name):
+                    client.delete_automation(a.id)
+
+
+@pytest.mark.integration
+def test_ui_block_pages_show_no_logo_that_needs_the_internet(stack: localstack.StackState, tmp_path: Path) -> None:
+    """The core's results block (prefect-aws S3Bucket) and the alert webhook block, as `blocks apply` and
+    the alert automations save them: their pages in Chromium name no image off this site (cdn.sanity.io,
+    raw.githubusercontent.com load nowhere offline: broken icons)."""
+    from prefect.client.orchestration import get_client
+
+    from edgehaul.blocks.logos import UNREACHABLE
+    from edgehaul.platform.automations import ensure_webhook_block
+    from edgehaul.platform.caching import core_result_storage_block
+    from edgehaul_dev import configure
+    from tests.conftest import store_for
+
+    tag = uuid.uuid4().hex[:8]
+    with get_client(sync_client=True) as client:
+        core_result_storage_block(store_for(stack, "ingest")).save(f"logo-results-{tag}")  # as prefect-aws saves it
+        assert client.read_block_type_by_slug("s3-bucket").logo_url is not None  # the internet logo is back
+        assert "S3Bucket" in configure.save_blocks(stack)  # `edgehaul blocks apply` for the stack
+        hook = ensure_webhook_block("http://127.0.0.1:9/alerts", f"logo-hook-{tag}")
+        results = client.read_block_document_by_name(f"logo-results-{tag}", "s3-bucket")
+        assert {s: client.read_block_type_by_slug(s).logo_url for s in UNREACHABLE} == dict.fromkeys(UNREACHABLE)
+    ui_proxy = AuthProxy(stack.prefect_ui_url, api_auth())
+    try:
+        for doc_id, name in ((results.id, f"logo-results-{tag}"), (hook, f"logo-hook-{tag}")):
+            dom = browse(f"{ui_proxy.url}/blocks/block/{doc_id}", tmp_path, raw=True)
+            assert name in dom, dom[:2000]
+            srcs = re.findall(r'<img[^>]*src="([^"]+)"', dom)
+            offsite = [s for s in srcs if re.match(r"https?://", s) and not s.startswith(ui_proxy.url)]
+            assert not offsite, offsite
+    finally:
+        ui_proxy.close()
+        with get_client(sync_client=True) as client:
+            for doc in (results.id, hook):
+                client.delete_block_document(doc)

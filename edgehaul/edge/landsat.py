@@ -3,12 +3,19 @@
 `real_patches()` cuts the six bands and the strata map into HWC uint8 patches; `generate()`
 produces more raw observations of the same schema by resampling and augmenting real patches,
 with a controllable class mix (value mix), for scale tests and benchmarks.
+
+Capture times: fixed (2026-01-01, one second apart) unless a `CaptureLog` is given, as the edge flow
+does: each batch is then dated when it was first generated (samples 1 ms apart), recorded once, so a
+rerun or a retry regenerates the very same batch (same sample ids, times and cache key) and latency
+figures measured from capture times are real.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -37,6 +44,34 @@ class Patches:
     pixels: np.ndarray  # (n, h, w, c) uint8
     labels: np.ndarray  # (n,) int16, majority land-cover class
     origins: np.ndarray  # (n, 2) int64, (row, col) of each patch's top-left pixel in the scene
+
+
+class CaptureLog:
+    """When each generated batch was captured: the wall clock at its first generation, kept in SQLite
+    (`INSERT OR IGNORE`: racing writers agree on the first time). It belongs to the simulated sensor, not
+    to the spool: a wiped spool regenerates the same batches. Entries older than `keep` are pruned (a
+    batch regenerated after that is new data, dated again)."""
+
+    def __init__(self, path: Path | str, keep: timedelta = timedelta(days=7)) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        self._db.execute("CREATE TABLE IF NOT EXISTS captured (key TEXT PRIMARY KEY, at_ms INTEGER NOT NULL)")
+        cutoff = datetime.now(UTC) - keep
+        self._db.execute("DELETE FROM captured WHERE at_ms < ?", (int(cutoff.timestamp() * 1000),))
+
+    def time_of(self, key: str, not_before: datetime | None = None) -> datetime:
+        """The recorded capture time of batch `key`, recording now (or `not_before`, if later: the previous
+        batch's last sample, so times keep their order) if it has none."""
+        now_ms = int(datetime.now(UTC).timestamp() * 1000)
+        if not_before is not None:
+            now_ms = max(now_ms, int(not_before.timestamp() * 1000))
+        self._db.execute("INSERT OR IGNORE INTO captured (key, at_ms) VALUES (?, ?)", (key, now_ms))
+        (at_ms,) = self._db.execute("SELECT at_ms FROM captured WHERE key = ?", (key,)).fetchone()
+        return datetime.fromtimestamp(at_ms / 1000, UTC)
+
+    def close(self) -> None:
+        self._db.close()
 
 
 @cache
@@ -111,13 +146,15 @@ def generate(
     class_weights: dict[int, float] | None = None,
     start_seq: int = 0,
     batch_size: int = 10_000,
-    start_time: datetime | None = None,
+    start_time: datetime | CaptureLog | None = None,
     base: Patches | None = None,
 ) -> Iterator[pa.Table]:
     """Stream `n` raw observations in batches: real patches resampled with flips, rotations and
     small radiometric noise. `class_weights` sets the class mix (default: the scene's own mix).
     `base`: the patches to resample (default: the whole scene), e.g. only the training side of a
-    spatial hold-out, so that no copy of a held-out patch is generated."""
+    spatial hold-out, so that no copy of a held-out patch is generated. `start_time`: the first
+    capture time (default 2026-01-01, samples a second apart), or a `CaptureLog` that dates each batch
+    when it was first generated (samples a millisecond apart)."""
     base = base if base is not None else real_patches()
     rng = np.random.default_rng(seed)
     if class_weights:
@@ -127,8 +164,11 @@ def generate(
         p = w / w.sum()
     else:
         p = None
-    t0 = start_time or datetime(2026, 1, 1, tzinfo=UTC)
-    done = 0
+    log = start_time if isinstance(start_time, CaptureLog) else None
+    t0 = start_time if isinstance(start_time, datetime) else datetime(2026, 1, 1, tzinfo=UTC)
+    # what decides a batch's content besides its position: the same key is the same batch
+    recipe = json.dumps([node_id, seed, sorted((class_weights or {}).items()), batch_size, start_seq, len(base.labels)])
+    done, after = 0, None
     while done < n:
         m = min(batch_size, n - done)
         idx = rng.choice(len(base.labels), size=m, p=p)
@@ -139,10 +179,13 @@ def generate(
             px = px[:, :, ::-1]
         noise = rng.integers(-2, 3, size=px.shape, dtype=np.int16)
         px = np.clip(px.astype(np.int16) + noise, 0, 255).astype(np.uint8)
-        yield raw_table(
-            px, base.labels[idx], node_id, start_seq=start_seq + done,
-            start_time=t0 + timedelta(seconds=done),
-        )
+        if log is not None:
+            step = timedelta(milliseconds=1)
+            at = log.time_of(f"{recipe}|{done}|{m}", not_before=after)
+            after = at + m * step
+        else:
+            at, step = t0 + timedelta(seconds=done), timedelta(seconds=1)
+        yield raw_table(px, base.labels[idx], node_id, start_seq=start_seq + done, start_time=at, interval=step)
         done += m
 
 

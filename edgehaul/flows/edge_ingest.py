@@ -35,7 +35,7 @@ from edgehaul import downlink
 from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.edge.drop_folder import DropFile, DropFolder
-from edgehaul.edge.landsat import generate
+from edgehaul.edge.landsat import CaptureLog, generate
 from edgehaul.edge.outbox import node_outbox, record_run
 from edgehaul.edge.preprocess import batch_key
 from edgehaul.edge.scoring import ContextualScorer
@@ -91,15 +91,20 @@ class EdgeIngestParams(BaseModel):
         return self
 
 
-def _raw_batches(p: EdgeIngestParams, node_id: str, drop: DropFolder | None, contract: Contract
+def _raw_batches(p: EdgeIngestParams, node: EdgeNode, drop: DropFolder | None, contract: Contract
                  ) -> Iterator[tuple[pa.Table, list[tuple[DropFile, int]]]]:
     """Raw batches; with a drop folder, the last batch of each file carries [(file, its rows)] so the caller
     records the file as read only once all of it is spooled (a file kind's batch: each of its observation
     files, one row each)."""
     if p.source == "generate":
-        for t in generate(p.n_samples, node_id, seed=p.seed, class_weights=p.class_weights, start_seq=p.start_seq,
-                          batch_size=p.batch_size):
-            yield t, []
+        # real capture times, recorded beside the spool (not in it: a wiped spool regenerates the same batches)
+        log = CaptureLog(f"{str(node.spool_dir).rstrip('/')}.captures.sqlite")
+        try:
+            for t in generate(p.n_samples, node.node_id, seed=p.seed, class_weights=p.class_weights,
+                              start_seq=p.start_seq, batch_size=p.batch_size, start_time=log):
+                yield t, []
+        finally:
+            log.close()
         return
     if drop is not None:
         claimed = drop.claim()  # listed once: a file dropped during the run waits for the next
@@ -172,7 +177,7 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     with run_logging.for_node(node.node_id), Progress(
             f"edge-ingest-{node.node_id}-progress", total=expected,
             description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
-        for i, (raw, files_done) in enumerate(_raw_batches(p, node.node_id, drop, contract)):
+        for i, (raw, files_done) in enumerate(_raw_batches(p, node, drop, contract)):
             raw_key, hashes = batch_key(raw, contract.payload_column or "")
             version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store,
                                                   contract)

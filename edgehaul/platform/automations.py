@@ -31,6 +31,7 @@ from uuid import UUID
 from pydantic import BaseModel, Field, model_validator
 
 from edgehaul import events
+from edgehaul.blocks.logos import clear_unreachable_logos
 from edgehaul.platform.reporting import CHECK_PREFIX
 from edgehaul.platform.settings import get_settings
 
@@ -245,6 +246,7 @@ def ensure_webhook_block(url: str, name: str = NOTIFY_BLOCK, token: str | None =
     )
     block_id = block.save(name, overwrite=True)
     assert isinstance(block_id, UUID)
+    clear_unreachable_logos(("custom-webhook",))  # the save put the type's internet logo back
     return block_id
 
 

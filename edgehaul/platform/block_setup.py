@@ -58,6 +58,7 @@ from edgehaul.blocks import (
     TeamQuota,
     TieringPolicy,
 )
+from edgehaul.blocks.logos import clear_unreachable_logos
 from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.caching import CORE_RESULTS_BLOCK, core_result_storage_block
 from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, StoreBlock, node_store
@@ -237,6 +238,7 @@ def apply(setup: Setup) -> dict[str, list[str]]:
     for t in teams.values():
         save(TeamQuota(**t.model_dump()), t.team)
     save(PriceSheet(), DEFAULT_POLICY)
+    clear_unreachable_logos()  # after the saves: saving the results block put its type's internet logo back
     return saved
 
 
