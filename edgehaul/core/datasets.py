@@ -473,7 +473,7 @@ def summary_stats(table: pa.Table, contract: Contract) -> dict[str, Any]:
     return {
         "rows": table.num_rows,
         "summary_rows": int(pc.sum(table.column("is_summary")).as_py() or 0),
-        "labels": counts(contract.label_column),
+        "labels": counts(contract.label_column) if contract.label_column else {},
         "tiers": counts("tier"),
         "value_mean": float(pc.mean(table.column("value")).as_py() or 0.0),
         "band_means": {c: round(float(pc.mean(table.column(f"mean_{c}")).as_py() or 0.0), 6) for c in contract.channels},
