@@ -92,6 +92,22 @@ def trainable(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch.filter(mask)
 
 
+def sample_weights(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
+    """Per-row training weights (float32): 1 / inclusion_p, so the rows of a tier sampled at rate p stand for
+    the 1/p samples of the node's population each stood in for. 1 where the column is absent or null (rows
+    from before tier sampling were sent with certainty). A full row with p outside (0, 1] is an error."""
+    if "inclusion_p" not in batch.schema.names:
+        return np.ones(batch.num_rows, dtype=np.float32)
+    p = pc.fill_null(batch.column("inclusion_p"), 1.0).to_numpy(zero_copy_only=False).astype(np.float64)
+    bad = ~((p > 0.0) & (p <= 1.0))  # NaN is bad too
+    if bad.any():
+        ids = batch.column("sample_id").to_pylist() if "sample_id" in batch.schema.names else []
+        first = [ids[i] for i in np.flatnonzero(bad)[:5]] if ids else np.flatnonzero(bad)[:5].tolist()
+        raise ValueError(f"inclusion_p outside (0, 1] in {int(bad.sum())} of {len(p)} rows "
+                         f"(values {sorted({float(v) for v in p[bad]})[:5]}), e.g. samples {first}")
+    return (1.0 / p).astype(np.float32)
+
+
 def stream(
     fragments: list[pds.ParquetFileFragment], files: list[int], start: Position, batch_size: int
 ) -> Iterator[tuple[Position, pa.RecordBatch]]:
