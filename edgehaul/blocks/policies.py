@@ -119,7 +119,7 @@ class TieringPolicy(Block):
     version: str = Field(default="1", min_length=1, description="Policy version, recorded with every bundle.")
     scorer: str = Field(default="novelty", min_length=1, description=(
         "Which scorer values samples: a name registered under the `edgehaul.scorers` entry point "
-        "(shipped: novelty, model)."))
+        "(shipped: novelty, anomaly, model)."))
     model_uri: str | None = Field(default=None, description="Model for the 'model' scorer (s3://... or 'latest').")
     high_threshold: float = Field(default=0.8, gt=0, le=1, description="value >= this: high tier, sent at once.")
     low_threshold: float = Field(default=0.3, ge=0, lt=1, description="value < this: low tier, summary only.")

@@ -89,10 +89,13 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
     return t.cast(contract.bundle_schema)
 
 
-def summarise(rows: pa.Table) -> pa.Table:
-    """Low-tier summary rows: same columns, pixels null, is_summary true."""
-    i = rows.schema.get_field_index("pixels")
-    t = rows.set_column(i, rows.schema.field(i), pa.nulls(rows.num_rows, pa.binary()))
+def summarise(rows: pa.Table, contract: Contract | None = None) -> pa.Table:
+    """Low-tier summary rows: same columns, the payload (the contract's payload columns; `pixels` without a
+    contract) null, is_summary true."""
+    t = rows
+    for name in contract.payload_columns if contract is not None else ("pixels",):
+        i = t.schema.get_field_index(name)
+        t = t.set_column(i, t.schema.field(i), pa.nulls(t.num_rows, t.schema.field(i).type))
     j = t.schema.get_field_index("is_summary")
     return t.set_column(j, t.schema.field(j), pa.array(np.ones(rows.num_rows, dtype=bool)))
 
@@ -270,7 +273,7 @@ class Batcher:
         left = low.filter(pc.invert(full_low))
         if left.num_rows:
             out.extend(self._emit(left, "low", "raw"))
-        rest = pa.concat_tables([scored.filter(masks["normal"]), low.filter(full_low), summarise(left)])
+        rest = pa.concat_tables([scored.filter(masks["normal"]), low.filter(full_low), summarise(left, self.contract)])
         if rest.num_rows:
             out.extend(self._buffer(rest))
         return out

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pds
 
+from edgehaul.contracts import Contract
 from edgehaul.core.datasets import DatasetError, open_uri
 
 COLUMNS = ["sample_id", "label", "pixels", "is_summary"]
@@ -83,12 +84,16 @@ def is_validation(sample_ids: pa.Array, val_fraction: float) -> np.ndarray:
     )
 
 
-def trainable(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Rows usable for supervised training: labelled and with pixels (summary rows have none)."""
-    mask = pc.and_(
-        pc.and_(pc.is_valid(batch.column("label")), pc.is_valid(batch.column("pixels"))),
-        pc.invert(pc.fill_null(batch.column("is_summary"), False)),
-    )
+def trainable(batch: pa.RecordBatch, contract: Contract | None = None) -> pa.RecordBatch:
+    """Rows usable for supervised training: labelled and with their payload (summary rows have none). The
+    label and payload columns are the contract's; without one, Landsat's (`label`, `pixels`)."""
+    label = contract.label_column if contract is not None else "label"
+    payload = contract.payload_column if contract is not None else "pixels"
+    if label is None:
+        raise ValueError(f"contract {contract.id if contract else ''} has no label to train on")
+    mask = pc.and_(pc.is_valid(batch.column(label)), pc.invert(pc.fill_null(batch.column("is_summary"), False)))
+    if payload is not None:  # a columns kind: is_summary alone says whether the readings travelled
+        mask = pc.and_(mask, pc.is_valid(batch.column(payload)))
     return batch.filter(mask)
 
 
