@@ -30,7 +30,7 @@ from edgehaul.core.datasets import (
 )
 from edgehaul.core.validation import validate_bundle
 from edgehaul.edge.tiering import Batcher, assign
-from edgehaul.training.data import sample_weights, trainable
+from edgehaul.training.data import DatasetRef, Position, open_fragments, sample_weights, stream, trainable
 from tests.builders import processed_rows
 
 CONTRACT = load_contract("landsat_patch")
@@ -142,6 +142,14 @@ def test_an_old_table_evolves_in_its_next_commit_and_time_travel_still_reads(sto
     low = np.array([t == "low" for t in rows.column("tier").to_pylist()])
     assert not any(rows.column("is_summary").to_pylist()) and low.any()
     assert (w[low] == 2.0).all() and (w[~low] == 1.0).all()
+
+    # the trainer's stream reads p where a file has it: files from before the merge weigh 1
+    ref = DatasetRef(table_uri(store, KIND), 2, store.storage_options())
+    frags = open_fragments(ref)
+    streamed = [b for _, b in stream(frags, list(range(len(frags))), Position(), 1024)]
+    w_all = np.concatenate([sample_weights(trainable(b)) for b in streamed])
+    assert sorted(w_all.tolist()) == sorted(w.tolist()) and len(streamed) == 2
+    assert {"inclusion_p" in b.schema.names for b in streamed} == {True, False}
 
     # the evolved table takes later commits without another merge, whatever its column order
     ensure_table(store, CONTRACT)

@@ -23,6 +23,8 @@ from edgehaul.contracts import Contract
 from edgehaul.core.datasets import DatasetError, open_uri
 
 COLUMNS = ["sample_id", "label", "pixels", "is_summary"]
+# Read where a data file has them: files written before a column was added lack it (`sample_weights`: p = 1).
+OPTIONAL_COLUMNS = ["inclusion_p"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ def stream(
     for fi in range(start.file, len(files)):
         skip = start.batch if fi == start.file else 0
         frag = fragments[files[fi]]
-        for bi, batch in enumerate(frag.to_batches(columns=COLUMNS, batch_size=batch_size)):
+        columns = COLUMNS + [c for c in OPTIONAL_COLUMNS if c in frag.physical_schema.names]
+        for bi, batch in enumerate(frag.to_batches(columns=columns, batch_size=batch_size)):
             if bi < skip or batch.num_rows == 0:
                 continue
             yield Position(start.epoch, fi, bi + 1), batch
