@@ -8,8 +8,8 @@ and raw-store bundles for the local spool.
   sample id and the policy version (a rerun or retry sends the same rows, so bundle ids and the caches
   hold); each row records its inclusion probability: 1 for high and normal, sample_rate for low.
 - `Batcher`: high rows leave at once as urgent bundles (each <= urgent_max_bytes); normal rows, the
-  drawn low rows in full and the summary rows of the other low-tier samples (pixels null, is_summary
-  true) are buffered and flushed as a normal bundle when it reaches flush_max_samples rows or
+  drawn low rows in full and the summary rows of the other low-tier samples (payload columns null,
+  is_summary true) are buffered and flushed as a normal bundle when it reaches flush_max_samples rows or
   flush_max_bytes bytes, or when its first row is flush_max_seconds old (clock injectable), whichever
   first. The full rows of the low-tier samples not drawn become "low" bundles that `Spool.put` keeps in
   the local raw store, never uplinked: every sample travels in full, or in the raw store, not both.
@@ -89,11 +89,11 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
     return t.cast(contract.bundle_schema)
 
 
-def summarise(rows: pa.Table, contract: Contract | None = None) -> pa.Table:
-    """Low-tier summary rows: same columns, the payload (the contract's payload columns; `pixels` without a
-    contract) null, is_summary true."""
+def summarise(rows: pa.Table, contract: Contract) -> pa.Table:
+    """Low-tier summary rows: same columns, every payload column null (the tensor, the file, or a columns
+    kind's data columns), features kept, is_summary true."""
     t = rows
-    for name in contract.payload_columns if contract is not None else ("pixels",):
+    for name in contract.payload_columns:
         i = t.schema.get_field_index(name)
         t = t.set_column(i, t.schema.field(i), pa.nulls(t.num_rows, t.schema.field(i).type))
     j = t.schema.get_field_index("is_summary")
@@ -154,7 +154,7 @@ class TierReport:
 
     @property
     def baseline_value_per_mb(self) -> float:
-        # Estimate when not measured: the raw store holds exactly the low-tier pixels left behind.
+        # Estimate when not measured: the raw store holds exactly the low-tier payloads left behind.
         b = self.baseline_bytes or (self.bytes_sent + self.raw_store_bytes)
         return self.value_total / (b / 1e6) if b else 0.0
 
@@ -259,7 +259,7 @@ class Batcher:
             self.report.samples[tier] += int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
         self.report.value_total += float(pc.sum(scored.column("value")).as_py() or 0.0)
         out.extend(self.poll())
-        # One filter per tier: each row's pixels are copied once (summaries drop them, no copy).
+        # One filter per tier: each row's payload is copied once (summaries drop it, no copy).
         high = scored.filter(masks["high"])
         if high.num_rows:
             limit = self.policy.urgent_max_bytes
