@@ -78,7 +78,7 @@ def test_sample_weights_are_one_over_p_one_when_absent_or_null_and_refuse_bad_p(
     assert sample_weights(pa.table({"sample_id": ["a", "b"]})).tolist() == [1.0, 1.0]
     for bad in (0.0, 1.5, float("nan"), -0.1):
         t = pa.table({"sample_id": ["ok", "bad-one"], "inclusion_p": pa.array([0.5, bad], pa.float32())})
-        with pytest.raises(ValueError, match=r"inclusion_p outside \(0, 1\] in 1 of 2 rows.*bad-one"):
+        with pytest.raises(ValueError, match=r"inclusion_p .* of sample bad-one is outside \(0, 1\]; 1 of 2 rows"):
             sample_weights(t)
 
 
@@ -137,7 +137,7 @@ def test_an_old_table_evolves_in_its_next_commit_and_time_travel_still_reads(sto
     assert p_by_bundle[normal[0].manifest.bundle_id] == {1.0, 0.5}  # normal rows 1, low rows the rate
 
     # the trainer's view: old rows weigh 1, sampled low rows 1/p; summaries are never training rows
-    rows = trainable(latest.combine_chunks().to_batches()[0])
+    rows = trainable(latest.combine_chunks().to_batches()[0], CONTRACT)
     w = sample_weights(rows)
     low = np.array([t == "low" for t in rows.column("tier").to_pylist()])
     assert not any(rows.column("is_summary").to_pylist()) and low.any()
@@ -145,9 +145,10 @@ def test_an_old_table_evolves_in_its_next_commit_and_time_travel_still_reads(sto
 
     # the trainer's stream reads p where a file has it: files from before the merge weigh 1
     ref = DatasetRef(table_uri(store, KIND), 2, store.storage_options())
-    frags = open_fragments(ref)
-    streamed = [b for _, b in stream(frags, list(range(len(frags))), Position(), 1024)]
-    w_all = np.concatenate([sample_weights(trainable(b)) for b in streamed])
+    frags, columns = open_fragments(ref, CONTRACT)
+    assert "inclusion_p" in columns
+    streamed = [b for _, b in stream(frags, list(range(len(frags))), Position(), 1024, columns)]
+    w_all = np.concatenate([sample_weights(trainable(b, CONTRACT)) for b in streamed])
     assert sorted(w_all.tolist()) == sorted(w.tolist()) and len(streamed) == 2
     assert {"inclusion_p" in b.schema.names for b in streamed} == {True, False}
 
