@@ -1,21 +1,17 @@
-"""Generated daphnet_gait rows (columns kind) as the edge's preprocessing would hand them to scoring: the
-contract's bundle schema without value/tier/is_summary/inclusion_p, features `norm_<column>` computed as
-the contract says ((x - min) / (max - min)).
-
-Written here directly in that schema because the columns kind's preprocessing is built on another branch
-(kinds-edge); swap for `preprocess(raw, contract)` once it is merged.
+"""Generated daphnet_gait readings (columns kind) with a known anomaly rate: `gait_raw` as a node reads them
+(the contract's raw schema), `gait_rows` the same through the edge's real preprocessing (`norm_<column>`
+features, content digest), ready for scoring.
 """
 
 from __future__ import annotations
 
-import hashlib
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pyarrow as pa
 
 from edgehaul.contracts import Contract, load_contract
-from edgehaul.edge.preprocess import preprocessed_schema
+from edgehaul.edge.preprocess import preprocess
 
 GAIT = load_contract("daphnet_gait")
 # Means of a worn sensor standing upright (milli-g): vertical axes near 1 g.
@@ -24,8 +20,8 @@ _MEAN = {"ankle_horiz_fwd": 80.0, "ankle_vert": 980.0, "ankle_horiz_lateral": -4
          "trunk_horiz_lateral": 10.0}
 
 
-def gait_rows(n: int, *, anomaly_rate: float, seed: int, node_id: str = "node-a", start_seq: int = 0,
-              outliers: int = 0, contract: Contract = GAIT) -> pa.Table:
+def gait_raw(n: int, *, anomaly_rate: float, seed: int, node_id: str = "node-a", start_seq: int = 0,
+             outliers: int = 0, contract: Contract = GAIT) -> pa.Table:
     """n readings, a share `anomaly_rate` of them labelled freezes (strong tremor), the first `outliers`
     normal-labelled rows far off (a knocked sensor: unlabelled anomalies)."""
     rng = np.random.default_rng(seed)
@@ -45,11 +41,17 @@ def gait_rows(n: int, *, anomaly_rate: float, seed: int, node_id: str = "node-a"
                                  pa.timestamp("ms", tz="UTC")),
         "seq": pa.array(seq, pa.int64()),
         "is_anomaly": pa.array(anomaly.astype(np.int16)),
-        "content_sha256": pa.array([hashlib.sha256(row.tobytes()).hexdigest() for row in x]),
     }
-    for j, c in enumerate(contract.columns):
-        data[c.name] = pa.array(x[:, j])
-    for j, c in enumerate(contract.columns):
-        assert c.min is not None and c.max is not None
-        data[f"norm_{c.name}"] = pa.array(((x[:, j] - c.min) / (c.max - c.min)).astype(np.float32))
-    return pa.table(data).cast(preprocessed_schema(contract))
+    for j, c in enumerate(cols):
+        data[c] = pa.array(x[:, j])
+    return pa.table(data).cast(contract.raw_schema)
+
+
+def gait_rows(n: int, *, anomaly_rate: float, seed: int, node_id: str = "node-a", start_seq: int = 0,
+              outliers: int = 0, contract: Contract = GAIT) -> pa.Table:
+    """`gait_raw` through the real preprocessing (every generated row is accepted)."""
+    raw = gait_raw(n, anomaly_rate=anomaly_rate, seed=seed, node_id=node_id, start_seq=start_seq, outliers=outliers,
+                   contract=contract)
+    res = preprocess(raw, contract, node_id=node_id)
+    assert res.accepted.num_rows == n, res.reject_counts
+    return res.accepted

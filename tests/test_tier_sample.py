@@ -1,5 +1,5 @@
 """Issue #20, done-when: tiering keeps training honest. On generated data with a known mix, through the edge
-path (preprocess -> score -> assign -> Batcher -> spool), the rows central training keeps
+path (`ingest_batch`: preprocess -> score -> assign -> Batcher -> spool), the rows central training keeps
 (`training.data.trainable`), weighted by `training.data.sample_weights`, match the class distribution the
 node observed within 2 percentage points per class, although the scorer sends some classes mostly to the
 low tier; the high tier still leaves first; every sample travels once (in full or as a summary)."""
@@ -24,7 +24,7 @@ from edgehaul.edge.scoring import NoveltyScorer
 from edgehaul.edge.spool import Spool
 from edgehaul.edge.tiering import Batcher, assign
 from edgehaul.training.data import sample_weights, trainable
-from tests.gait_rows import GAIT, gait_rows
+from tests.gait_rows import GAIT, gait_raw, gait_rows
 
 log = logging.getLogger(__name__)
 LANDSAT = load_contract("landsat_patch")
@@ -112,21 +112,17 @@ def test_gait_weighted_anomaly_rate_matches_the_node_within_2pp(tmp_path: Path) 
     policy = TieringPolicy(scorer="anomaly", sample_rate=RATE)
     spool = _spool(tmp_path / "spool")
     scorer = AnomalyScorer(GAIT)
-    batcher = Batcher(policy, GAIT)
     observed: collections.Counter[int] = collections.Counter()
-    by_class: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for i in range(4):
-        rows = gait_rows(5_000, anomaly_rate=0.08, seed=20 + i, start_seq=i * 5_000, outliers=5)
-        key = f"gait-{i}"
-        scored = assign(rows, scorer.score(rows, batch_key=key), policy, GAIT)
-        scorer.fold(rows, key)
-        for lab, tier in zip(scored.column("is_anomaly").to_pylist(), scored.column("tier").to_pylist(), strict=True):
+        raw = gait_raw(5_000, anomaly_rate=0.08, seed=20 + i, start_seq=i * 5_000, outliers=5)
+        result = ingest_batch(raw, GAIT, policy, spool, scorer, key=f"gait-{i}", node_id="node-a")
+        assert result.accepted == raw.num_rows
+        observed.update(raw.column("is_anomaly").to_pylist())
+    by_class: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for e in spool.pending():
+        t = read_bundle(spool.read(e.bundle_id), e.manifest)
+        for lab, tier in zip(t.column("is_anomaly").to_pylist(), t.column("tier").to_pylist(), strict=True):
             by_class[lab][tier] += 1
-        observed.update(rows.column("is_anomaly").to_pylist())
-        for b in batcher.add(scored):
-            assert spool.put(b.data, b.manifest) is not None
-    for b in batcher.flush():
-        assert spool.put(b.data, b.manifest) is not None
     assert by_class[1]["high"] == observed[1]  # every labelled freeze is high
     assert _low_share_by_class(by_class)[0] > 0.9
     assert abs(observed[1] / 20_000 - 0.08) < 0.01
