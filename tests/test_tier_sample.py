@@ -15,15 +15,17 @@ import pyarrow as pa
 import pytest
 
 from edgehaul.blocks import TieringPolicy
-from edgehaul.bundles import read_bundle
+from edgehaul.bundles import read_bundle, write_bundle
 from edgehaul.contracts import Contract, load_contract
+from edgehaul.core.validation import validate_bundle
 from edgehaul.edge.anomaly_scorer import AnomalyScorer
 from edgehaul.edge.batch import ingest_batch
 from edgehaul.edge.landsat import generate, real_patches
 from edgehaul.edge.scoring import NoveltyScorer
 from edgehaul.edge.spool import Spool
-from edgehaul.edge.tiering import Batcher, assign
+from edgehaul.edge.tiering import Batcher, assign, summarise
 from edgehaul.training.data import sample_weights, trainable
+from tests.builders import processed_rows
 from tests.gait_rows import GAIT, gait_raw, gait_rows
 
 log = logging.getLogger(__name__)
@@ -144,3 +146,26 @@ def test_rate_zero_sends_no_low_row_in_full_and_rate_one_all(tmp_path: Path, rat
     assert low_full.num_rows == (n_low if rate == 1.0 else 0)
     assert [x for x in out if x.manifest.tier == "low"] == ([] if rate == 1.0 else [x for x in out if x.reason == "raw"])
     assert b.report.sampled_low == low_full.num_rows
+
+
+def _with_p(rows: pa.Table, p: list[float]) -> pa.Table:
+    return rows.set_column(rows.schema.get_field_index("inclusion_p"), "inclusion_p", pa.array(p, pa.float32()))
+
+
+def test_core_validation_refuses_a_full_row_with_p_outside_0_1_and_names_it() -> None:
+    base = processed_rows(6, seed=12, start_seq=70_000)
+    ids = base.column("sample_id").to_pylist()
+    for p, bad in (([1.0, 0.5, 0.05, 1.0, 1.0, 1.0], None), ([1.0, 0.0, 1.0, 1.0, 1.0, 1.0], 1),
+                   ([1.0, 1.0, 1.0, 1.5, 1.0, 1.0], 3), ([-0.5, 1.0, 1.0, 1.0, 1.0, 1.0], 0)):
+        data, m = write_bundle(_with_p(base, p), LANDSAT, tier="normal")
+        _, result = validate_bundle(data, m)
+        assert result.success == (bad is None), (p, result.error)
+        if bad is not None:
+            assert result.reason == "inclusion_p" and ids[bad] in result.error, result.error
+    with pytest.raises(ValueError, match="inclusion_p"):  # the writer refuses a row without p
+        write_bundle(base.set_column(base.schema.get_field_index("inclusion_p"), "inclusion_p",
+                                     pa.array([1.0, None, 1.0, 1.0, 1.0, 1.0], pa.float32())), LANDSAT, tier="normal")
+    # a summary of a tier sampled at rate 0 carries p = 0: valid (it is never a training row)
+    data, m = write_bundle(_with_p(summarise(base, LANDSAT), [0.0] * 6), LANDSAT, tier="normal")
+    _, result = validate_bundle(data, m)
+    assert result.success, result.error
