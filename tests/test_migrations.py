@@ -17,6 +17,7 @@ from deltalake import DeltaTable, write_deltalake
 from edgehaul.blocks import ObjectStore, TieringPolicy
 from edgehaul.bundles import BundleError, BundleManifest, read_bundle, write_bundle
 from edgehaul.contracts import load_contract
+from edgehaul.core.compaction import compact
 from edgehaul.core.datasets import (
     BUNDLE_ID_COLUMN,
     ValidatedBundle,
@@ -160,4 +161,11 @@ def test_an_old_table_evolves_in_its_next_commit_and_time_travel_still_reads(sto
     assert table is not None
     assert commit_bundles(store, CONTRACT, [ValidatedBundle(m, table, result)]).version == 3
     assert read_version(store, KIND, 3).num_rows == 40 + 325 + 20
+    assert content_sha256(read_version(store, KIND, 1)) == v1_digest
+
+    # compaction merges files from before and after the schema merge without changing a row
+    v3_digest = content_sha256(read_version(store, KIND, 3))
+    done = compact(store, KIND, min_files=2)
+    assert done.version == 4 and done.files_removed >= 3
+    assert content_sha256(read_version(store, KIND, 4)) == v3_digest
     assert content_sha256(read_version(store, KIND, 1)) == v1_digest
