@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore
-from edgehaul.bundles import BundleManifest, write_bundle
+from edgehaul.bundles import BundleManifest, conform, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.edge.landsat import generate
 from edgehaul.uplink.link import SimulatedLink
@@ -48,7 +48,7 @@ def _rows(n: int, seed: int, start_seq: int, tier: str = "normal") -> pa.Table:
     cols["value"] = pc.divide(pc.cast(raw.column("seq"), pa.float64()), float(start_seq + n))
     cols["tier"] = pa.array([tier] * n)
     cols["is_summary"] = pa.array([False] * n)
-    return pa.table(cols).cast(contract.bundle_schema)
+    return conform(pa.table(cols), contract)
 
 
 def _bundle(n: int, seed: int, start_seq: int, tier: str = "normal") -> tuple[bytes, BundleManifest]:

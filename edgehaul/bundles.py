@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from edgehaul.contracts import Contract, contract_by_id
+from edgehaul.contracts import ADDED_COLUMNS, Contract, contract_by_id
 
 MANIFEST_VERSION = 1
 
@@ -37,7 +37,8 @@ MANIFEST_VERSION = 1
 # (random hex has no matches for the higher levels to find); every other column, the pixels
 # included, uses the bundle's level.
 _DICT_COLUMNS = ("node_id", "tier")
-_STATS_COLUMNS = ("sample_id", "node_id", "capture_time", "seq", "label", "value", "tier", "is_summary")
+_STATS_COLUMNS = ("sample_id", "node_id", "capture_time", "seq", "label", "value", "tier", "is_summary",
+                  "inclusion_p")
 _HEX_COLUMNS = ("content_sha256",)
 _HEX_ZSTD_LEVEL = 1
 
@@ -155,7 +156,7 @@ def write_bundle(
     """Serialise preprocessed rows (the contract's bundle schema) into Parquet bytes + manifest."""
     if table.num_rows == 0:
         raise BundleError("refusing to write an empty bundle")
-    table = table.cast(contract.bundle_schema)
+    table = conform(table, contract)
     nodes = pc.unique(table.column("node_id")).to_pylist()
     if len(nodes) != 1:
         raise BundleError(f"a bundle holds one node's samples, got nodes {nodes}")
@@ -219,13 +220,24 @@ def read_bundle(data: bytes, manifest: BundleManifest | None = None) -> pa.Table
         contract_id = manifest.contract
     contract = contract_by_id(contract_id)
     check_schema(table.schema, contract)
-    return table
+    return conform(table, contract)
+
+
+def conform(table: pa.Table, contract: Contract) -> pa.Table:
+    """Rows in the contract's bundle schema; a column added to the schema since (`contracts.ADDED_COLUMNS`)
+    and absent here gets the value it has by definition in older rows (inclusion_p 1: sent with certainty)."""
+    want = contract.bundle_schema
+    for name, default in ADDED_COLUMNS.items():
+        if name not in table.column_names:
+            table = table.append_column(want.field(name), pa.array([default] * table.num_rows, want.field(name).type))
+    return table.cast(want)
 
 
 def check_schema(schema: pa.Schema, contract: Contract) -> None:
-    """Schema drift is an error that names the columns: missing, extra, or a changed type."""
+    """Schema drift is an error that names the columns: missing, extra, or a changed type. A bundle written
+    before a column was added (`contracts.ADDED_COLUMNS`) may lack it; `conform` fills it in."""
     want = contract.bundle_schema
-    missing = [n for n in want.names if n not in schema.names]
+    missing = [n for n in want.names if n not in schema.names and n not in ADDED_COLUMNS]
     extra = [n for n in schema.names if n not in want.names]
     changed = [
         f"{n}: {schema.field(n).type} (contract {want.field(n).type})"

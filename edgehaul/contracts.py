@@ -73,6 +73,11 @@ MEDIA_MAGIC: dict[str, tuple[bytes, ...]] = {
 }
 # Columns every kind's bundle carries before its own (identity, time, order, content digest).
 IDENTITY_COLUMNS = ("sample_id", "node_id", "capture_time", "seq")
+# The probability that a row's sample travels in full (set by tiering; the trainer weights rows by 1/p).
+INCLUSION_P = "inclusion_p"
+# Columns added to every bundle schema after bundles were already written, with the value an older bundle's
+# rows have by definition: before tier sampling every full row was sent with certainty (docs/MIGRATIONS.md).
+ADDED_COLUMNS: dict[str, float] = {INCLUSION_P: 1.0}
 
 
 @dataclass(frozen=True)
@@ -307,6 +312,7 @@ class Contract:
             pa.field("value", pa.float32(), nullable=False),
             pa.field("tier", pa.string(), nullable=False),
             pa.field("is_summary", pa.bool_(), nullable=False),
+            pa.field(INCLUSION_P, pa.float32(), nullable=False),
         ]
         return pa.schema(fields, metadata={b"edgehaul.contract": self.id.encode()})
 
@@ -412,7 +418,7 @@ class _Doc:
         for name, spec in cols.items():
             where = f"columns.{name}"
             self.name(name, where)
-            if name in (*IDENTITY_COLUMNS, "content_sha256", "value", "tier", "is_summary"):
+            if name in (*IDENTITY_COLUMNS, "content_sha256", "value", "tier", "is_summary", INCLUSION_P):
                 raise self.fail(where, "is a column every bundle already has; name it otherwise")
             c = self.mapping(spec, where, {"type", "unit", "min", "max", "values", "nullable"})
             typ = self.string(self.need(c, "type", where), f"{where}.type", COLUMN_TYPES)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from edgehaul.bundles import BundleManifest, write_bundle
+from edgehaul.bundles import BundleManifest, conform, write_bundle
 from edgehaul.contracts import Contract, load_contract
 from edgehaul.edge.landsat import generate, table_sha256
 from edgehaul.edge.preprocess import preprocess
@@ -33,7 +33,7 @@ def processed_rows(
     t = accepted.append_column("value", pa.array(values, pa.float32()))
     t = t.append_column("tier", pa.array([tier] * n, pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(n, dtype=bool)))
-    return t.cast(contract.bundle_schema)
+    return conform(t, contract)
 
 
 def bundle(n: int, node_id: str = "node-a", *, seed: int = 0, start_seq: int = 0) -> tuple[bytes, BundleManifest]:

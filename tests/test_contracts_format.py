@@ -178,7 +178,8 @@ def test_any_tensor_round_trips_through_preprocess_bundle_and_decode(tmp_path: P
     assert r.rejects.num_rows == 0 and r.accepted.schema.equals(preprocessed_schema(c), check_metadata=True)
     names = c.bundle_schema.names
     assert names[:5] == ["sample_id", "node_id", "capture_time", "seq", "content_sha256"]
-    assert len(c.feature_columns) == 4 * len(spec["channels"]) and names[-3:] == ["value", "tier", "is_summary"]
+    assert len(c.feature_columns) == 4 * len(spec["channels"])
+    assert names[-4:] == ["value", "tier", "is_summary", "inclusion_p"]
     rows = assign(r.accepted, np.zeros(m), TieringPolicy(), c)
     data, manifest = write_bundle(rows, c, tier="normal")
     back = pq.read_table(io.BytesIO(data))  # (read_bundle looks the contract up in the configured folder)

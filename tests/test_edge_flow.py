@@ -93,7 +93,9 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
     held = [i for e in spool.pending() for i in e.manifest.sample_ids]
     raw_held = [i for e in spool.raw_entries() for i in e.manifest.sample_ids]
     assert len(set(held)) == len(held)  # summaries + full rows, each sample once in uplink bundles
-    assert len(held) == 3000 and len(raw_held) == first["samples"]["low"]
+    # the raw store keeps the low-tier samples not drawn to travel in full (TieringPolicy.sample_rate)
+    assert len(held) == 3000 and 0 < first["sampled_low"] < first["samples"]["low"]
+    assert len(raw_held) == first["samples"]["low"] - first["sampled_low"]
     spool.close()
     assert _task_states(fr1, 3) == {"edge-ingest-batch": ["Completed"] * 3}  # one task run per batch
     objects, files = _records(spool_dir), _snapshot(spool_dir)

@@ -15,7 +15,7 @@ from edgehaul.contracts import load_contract
 from edgehaul.edge.landsat import generate, table_sha256
 from edgehaul.edge.preprocess import preprocess
 from edgehaul.edge.scoring import NoveltyScorer
-from edgehaul.edge.tiering import Batcher, assign, route
+from edgehaul.edge.tiering import Batcher, assign, drawn, route
 
 C = load_contract("landsat_patch")
 
@@ -58,6 +58,9 @@ def test_routing_bundles_and_summaries_account_for_every_sample(accepted: pa.Tab
     b = Batcher(p, C)
     out = b.add(scored) + b.flush()
     tiers = dict(zip(scored.column("sample_id").to_pylist(), scored.column("tier").to_pylist(), strict=True))
+    low_ids = [i for i, t in tiers.items() if t == "low"]
+    sampled = {i for i, d in zip(low_ids, drawn(pa.array(low_ids), p), strict=True) if d}
+    assert 0 < len(sampled) < len(low_ids)  # the default rate draws some low rows, not all
     seen_full: list[str] = []
     seen_summary: list[str] = []
     raw_store: list[str] = []
@@ -78,10 +81,12 @@ def test_routing_bundles_and_summaries_account_for_every_sample(accepted: pa.Tab
                 assert tiers[i] == "low" and px is None
                 seen_summary.append(i)
             else:
-                assert tiers[i] in ("high", "normal") and px is not None
+                assert (tiers[i] in ("high", "normal") or i in sampled) and px is not None
                 seen_full.append(i)
-    assert sorted(seen_full) == sorted(i for i, t in tiers.items() if t != "low")
-    assert sorted(seen_summary) == sorted(raw_store) == sorted(i for i, t in tiers.items() if t == "low")
+    # every sample travels once, in full or as a summary; the raw store keeps exactly the summaries' pixels
+    assert sorted(seen_full) == sorted([i for i, t in tiers.items() if t != "low"] + sorted(sampled))
+    assert sorted(seen_summary) == sorted(raw_store) == sorted(set(low_ids) - sampled)
+    assert b.report.sampled_low == len(sampled)
     assert len(seen_full) == len(set(seen_full))
     assert b.report.samples == {k: sum(1 for t in tiers.values() if t == k) for k in ("high", "normal", "low")}
 
@@ -171,3 +176,56 @@ def test_raw_store_level_applies_to_low_tier_bundles_only(accepted: pa.Table) ->
     assert fast["high"] == slow["high"] and fast["normal"] == slow["normal"]
     assert fast["low"] != slow["low"]
     assert read_bundle(fast["low"]).equals(read_bundle(slow["low"]))  # same rows, only the compression differs
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=60), st.floats(0.0, 1.0), st.integers(0, 10_000))
+def test_inclusion_p_is_one_for_high_and_normal_and_the_rate_for_low(
+    accepted: pa.Table, values: list[float], rate: float, offset: int,
+) -> None:
+    p = TieringPolicy(sample_rate=rate)
+    rows = accepted.slice(offset % (accepted.num_rows - len(values)), len(values))
+    scored = assign(rows, np.array(values, np.float32), p, C)
+    tiers = np.array(scored.column("tier").to_pylist())
+    incl = scored.column("inclusion_p").to_numpy()
+    assert scored.schema.field("inclusion_p").type == pa.float32()
+    assert (incl[tiers != "low"] == 1.0).all()
+    assert (incl[tiers == "low"] == np.float32(rate)).all()
+
+
+def test_the_draw_is_per_sample_deterministic_nested_and_close_to_the_rate() -> None:
+    ids = pa.array([f"node-a-{i:08d}" for i in range(40_000)])
+    p10, p20 = TieringPolicy(sample_rate=0.1), TieringPolicy(sample_rate=0.2)
+    d10 = drawn(ids, p10)
+    # the same sample is drawn alone, in another batch order, under other non-version settings
+    assert (drawn(ids.take(pa.array(range(39_999, -1, -1))), p10)[::-1] == d10).all()
+    assert (drawn(ids, TieringPolicy(sample_rate=0.1, zstd_level=9, flush_max_samples=7)) == d10).all()
+    assert [bool(drawn(ids.slice(i, 1), p10)[0]) for i in range(50)] == d10[:50].tolist()
+    # raising the rate keeps every sample drawn before; the share drawn is the rate (binomial, 4 sigma)
+    d20 = drawn(ids, p20)
+    assert (d20[d10]).all()
+    for rate, d in ((0.1, d10), (0.2, d20)):
+        assert abs(d.mean() - rate) < 4 * np.sqrt(rate * (1 - rate) / len(ids))
+    # another policy version is another draw; rate 0 and 1 are none and all
+    assert (drawn(ids, TieringPolicy(version="2", sample_rate=0.1)) != d10).any()
+    assert not drawn(ids, TieringPolicy(sample_rate=0.0)).any() and drawn(ids, TieringPolicy(sample_rate=1.0)).all()
+
+
+def test_a_rerun_of_a_batch_builds_the_same_bundles(accepted: pa.Table) -> None:
+    """Retries and reruns send the same rows: the bundle ids (content-derived) come out identical."""
+    p = TieringPolicy(sample_rate=0.3, flush_max_samples=300)
+    values = _values(accepted.num_rows, seed=5)
+
+    def run() -> list[tuple[str, str, int]]:
+        b = Batcher(p, C)
+        return [(x.manifest.bundle_id, x.manifest.tier, x.summary_rows)
+                for x in b.add(assign(accepted, values, p, C)) + b.flush()]
+
+    first = run()
+    assert first == run() and any(n for _, tier, n in first if tier == "normal")
+
+
+def test_sample_rate_bounds_are_checked() -> None:
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="sample_rate"):
+            TieringPolicy(sample_rate=bad)

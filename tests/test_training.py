@@ -152,7 +152,7 @@ def trained(stack: localstack.StackState) -> Iterator[Trained]:
 @pytest.mark.integration
 def test_stream_continues_exactly_from_a_position(trained: Trained) -> None:
     frags, columns = open_fragments(DatasetRef(trained.uri, 1, trained.store.storage_options()), CONTRACT)
-    assert columns == ["sample_id", "label", "pixels", "is_summary"]  # no inclusion_p in this table
+    assert columns == ["sample_id", "label", "pixels", "is_summary", "inclusion_p"]  # bundle rows carry p
     assert len(frags) == 2
     files = shard(epoch_order(len(frags), 7, 0), 0, 1)
     full = [(p, b.column("sample_id").to_pylist()) for p, b in stream(frags, files, Position(0), 50, columns)]

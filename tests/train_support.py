@@ -128,11 +128,12 @@ def kind_rows(contract: Contract, n: int, *, seed: int = 0, start_seq: int = 0, 
     cols["tier"] = ["low" if s else "normal" for s in summary]
     cols["is_summary"] = summary.tolist()
     schema = contract.bundle_schema
+    if inclusion_p is None:  # a table from before tier sampling: no inclusion_p column
+        schema = schema.remove(schema.get_field_index("inclusion_p"))
+    else:
+        cols["inclusion_p"] = inclusion_p
     t = pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
-    t = t.append_column("bundle_id", pa.array([f"b-{seed}"] * n, pa.string()))
-    if inclusion_p is not None:
-        t = t.append_column("inclusion_p", pa.array(inclusion_p, pa.float64()))
-    return t
+    return t.append_column("bundle_id", pa.array([f"b-{seed}"] * n, pa.string()))
 
 
 def make_kind_dataset(store: ObjectStore, contract: Contract, sizes: list[int], **kw: Any) -> str:

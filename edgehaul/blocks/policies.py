@@ -119,10 +119,15 @@ class TieringPolicy(Block):
     version: str = Field(default="1", min_length=1, description="Policy version, recorded with every bundle.")
     scorer: str = Field(default="novelty", min_length=1, description=(
         "Which scorer values samples: a name registered under the `edgehaul.scorers` entry point "
-        "(shipped: novelty, model)."))
+        "(shipped: novelty, anomaly, model)."))
     model_uri: str | None = Field(default=None, description="Model for the 'model' scorer (s3://... or 'latest').")
     high_threshold: float = Field(default=0.8, gt=0, le=1, description="value >= this: high tier, sent at once.")
     low_threshold: float = Field(default=0.3, ge=0, lt=1, description="value < this: low tier, summary only.")
+    # Without it central training sees only what scored high: the population of what nodes observe is lost.
+    sample_rate: float = Field(default=0.05, ge=0, le=1, description=(
+        "Share of low-tier samples that travel in full anyway (a draw per sample id, the same on every rerun); "
+        "each row records its inclusion probability (inclusion_p: 1 for high and normal, this for low), by "
+        "which training weights rows back to the population."))
     flush_max_samples: int = Field(default=50_000, gt=0, description="Flush a normal bundle at N samples...")
     flush_max_bytes: int = Field(default=32 * MiB, gt=0, description="...or at B bytes...")
     flush_max_seconds: float = Field(default=300.0, gt=0, description="...or T seconds after its first sample.")

@@ -9,6 +9,11 @@ The dataset table is the contract's bundle schema plus one column, `bundle_id` (
 came from): lineage version -> bundles -> nodes is then a query over the data of any version, and it
 survives compaction (which rewrites files but keeps rows).
 
+A column added to the bundle schema later (`contracts.ADDED_COLUMNS`, e.g. `inclusion_p`) joins an
+existing table through a Delta schema merge in the first commit that carries it: history is not
+rewritten, older rows read it as null (= its default by definition), older versions read as they were
+(docs/MIGRATIONS.md).
+
 A bundle enters a dataset once. Each commit also records one Delta transaction id per bundle
 (`txn` action, app id `edgehaul/bundle/<id>`), so "already committed?" is a lookup in the table
 snapshot, independent of table size. Delta does not treat two concurrent commits of the same app id
@@ -50,8 +55,8 @@ from botocore.exceptions import ClientError
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from edgehaul.bundles import BundleManifest
-from edgehaul.contracts import Contract
+from edgehaul.bundles import BundleManifest, conform
+from edgehaul.contracts import ADDED_COLUMNS, Contract
 from edgehaul.core import quarantine
 from edgehaul.core.validation import ValidationResult
 from edgehaul.platform import s3compat
@@ -80,7 +85,15 @@ class DatasetError(ValueError):
 
 def dataset_schema(contract: Contract) -> pa.Schema:
     schema = contract.bundle_schema
-    return schema.append(pa.field(BUNDLE_ID_COLUMN, pa.string(), nullable=False)).with_metadata(schema.metadata)
+    # Added columns are nullable in a table: the rows committed before they existed have none.
+    fields = [f.with_nullable(True) if f.name in ADDED_COLUMNS else f for f in schema]
+    return pa.schema([*fields, pa.field(BUNDLE_ID_COLUMN, pa.string(), nullable=False)], metadata=schema.metadata)
+
+
+def columns_to_add(dt: DeltaTable, contract: Contract) -> list[str]:
+    """Columns of the contract's dataset schema an older table lacks (added by the next commit's merge)."""
+    have = set(pa.schema(dt.schema()).names)
+    return [n for n in dataset_schema(contract).names if n not in have]
 
 
 def table_uri(store: ObjectStore, kind: str) -> str:
@@ -146,7 +159,9 @@ def ensure_table(store: ObjectStore, contract: Contract) -> DeltaTable:
             log.info("dataset table %s created concurrently (%s); re-opening", uri, type(e).__name__)
             dt = DeltaTable(uri, storage_options=opts)
     have = pa.schema(dt.schema())
-    if have.names != want.names:
+    # Order aside (a merge appends its columns): the same columns, or older ones lacking only added ones.
+    lacking = [n for n in want.names if n not in have.names]
+    if [n for n in have.names if n not in want.names] or [n for n in lacking if n not in ADDED_COLUMNS]:
         raise DatasetError(
             f"dataset {contract.kind}: table columns {have.names} differ from contract {contract.id} {want.names}"
         )
@@ -557,11 +572,15 @@ def _commit_locked(
                                          base_version=dt.version(), run_id=run_id, s3=s3)
         metadata = _commit_metadata(contract, todo, kept, dups, data, commit_id, run_id)
         txns = [Transaction(app_id=txn_app_id(vb.manifest.bundle_id), version=1) for vb in todo]
+        added = columns_to_add(dt, contract)
+        if added:
+            log.info("dataset %s: adding columns %s at v%d (schema merge; older rows read null)", contract.kind, added,
+                     dt.version() + 1)
         try:
             # The open table at exactly its version + 1: no delta-rs rebase over a concurrent append,
             # whose rows our duplicate check has not seen.
             write_deltalake(
-                dt, data, mode="append",
+                dt, data, mode="append", schema_mode="merge" if added else None,
                 commit_properties=CommitProperties(custom_metadata=metadata, app_transactions=txns,
                                                    max_commit_retries=0),
             )
@@ -599,7 +618,7 @@ def _without_duplicates(
     parts, kept, dups = [], {}, {}
     seen: set[str] = set()
     for vb in sorted(todo, key=lambda v: v.manifest.bundle_id):
-        t = vb.table.cast(contract.bundle_schema)
+        t = conform(vb.table, contract)
         ids = t.column("sample_id").to_pylist()
         fresh = [sid not in held and sid not in seen for sid in ids]
         if not all(fresh):
@@ -609,7 +628,7 @@ def _without_duplicates(
         kept[vb.manifest.bundle_id] = t.num_rows
         parts.append(t.append_column(schema.field(BUNDLE_ID_COLUMN), pa.array([vb.manifest.bundle_id] * t.num_rows,
                                                                                pa.string())))
-    return pa.concat_tables(parts), kept, dups
+    return pa.concat_tables(parts).cast(schema), kept, dups  # added columns nullable, as the table has them
 
 
 def _commit_metadata(

@@ -37,7 +37,8 @@ from edgehaul.contracts import MEDIA_MAGIC, Contract, ContractError, ContractInv
 log = logging.getLogger(__name__)
 
 # Bump when the checks below change meaning: cached validation results keyed on it go stale.
-VALIDATION_VERSION = "3"  # 2: ids, owner, size limits, tensor lengths, finite floats; 3: payload per layout
+VALIDATION_VERSION = "4"  # 2: ids, owner, size limits, tensor lengths, finite floats; 3: payload per layout;
+# 4: inclusion_p in range
 
 # Reasons, most specific first; "ok" means the bundle may enter a dataset version.
 SLOT_COLUMN = "__bundle"  # which bundle a row of a batched GE run came from
@@ -45,7 +46,7 @@ SLOT_COLUMN = "__bundle"  # which bundle a row of a batched GE run came from
 REASONS = (
     "ok", "bad_id", "wrong_node", "too_large", "manifest_missing", "checksum", "unreadable", "unknown_contract",
     "row_count", "manifest_mismatch", "schema_drift", "tensor_length", "file_invalid", "column_values", "non_finite",
-    "expectations", "bundle_error",
+    "inclusion_p", "expectations", "bundle_error",
 )
 
 
@@ -383,7 +384,23 @@ def row_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
             first = first or _examples(table, bad)
     if problems:
         return "non_finite", f"NaN/inf in {', '.join(problems)} rows, e.g. samples {first}"
-    return "", ""
+    return _inclusion_problems(table)
+
+
+def _inclusion_problems(table: pa.Table) -> tuple[str, str]:
+    """A full row stands for 1/inclusion_p samples in training: p in (0, 1]. A summary may carry 0 (a tier
+    sampled at rate 0). A bundle from before the column (read lean: absent) has nothing to check."""
+    if "inclusion_p" not in table.column_names or "is_summary" not in table.column_names:
+        return "", ""
+    p = table.column("inclusion_p")
+    low = pc.if_else(table.column("is_summary"), pc.less(p, 0.0), pc.less_equal(p, 0.0))
+    bad = pc.fill_null(pc.or_(low, pc.greater(p, 1.0)), True)
+    n_bad = int(pc.sum(bad).as_py() or 0)
+    if not n_bad:
+        return "", ""
+    values = sorted({str(v) for v in p.filter(bad).to_pylist()})[:5]
+    return "inclusion_p", (f"{n_bad} rows with inclusion_p outside (0, 1] (summaries [0, 1]), values {values}, "
+                           f"e.g. samples {_examples(table, bad)}")
 
 
 def _nullable_source(feature: str, contract: Contract) -> str | None:

@@ -50,7 +50,7 @@ from edgehaul.edge.decode import DecodeError, binary_values, column_matrix, deco
 # Bump when the output of preprocess changes for the same input (it keys the preprocess cache).
 CODE_VERSION = "preprocess-1"
 
-SCORED_COLUMNS = ("value", "tier", "is_summary")
+SCORED_COLUMNS = ("value", "tier", "is_summary", "inclusion_p")
 
 # Reasons (ledger stage "preprocess").
 MISSING_FIELD = "missing-field"  # a required column is absent or a required value is null

@@ -14,7 +14,8 @@ statistics. A scorer that keeps state across batches implements `ContextualScore
 against what was folded before it, then fold it; `save()` persists) and its `cache_version(batch_key)`
 keys the edge cache; a stateless one only needs `version` and `score(table)`.
 
-Shipped: `novelty` (rarity x feature novelty, generic over the contract's label and feature columns) and
+Shipped: `novelty` (rarity x feature novelty, generic over the contract's label and feature columns),
+`anomaly` (labelled anomalies, then a robust z-score against the normal class: labelled telemetry) and
 `model` (uncertainty of a published model; imported only when chosen, so a node without torch can run the
 others).
 """
@@ -58,7 +59,8 @@ ScorerFactory = Callable[[ScorerContext], Scorer]
 # on PYTHONPATH, a stale editable install), so the default policy always works.
 BUILTIN = {name: EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP) for name, value in (
     ("novelty", "edgehaul.edge.scoring:NoveltyScorer.from_context"),
-    ("model", "edgehaul.edge.model_scorer:from_context"))}
+    ("model", "edgehaul.edge.model_scorer:from_context"),
+    ("anomaly", "edgehaul.edge.anomaly_scorer:AnomalyScorer.from_context"))}
 
 
 @cache

@@ -3,11 +3,16 @@ and raw-store bundles for the local spool.
 
 - `route(values, policy)`: value >= high_threshold -> "high", value < low_threshold -> "low", else
   "normal".
-- `Batcher`: high rows leave at once as urgent bundles (each <= urgent_max_bytes); normal rows and
-  the summary rows of low-tier samples (payload columns null, is_summary true) are buffered and flushed as a
-  normal bundle when it reaches flush_max_samples rows or flush_max_bytes bytes, or when its first
-  row is flush_max_seconds old (clock injectable), whichever first. The full low-tier rows (payload
-  kept) become "low" bundles that `Spool.put` keeps in the local raw store, never uplinked.
+- Tier sampling (`drawn`, `inclusion_p`): a `sample_rate` share of the low tier travels in full anyway,
+  so central training sees the population and not only what scored high. The draw is a hash of the
+  sample id and the policy version (a rerun or retry sends the same rows, so bundle ids and the caches
+  hold); each row records its inclusion probability: 1 for high and normal, sample_rate for low.
+- `Batcher`: high rows leave at once as urgent bundles (each <= urgent_max_bytes); normal rows, the
+  drawn low rows in full and the summary rows of the other low-tier samples (payload columns null,
+  is_summary true) are buffered and flushed as a normal bundle when it reaches flush_max_samples rows or
+  flush_max_bytes bytes, or when its first row is flush_max_seconds old (clock injectable), whichever
+  first. The full rows of the low-tier samples not drawn become "low" bundles that `Spool.put` keeps in
+  the local raw store, never uplinked: every sample travels in full, or in the raw store, not both.
 - Byte limits hold for the written Parquet bundle itself: rows are cut by their uncompressed size
   (an upper bound for zstd Parquet plus a footer allowance) and a bundle that still comes out too
   large is split in half until it fits.
@@ -17,6 +22,7 @@ and raw-store bundles for the local spool.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections.abc import Callable
@@ -28,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from edgehaul.bundles import BundleManifest, write_bundle
-from edgehaul.contracts import TIERS, Contract
+from edgehaul.contracts import INCLUSION_P, TIERS, Contract
 
 if TYPE_CHECKING:
     from edgehaul.blocks.policies import TieringPolicy
@@ -45,8 +51,30 @@ def route(values: np.ndarray, policy: TieringPolicy) -> np.ndarray:
     return out
 
 
+def drawn(sample_ids: pa.Array | pa.ChunkedArray, policy: TieringPolicy) -> np.ndarray:
+    """Which of these (low-tier) samples travel in full: u(sample) < sample_rate, with u uniform in [0, 1)
+    from sha256(policy version | sample id). Per sample, so the same rows whatever the batch or retry; salted
+    with the version only, so a compression or flush setting never changes the draw, and raising the rate
+    keeps every sample drawn before (nested samples)."""
+    rate = policy.sample_rate
+    if rate <= 0.0 or len(sample_ids) == 0:
+        return np.zeros(len(sample_ids), dtype=bool)
+    if rate >= 1.0:
+        return np.ones(len(sample_ids), dtype=bool)
+    salt = f"{policy.version}|".encode()
+    u = np.fromiter((int.from_bytes(hashlib.sha256(salt + s.encode()).digest()[:8], "big")
+                     for s in sample_ids.to_pylist()), dtype=np.uint64, count=len(sample_ids))
+    return u < np.uint64(int(rate * 2.0**64))  # rate < 1: below 2**64
+
+
+def inclusion_p(tiers: np.ndarray, policy: TieringPolicy) -> np.ndarray:
+    """Probability that a row of each tier travels in full: 1 for high and normal, sample_rate for low."""
+    return np.where(tiers == "low", np.float32(policy.sample_rate), np.float32(1.0)).astype(np.float32)
+
+
 def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contract: Contract) -> pa.Table:
-    """Preprocessed rows + values -> bundle-schema rows with tier (is_summary false everywhere)."""
+    """Preprocessed rows + values -> bundle-schema rows with tier and inclusion_p (is_summary false everywhere;
+    the Batcher turns the low rows not `drawn` into summaries)."""
     if len(values) != accepted.num_rows:
         raise ValueError(f"{len(values)} values for {accepted.num_rows} rows")
     v = np.asarray(values, dtype=np.float32)
@@ -54,8 +82,10 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
         raise ValueError(f"scorer returned NaN for {int(np.isnan(v).sum())} of {len(v)} rows")
     v = np.clip(v, 0.0, 1.0)
     t = accepted.append_column("value", pa.array(v, pa.float32()))
-    t = t.append_column("tier", pa.array(route(v, policy).tolist(), pa.string()))
+    tiers = route(v, policy)
+    t = t.append_column("tier", pa.array(tiers.tolist(), pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(len(v), dtype=bool)))
+    t = t.append_column(INCLUSION_P, pa.array(inclusion_p(tiers, policy), pa.float32()))
     return t.cast(contract.bundle_schema)
 
 
@@ -97,6 +127,7 @@ class BuiltBundle:
 @dataclass
 class TierReport:
     samples: dict[str, int] = field(default_factory=lambda: {"high": 0, "normal": 0, "low": 0})
+    sampled_low: int = 0  # low-tier samples drawn to travel in full (the rest: summaries + raw store)
     uplink_bytes: dict[str, int] = field(default_factory=lambda: {"high": 0, "normal": 0})
     raw_store_bytes: int = 0
     bundles: dict[str, int] = field(default_factory=dict)  # flush reason -> count
@@ -145,7 +176,8 @@ class TierReport:
 
     def summary(self) -> dict[str, object]:
         return {
-            "samples": dict(self.samples), "uplink_bytes": dict(self.uplink_bytes), "raw_store_bytes": self.raw_store_bytes,
+            "samples": dict(self.samples), "sampled_low": self.sampled_low, "uplink_bytes": dict(self.uplink_bytes),
+            "raw_store_bytes": self.raw_store_bytes,
             "bundles_by_reason": dict(self.bundles), "value_per_MB": round(self.value_per_mb, 3),
             "baseline_value_per_MB": round(self.baseline_value_per_mb, 3),
             "baseline": "measured" if self.baseline_measured else "estimated", "gain": round(self.gain, 3),
@@ -236,9 +268,12 @@ class Batcher:
             for a, b in itertools.pairwise(bounds):
                 out.extend(self._emit(high.slice(a, b - a), "high", "urgent", limit))
         low = scored.filter(masks["low"])
-        if low.num_rows:
-            out.extend(self._emit(low, "low", "raw"))
-        rest = pa.concat_tables([scored.filter(masks["normal"]), summarise(low, self.contract)])
+        full_low = pa.array(drawn(low.column("sample_id"), self.policy), pa.bool_())
+        self.report.sampled_low += int(pc.sum(full_low.cast(pa.int64())).as_py() or 0)
+        left = low.filter(pc.invert(full_low))
+        if left.num_rows:
+            out.extend(self._emit(left, "low", "raw"))
+        rest = pa.concat_tables([scored.filter(masks["normal"]), low.filter(full_low), summarise(left, self.contract)])
         if rest.num_rows:
             out.extend(self._buffer(rest))
         return out

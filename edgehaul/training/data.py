@@ -142,7 +142,9 @@ def stream(
     for fi in range(start.file, len(files)):
         skip = start.batch if fi == start.file else 0
         frag = fragments[files[fi]]
-        for bi, batch in enumerate(frag.to_batches(columns=columns, batch_size=batch_size)):
+        # A file written before the table gained inclusion_p (schema merge) lacks it: its rows weigh 1.
+        cols = [c for c in columns if c != INCLUSION_P or c in frag.physical_schema.names]
+        for bi, batch in enumerate(frag.to_batches(columns=cols, batch_size=batch_size)):
             if bi < skip or batch.num_rows == 0:
                 continue
             yield Position(start.epoch, fi, bi + 1), batch

@@ -26,7 +26,7 @@ import pyarrow as pa
 from pydantic import SecretStr
 
 from edgehaul.blocks import ObjectStore
-from edgehaul.bundles import BundleManifest, write_bundle
+from edgehaul.bundles import BundleManifest, conform, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.edge.landsat import generate, table_sha256
 from edgehaul.edge.preprocess import preprocess
@@ -57,7 +57,7 @@ def _rows(n: int, node: str, seed: int, start_seq: int, tier: str, value: float 
     t = acc.append_column("value", pa.array(values, pa.float32()))
     t = t.append_column("tier", pa.array([tier] * acc.num_rows, pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(acc.num_rows, dtype=bool)))
-    return t.cast(contract.bundle_schema)
+    return conform(t, contract)
 
 
 def build_pool(folder: Path, specs: Sequence[tuple[int, str, float | None]], *, node: str = "node-a",
