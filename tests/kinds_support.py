@@ -1,0 +1,115 @@
+"""One kind through the whole loop on the real stack, with only the product's entry points (what a node and the core
+run): edge_ingest from a drop folder -> spool -> uplink_drain -> core_ingest -> dataset version -> train_model
+(published) -> `edgehaul downlink publish --model` -> downlink sync -> the node's model scorer. Nothing kind-specific:
+the kind is a contract id and a folder of files."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TeamQuota, TieringPolicy
+from edgehaul.contracts import Contract
+from edgehaul.edge.spool import Spool
+
+MiB = 2**20
+
+
+@dataclass
+class Loop:
+    contract: Contract
+    node_id: str
+    spool_dir: Path
+    edge: dict[str, Any]
+    landed: list[str]
+    core: dict[str, Any]
+    version: int | None
+    dataset: pa.Table
+    rejected: dict[str, list[tuple[str, str]]]  # sample id -> [(stage, reason)] in the node's ledger
+    train: dict[str, Any] | None = None
+    scores: list[float] = field(default_factory=list)
+    scorer_version: str | None = None
+
+
+def blocks(store: ObjectStore, node_id: str, spool_dir: Path, tag: str) -> dict[str, str]:
+    """The blocks a node and the core load, saved under fresh names."""
+    names = {k: f"kd-{k}-{tag}" for k in ("store", "node", "link", "policy", "quota")}
+    store.save(names["store"], overwrite=True)
+    EdgeNode(node_id=node_id, spool_dir=str(spool_dir), spool_cap_bytes=512 * MiB).save(names["node"], overwrite=True)
+    LinkProfile(bandwidth_bps=8 * 200 * MiB, chunk_bytes=256 * 1024).save(names["link"], overwrite=True)
+    # every row travels in full (no low tier): what the trainer gets is what the node observed
+    TieringPolicy(version=f"kd-{tag}", low_threshold=0.0).save(names["policy"], overwrite=True)
+    TeamQuota(team="geo", accelerator_hours_per_month=100, storage_bytes=10**9).save(names["quota"], overwrite=True)
+    return names
+
+
+def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path, *, node_id: str | None = None,
+             train: bool = True, epochs: int = 2, batch_size: int = 500) -> Loop:
+    from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+    from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
+
+    tag = uuid.uuid4().hex[:8]
+    node_id = node_id or f"kd-{tag}"
+    spool_dir = tmp_path / f"spool-{tag}"
+    names = blocks(store, node_id, spool_dir, tag)
+    edge = edge_ingest(EdgeIngestParams(
+        edge_node=names["node"], tiering_policy=names["policy"], contract=contract.id, source="drop",
+        source_path=str(drop), done_path=str(tmp_path / f"done-{tag}"), settle_s=0, batch_size=batch_size))
+    drained = uplink_drain(UplinkDrainParams(edge_node=names["node"], link_profile=names["link"],
+                                             object_store=names["store"], max_seconds=120, max_active=2))
+    assert drained["bundles_failed"] == 0, drained
+    landed = list(drained["landed_keys"])
+    core = core_ingest(CoreIngestParams(store_block=names["store"], bundle_keys=landed))
+    version = core["versions"].get(contract.kind)
+    from edgehaul.core.datasets import read_version
+
+    dataset = read_version(store, contract.kind, version) if version is not None else pa.table({})
+    spool = Spool.from_block(EdgeNode(node_id=node_id, spool_dir=str(spool_dir)))
+    try:
+        rejected = spool.ledger.lookup(_ledger_ids(spool))
+    finally:
+        spool.close()
+    loop = Loop(contract, node_id, spool_dir, edge, landed, core, version, dataset, rejected)
+    if train and contract.training is not None and version is not None:
+        close_the_loop(loop, store, names, epochs)
+    return loop
+
+
+def _ledger_ids(spool: Spool) -> list[str]:
+    with spool.ledger._lock:  # the ledger has no listing call; the test reads every id it holds
+        return [r[0] for r in spool.ledger._conn.execute("SELECT DISTINCT sample_id FROM ledger")]
+
+
+def close_the_loop(loop: Loop, store: ObjectStore, names: dict[str, str], epochs: int) -> None:
+    """Train the kind's model on the committed version, publish it, send it down to the node and score with it."""
+    from edgehaul import downlink
+    from edgehaul.cli import main
+    from edgehaul.edge.preprocess import preprocess
+    from edgehaul.flows.train_model import TrainModelParams, train_model
+    from edgehaul.tasks.edge import make_scorer
+
+    training = loop.contract.training
+    assert training is not None
+    loop.train = train_model(TrainModelParams(
+        team="geo", dataset_kind=loop.contract.kind, model_name=training.model_name, store_block=names["store"],
+        quota_block=names["quota"], epochs=epochs, batch_size=min(training.batch_size, 64), width=8, num_threads=1,
+        checkpoint_every_steps=50, allow_local=True, max_hours=0.5, publish=True, catch_up=False,
+        dataset_version=loop.version, run_id=f"kd-{loop.contract.kind.replace('_', '-')}-{loop.node_id}"))
+    assert main(["downlink", "publish", "--node", loop.node_id, "--model", training.model_name,
+                 "--store-block", names["store"]]) == 0
+    assert downlink.sync(store, loop.node_id, loop.spool_dir).applied
+    node = EdgeNode(node_id=loop.node_id, spool_dir=str(loop.spool_dir))
+    scorer = make_scorer(TieringPolicy(scorer="model", model_uri=f"downlink:{training.model_name}"), node,
+                         loop.contract)
+    loop.scorer_version = scorer.version
+    # the node scores its next observations with the model trained on what it sent
+    sample = loop.dataset.filter(pc.invert(loop.dataset.column("is_summary"))).slice(0, 64)
+    raw = sample.select([n for n in loop.contract.raw_schema.names if n in sample.column_names])
+    accepted = preprocess(raw, loop.contract, node_id=loop.node_id).accepted
+    loop.scores = [float(v) for v in scorer.score(accepted)]
