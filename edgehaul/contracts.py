@@ -99,7 +99,7 @@ class TensorSpec:
     def channels_last(self, x: np.ndarray) -> np.ndarray:
         """(m, *shape) -> (m, elements per channel, C), a view when the channel axis is already last."""
         x = np.moveaxis(x, 1 + self.channel_axis, -1)
-        return x.reshape(x.shape[0], -1, len(self.channels))
+        return x.reshape(x.shape[0], int(np.prod(x.shape[1:-1])), len(self.channels))  # explicit: m may be 0
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ per row); scorers are plugins chosen by name (`edgehaul.edge.scorer_registry`). 
 `edgehaul.edge.model_scorer.ModelScorer` (training side, registered as `model`).
 
 NoveltyScorer = 1 - (1 - rarity) * (1 - novelty) (either signal alone can make a sample valuable),
-with rarity = 1 - p(class) / p(commonest class) and novelty from the diagonal Mahalanobis distance
-of the sample's band statistics, both against a running sketch:
+with rarity = 1 - p(class) / p(commonest class) (0 for a kind without a label) and novelty from the
+diagonal Mahalanobis distance of the sample's features (`contract.feature_columns`: channel statistics,
+`norm_<column>`, a feature function's outputs; a NaN feature adds no distance), both against a running sketch:
 per-batch sketches (label counts, feature sums and sums of squares) kept in fold order in a small
 JSON state file, keyed by batch content hash. A batch is scored against itself plus the batches
 folded BEFORE it: all of them for a new batch, the prefix up to its own position for a batch
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from edgehaul.contracts import Contract
 
@@ -68,16 +70,15 @@ class BatchSketch:
 
     @classmethod
     def of(cls, table: pa.Table, contract: Contract) -> BatchSketch:
-        feats = _features(table, contract)
-        labels = table.column(contract.label_column).to_numpy(zero_copy_only=False)
-        labels = labels[~np.isnan(labels.astype(np.float64))] if labels.dtype.kind == "f" else labels
-        vals, cnts = np.unique(np.asarray(labels, dtype=np.int64), return_counts=True)
-        return cls(
-            n=int(table.num_rows),
-            label_counts={int(v): int(c) for v, c in zip(vals, cnts, strict=True)},
-            fsum=feats.sum(axis=0, dtype=np.float64).tolist(),
-            fsumsq=(feats.astype(np.float64) ** 2).sum(axis=0).tolist(),
-        )
+        feats = _features(table, contract).astype(np.float64)
+        counts: dict[int, int] = {}
+        if contract.label_column is not None:  # a kind without a label sketches its features only
+            labels = _labels(table, contract)
+            vals, cnts = np.unique(labels[~np.isnan(labels)].astype(np.int64), return_counts=True)
+            counts = {int(v): int(c) for v, c in zip(vals, cnts, strict=True)}
+        # NaN (a null reading's norm_<column>) adds nothing to the sums
+        return cls(n=int(table.num_rows), label_counts=counts, fsum=np.nansum(feats, axis=0).tolist(),
+                   fsumsq=np.nansum(feats**2, axis=0).tolist())
 
 
 @dataclass
@@ -127,8 +128,15 @@ class NoveltyState:
         os.replace(tmp, path)
 
 
+def _labels(table: pa.Table, contract: Contract) -> np.ndarray:
+    """The label column as float64, NaN where null (unlabelled)."""
+    assert contract.label_column is not None
+    col = table.column(contract.label_column).cast(pa.float64())
+    return np.asarray(pc.fill_null(col, np.nan).to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
 def _features(table: pa.Table, contract: Contract) -> np.ndarray:
-    if table.num_rows == 0:
+    if table.num_rows == 0 or not contract.feature_columns:
         return np.empty((0, len(contract.feature_columns)), np.float32)
     return np.column_stack([table.column(c).to_numpy(zero_copy_only=False) for c in contract.feature_columns]).astype(
         np.float32
@@ -136,7 +144,8 @@ def _features(table: pa.Table, contract: Contract) -> np.ndarray:
 
 
 class NoveltyScorer:
-    """Class rarity + spectral novelty against the running sketch (no model)."""
+    """Class rarity + feature novelty against the running sketch (no model), for any contract: its
+    `feature_columns` and its label when it has one."""
 
     STATE_FILE = "novelty-state.json"
 
@@ -165,30 +174,37 @@ class NoveltyScorer:
 
     def score(self, table: pa.Table, batch_key: str | None = None) -> np.ndarray:
         own = BatchSketch.of(table, self.contract)
-        ctx = [self.state.batches[k] for k in self.state.context(batch_key)] + [own]
+        k = len(self.contract.feature_columns)
+        # A sketch of another width is another kind's (a state folder shared by mistake): never mixed in.
+        ctx = [s for s in (self.state.batches[b] for b in self.state.context(batch_key)) if len(s.fsum) == k]
+        ctx.append(own)
         n = sum(s.n for s in ctx)
         if table.num_rows == 0 or n == 0:
             return np.zeros(table.num_rows, np.float32)
-        counts: dict[int, int] = {}
-        for s in ctx:
-            for lab, c in s.label_counts.items():
-                counts[lab] = counts.get(lab, 0) + c
-        # Rarity relative to the commonest class (+1 smoothing): 0 for it, -> 1 for a first sighting.
-        top = max(counts.values(), default=0) + 1
-        lut = {lab: 1.0 - (counts.get(lab, 0) + 1) / top for lab in self.contract.label_values}
-        labels = table.column(self.contract.label_column).to_numpy(zero_copy_only=False)
-        label_arr = np.asarray(labels, dtype=np.float64)
-        rarity = np.full(table.num_rows, 0.5)  # unlabelled: unknown rarity
-        for lab, r in lut.items():
-            rarity[label_arr == lab] = r
-        # Spectral novelty: diagonal Mahalanobis distance of the feature vector from the sketch.
-        fsum = np.sum([s.fsum for s in ctx], axis=0)
-        fsq = np.sum([s.fsumsq for s in ctx], axis=0)
-        mean = fsum / n
-        var = np.maximum(fsq / n - mean**2, 1e-8)
-        feats = _features(table, self.contract).astype(np.float64)
-        d2 = (((feats - mean) ** 2) / var).mean(axis=1)
-        novelty = 1.0 - np.exp(-np.maximum(d2 - 1.0, 0.0) / 2.0)
+        rarity = np.zeros(table.num_rows)  # a kind without a label: novelty alone
+        if self.contract.label_column is not None:
+            counts: dict[int, int] = {}
+            for s in ctx:
+                for lab, c in s.label_counts.items():
+                    counts[lab] = counts.get(lab, 0) + c
+            # Rarity relative to the commonest class (+1 smoothing): 0 for it, -> 1 for a first sighting.
+            top = max(counts.values(), default=0) + 1
+            lut = {lab: 1.0 - (counts.get(lab, 0) + 1) / top for lab in self.contract.label_values}
+            label_arr = _labels(table, self.contract)
+            rarity = np.full(table.num_rows, 0.5)  # unlabelled: unknown rarity
+            for lab, r in lut.items():
+                rarity[label_arr == lab] = r
+        # Feature novelty: diagonal Mahalanobis distance of the feature vector from the sketch.
+        novelty = np.zeros(table.num_rows)
+        if k:
+            fsum = np.sum([s.fsum for s in ctx], axis=0)
+            fsq = np.sum([s.fsumsq for s in ctx], axis=0)
+            mean = fsum / n
+            var = np.maximum(fsq / n - mean**2, 1e-8)
+            feats = _features(table, self.contract).astype(np.float64)
+            dist = ((feats - mean) ** 2) / var
+            d2 = np.nan_to_num(np.nanmean(np.where(np.isnan(dist), 0.0, dist), axis=1))  # NaN (null) = no distance
+            novelty = 1.0 - np.exp(-np.maximum(d2 - 1.0, 0.0) / 2.0)
         value = 1.0 - (1.0 - rarity) * (1.0 - novelty)
         return np.clip(value, 0.0, 1.0).astype(np.float32)
 

@@ -4,9 +4,9 @@ and raw-store bundles for the local spool.
 - `route(values, policy)`: value >= high_threshold -> "high", value < low_threshold -> "low", else
   "normal".
 - `Batcher`: high rows leave at once as urgent bundles (each <= urgent_max_bytes); normal rows and
-  the summary rows of low-tier samples (pixels null, is_summary true) are buffered and flushed as a
+  the summary rows of low-tier samples (payload columns null, is_summary true) are buffered and flushed as a
   normal bundle when it reaches flush_max_samples rows or flush_max_bytes bytes, or when its first
-  row is flush_max_seconds old (clock injectable), whichever first. The full low-tier rows (pixels
+  row is flush_max_seconds old (clock injectable), whichever first. The full low-tier rows (payload
   kept) become "low" bundles that `Spool.put` keeps in the local raw store, never uplinked.
 - Byte limits hold for the written Parquet bundle itself: rows are cut by their uncompressed size
   (an upper bound for zstd Parquet plus a footer allowance) and a bundle that still comes out too
@@ -59,10 +59,13 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
     return t.cast(contract.bundle_schema)
 
 
-def summarise(rows: pa.Table) -> pa.Table:
-    """Low-tier summary rows: same columns, pixels null, is_summary true."""
-    i = rows.schema.get_field_index("pixels")
-    t = rows.set_column(i, rows.schema.field(i), pa.nulls(rows.num_rows, pa.binary()))
+def summarise(rows: pa.Table, contract: Contract) -> pa.Table:
+    """Low-tier summary rows: same columns, every payload column null (the tensor, the file, or a columns
+    kind's data columns), features kept, is_summary true."""
+    t = rows
+    for name in contract.payload_columns:
+        i = t.schema.get_field_index(name)
+        t = t.set_column(i, t.schema.field(i), pa.nulls(t.num_rows, t.schema.field(i).type))
     j = t.schema.get_field_index("is_summary")
     return t.set_column(j, t.schema.field(j), pa.array(np.ones(rows.num_rows, dtype=bool)))
 
@@ -120,7 +123,7 @@ class TierReport:
 
     @property
     def baseline_value_per_mb(self) -> float:
-        # Estimate when not measured: the raw store holds exactly the low-tier pixels left behind.
+        # Estimate when not measured: the raw store holds exactly the low-tier payloads left behind.
         b = self.baseline_bytes or (self.bytes_sent + self.raw_store_bytes)
         return self.value_total / (b / 1e6) if b else 0.0
 
@@ -224,7 +227,7 @@ class Batcher:
             self.report.samples[tier] += int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
         self.report.value_total += float(pc.sum(scored.column("value")).as_py() or 0.0)
         out.extend(self.poll())
-        # One filter per tier: each row's pixels are copied once (summaries drop them, no copy).
+        # One filter per tier: each row's payload is copied once (summaries drop it, no copy).
         high = scored.filter(masks["high"])
         if high.num_rows:
             limit = self.policy.urgent_max_bytes
@@ -235,7 +238,7 @@ class Batcher:
         low = scored.filter(masks["low"])
         if low.num_rows:
             out.extend(self._emit(low, "low", "raw"))
-        rest = pa.concat_tables([scored.filter(masks["normal"]), summarise(low)])
+        rest = pa.concat_tables([scored.filter(masks["normal"]), summarise(low, self.contract)])
         if rest.num_rows:
             out.extend(self._buffer(rest))
         return out
