@@ -326,16 +326,16 @@ def _write_atomically(path: Path, data: bytes) -> None:
 def write_digit_files(folder: Path, node_id: str, *, n: int | None = None, end: datetime | None = None,
                       start_seq: int = 0, sidecar: bool = True) -> list[str]:
     """The first `n` digits as `<sample_id>.png` in `folder`, each with a `<sample_id>.json` sidecar
-    ({"label": digit, "capture_time": ISO 8601 UTC}) written first, so a PNG never appears without its
-    sidecar. Returns the sample ids."""
+    ({"label": digit, "capture_time": ISO 8601 UTC, "seq": n}: the drop folder's convention) written first, so a
+    PNG never appears without its sidecar. Returns the sample ids."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     t = digits_table(node_id, n=n, end=end, start_seq=start_seq)
     ids = t.column("sample_id").to_pylist()
-    for sid, label, when, png in zip(ids, t.column("digit").to_pylist(), t.column("capture_time").to_pylist(),
-                                     t.column("image").to_pylist(), strict=True):
+    for sid, label, when, seq, png in zip(ids, t.column("digit").to_pylist(), t.column("capture_time").to_pylist(),
+                                          t.column("seq").to_pylist(), t.column("image").to_pylist(), strict=True):
         if sidecar:
-            meta = {"label": label, "capture_time": when.isoformat(timespec="milliseconds")}
+            meta = {"label": label, "capture_time": when.isoformat(timespec="milliseconds"), "seq": seq}
             _write_atomically(folder / f"{sid}.json", json.dumps(meta).encode())
         _write_atomically(folder / f"{sid}.png", png)
     return ids

@@ -31,6 +31,7 @@ class Loop:
     version: int | None
     dataset: pa.Table
     rejected: dict[str, list[tuple[str, str]]]  # sample id -> [(stage, reason)] in the node's ledger
+    blocks: dict[str, str]
     train: dict[str, Any] | None = None
     scores: list[float] = field(default_factory=list)
     scorer_version: str | None = None
@@ -49,7 +50,8 @@ def blocks(store: ObjectStore, node_id: str, spool_dir: Path, tag: str) -> dict[
 
 
 def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path, *, node_id: str | None = None,
-             train: bool = True, epochs: int = 2, batch_size: int = 500) -> Loop:
+             batch_size: int = 500) -> Loop:
+    """The node's drop folder to a dataset version: edge_ingest, uplink_drain, core_ingest."""
     from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
     from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
     from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
@@ -75,10 +77,7 @@ def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path,
         rejected = spool.ledger.lookup(_ledger_ids(spool))
     finally:
         spool.close()
-    loop = Loop(contract, node_id, spool_dir, edge, landed, core, version, dataset, rejected)
-    if train and contract.training is not None and version is not None:
-        close_the_loop(loop, store, names, epochs)
-    return loop
+    return Loop(contract, node_id, spool_dir, edge, landed, core, version, dataset, rejected, names)
 
 
 def _ledger_ids(spool: Spool) -> list[str]:
@@ -86,7 +85,7 @@ def _ledger_ids(spool: Spool) -> list[str]:
         return [r[0] for r in spool.ledger._conn.execute("SELECT DISTINCT sample_id FROM ledger")]
 
 
-def close_the_loop(loop: Loop, store: ObjectStore, names: dict[str, str], epochs: int) -> None:
+def close_the_loop(loop: Loop, store: ObjectStore, epochs: int = 2) -> None:
     """Train the kind's model on the committed version, publish it, send it down to the node and score with it."""
     from edgehaul import downlink
     from edgehaul.cli import main
@@ -94,8 +93,8 @@ def close_the_loop(loop: Loop, store: ObjectStore, names: dict[str, str], epochs
     from edgehaul.flows.train_model import TrainModelParams, train_model
     from edgehaul.tasks.edge import make_scorer
 
-    training = loop.contract.training
-    assert training is not None
+    training, names = loop.contract.training, loop.blocks
+    assert training is not None and loop.version is not None
     loop.train = train_model(TrainModelParams(
         team="geo", dataset_kind=loop.contract.kind, model_name=training.model_name, store_block=names["store"],
         quota_block=names["quota"], epochs=epochs, batch_size=min(training.batch_size, 64), width=8, num_threads=1,

@@ -93,7 +93,7 @@ def test_digit_files_have_sidecars_and_no_partial_names(tmp_path: Path) -> None:
     d = kd.digits()
     for k, sid in enumerate(ids):
         meta = json.loads((tmp_path / "drop" / f"{sid}.json").read_text())
-        assert meta["label"] == int(d.labels[k])
+        assert meta["label"] == int(d.labels[k]) and meta["seq"] == k
         assert datetime.fromisoformat(meta["capture_time"]) == END - timedelta(seconds=11 - k)
         img = decode_file((tmp_path / "drop" / f"{sid}.png").read_bytes(), contract.tensor)
         assert (img[..., 0] == d.images[k]).all()

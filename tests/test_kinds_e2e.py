@@ -25,7 +25,7 @@ from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, load_contract
 from edgehaul.training import registry
 from edgehaul_dev import kinds_data as kd
-from tests.kinds_support import Loop, run_loop
+from tests.kinds_support import Loop, close_the_loop, run_loop
 
 pytestmark = pytest.mark.integration
 
@@ -43,11 +43,12 @@ def _check_accounted(loop: Loop, sent: set[str]) -> set[str]:
     assert len(in_dataset) == len(set(in_dataset)), "a sample id twice in the dataset"
     rejected = set(loop.rejected)
     assert set(in_dataset) | rejected == sent and not set(in_dataset) & rejected
-    assert loop.dataset.schema.field("capture_time").type == pa.timestamp("ms", tz="UTC")
+    assert loop.dataset.schema.field("capture_time").type.tz == "UTC"
     return rejected
 
 
-def _check_closed_loop(loop: Loop, store: ObjectStore) -> None:
+def _check_closed_loop(loop: Loop, store: ObjectStore, epochs: int) -> None:
+    close_the_loop(loop, store, epochs)
     training = loop.contract.training
     assert training is not None and loop.train is not None
     model_id = loop.train["model_id"]
@@ -69,7 +70,7 @@ def test_daphnet_gait_from_csv_and_parquet_drop_files(store: ObjectStore, tmp_pa
                                                        start_seq=100_000, end=end)))
     kd.write_drop_table(real, tmp_path / "drop", "S06R02E0.csv")
     kd.write_drop_table(synthetic, tmp_path / "drop", "gait-2.parquet")
-    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id, epochs=2)
+    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id)
 
     sent = pa.concat_tables([real, synthetic])
     rejected = _check_accounted(loop, set(sent.column("sample_id").to_pylist()))
@@ -83,7 +84,7 @@ def test_daphnet_gait_from_csv_and_parquet_drop_files(store: ObjectStore, tmp_pa
         assert {k: got[sid][k] for k in want[sid]} == want[sid]
     assert int(pa.compute.sum(loop.dataset.column("is_anomaly")).as_py()) == int(
         pa.compute.sum(synthetic.column("is_anomaly")).as_py())
-    _check_closed_loop(loop, store)
+    _check_closed_loop(loop, store, epochs=3)
 
 
 def _outside_ranges(t: pa.Table, contract: Contract) -> set[str]:
@@ -105,7 +106,7 @@ def test_basic_motions_from_parquet_drop_files(store: ObjectStore, tmp_path: Pat
     more = pa.concat_tables(list(kd.generate_motions(240, node_id, seed=5, start_seq=1000, end=end)))
     kd.write_drop_table(real, tmp_path / "drop", "BasicMotions.parquet")
     kd.write_drop_table(more, tmp_path / "drop", "motions-2.parquet")
-    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id, epochs=3, batch_size=100)
+    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id, batch_size=100)
 
     sent = pa.concat_tables([real, more])
     assert _check_accounted(loop, set(sent.column("sample_id").to_pylist())) == set()
@@ -113,7 +114,7 @@ def test_basic_motions_from_parquet_drop_files(store: ObjectStore, tmp_path: Pat
     for sid, row in want.items():  # every window's bytes, label and time as written
         assert {k: got[sid][k] for k in row} == row
     assert got[f"{node_id}-{0:012d}"]["activity"] == 3  # the first real case is "Standing": class 3 by name
-    _check_closed_loop(loop, store)
+    _check_closed_loop(loop, store, epochs=3)
 
 
 def test_digits_from_png_files_with_sidecars(store: ObjectStore, tmp_path: Path) -> None:
@@ -123,7 +124,7 @@ def test_digits_from_png_files_with_sidecars(store: ObjectStore, tmp_path: Path)
     ids = kd.write_digit_files(tmp_path / "drop", node_id, n=300, end=end)
     files = {sid: (tmp_path / "drop" / f"{sid}.png").read_bytes() for sid in ids}
     sidecars = {sid: json.loads((tmp_path / "drop" / f"{sid}.json").read_text()) for sid in ids}
-    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id, epochs=3, batch_size=100)
+    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id, batch_size=100)
 
     assert _check_accounted(loop, set(ids)) == set()
     got = _by_id(loop.dataset)
@@ -132,5 +133,6 @@ def test_digits_from_png_files_with_sidecars(store: ObjectStore, tmp_path: Path)
         assert got[sid]["content_sha256"] == hashlib.sha256(files[sid]).hexdigest()
         assert got[sid]["digit"] == sidecars[sid]["label"]
         assert got[sid]["capture_time"] == datetime.fromisoformat(sidecars[sid]["capture_time"])
+        assert got[sid]["seq"] == sidecars[sid]["seq"]
     assert not list((tmp_path / "drop").glob("*.png"))  # each file read once, moved out of the drop folder
-    _check_closed_loop(loop, store)
+    _check_closed_loop(loop, store, epochs=3)

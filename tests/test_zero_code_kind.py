@@ -17,7 +17,7 @@ import pytest
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
 from edgehaul.training import registry
-from tests.kinds_support import run_loop
+from tests.kinds_support import close_the_loop, run_loop
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +87,7 @@ def test_a_kind_from_a_contract_file_alone_goes_all_the_way(store: ObjectStore, 
     node_id = f"kd-{uuid.uuid4().hex[:8]}"
     (tmp_path / "drop").mkdir()
     rows = _hive_csv(tmp_path / "drop" / "hive.csv", node_id, 900)
-    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id, epochs=3)
+    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id)
 
     assert loop.version is not None and not loop.core["quarantined"], loop.core
     got = {r["sample_id"]: r for r in loop.dataset.to_pylist()}
@@ -100,6 +100,7 @@ def test_a_kind_from_a_contract_file_alone_goes_all_the_way(store: ObjectStore, 
         assert got[sid]["swarming"] == int(rows[sid]["swarming"])
         # the per-column feature the contract asks for by default: the reading scaled to its range
         assert got[sid]["norm_humidity"] == pytest.approx(float(rows[sid]["humidity"]) / 100, abs=1e-5)
+    close_the_loop(loop, store, epochs=3)
     assert loop.train is not None
     lineage = registry.read_lineage(store, "hive-swarm", loop.train["model_id"])
     assert lineage is not None and lineage["dataset_version"] == loop.version
