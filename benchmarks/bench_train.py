@@ -49,20 +49,20 @@ def stream_rate(store: ObjectStore, uri: str, version: int, batch: int) -> tuple
     """(streamed, in-memory) samples/s of turning batches into tensors, no training: the same
     decode from object storage vs from an Arrow table already in memory (isolates the I/O)."""
     c = load_contract("landsat_patch")
-    frags = open_fragments(DatasetRef(uri, version, store.storage_options()))
+    frags, cols = open_fragments(DatasetRef(uri, version, store.storage_options()), c)
 
     def decode(batches: Iterable[pa.RecordBatch]) -> int:
         n = 0
         for b in batches:
-            rows = trainable(b)
+            rows = trainable(b, c)
             n += len(pixels_to_tensor(rows.column("pixels"), c))
             labels_to_targets(rows.column("label"), c)
         return n
 
     t0 = time.perf_counter()
-    n = decode(b for _, b in stream(frags, epoch_order(len(frags), 0, 0), Position(0), batch))
+    n = decode(b for _, b in stream(frags, epoch_order(len(frags), 0, 0), Position(0), batch, cols))
     streamed = n / (time.perf_counter() - t0)
-    table = pa.Table.from_batches([b for _, b in stream(frags, list(range(len(frags))), Position(0), batch)])
+    table = pa.Table.from_batches([b for _, b in stream(frags, list(range(len(frags))), Position(0), batch, cols)])
     t0 = time.perf_counter()
     m = decode(table.to_batches(max_chunksize=batch))
     return streamed, m / (time.perf_counter() - t0)
@@ -71,10 +71,10 @@ def stream_rate(store: ObjectStore, uri: str, version: int, batch: int) -> tuple
 def in_memory_training(store: ObjectStore, uri: str, version: int, cfg: TrainConfig, steps: int) -> float:
     """Samples/s of the same model/optimiser/batch size fed from a preloaded tensor (the baseline)."""
     c = load_contract("landsat_patch")
-    frags = open_fragments(DatasetRef(uri, version, store.storage_options()))
+    frags, cols = open_fragments(DatasetRef(uri, version, store.storage_options()), c)
     xs, ys = [], []
-    for _, b in stream(frags, list(range(len(frags))), Position(0), cfg.batch_size):
-        rows = trainable(b)
+    for _, b in stream(frags, list(range(len(frags))), Position(0), cfg.batch_size, cols):
+        rows = trainable(b, c)
         xs.append(pixels_to_tensor(rows.column("pixels"), c))
         ys.append(labels_to_targets(rows.column("label"), c))
     X, Y = torch.cat(xs), torch.cat(ys)

@@ -168,6 +168,7 @@ class TrainingSpec:
     batch_size: int = 64
     lr: float = 2e-3
     width: int = 32
+    augment: bool = True  # random flips/rotations (cnn2d only): off where orientation is the label (digits)
 
 
 @dataclass(frozen=True)
@@ -503,7 +504,8 @@ class _Doc:
                  ) -> TrainingSpec | None:
         if v is None:
             return None
-        t = self.mapping(v, "training", {"model", "model_name", "epochs", "batch_size", "lr", "width"})
+        t = self.mapping(v, "training", {"model", "model_name", "epochs", "batch_size", "lr", "width",
+                                           "augment"})
         model = self.string(self.need(t, "model", "training"), "training.model", MODEL_FAMILIES)
         if label.kind == "none":
             raise self.fail("training", "needs a label (label.kind class or anomaly) to train on")
@@ -521,8 +523,14 @@ class _Doc:
             model=model, model_name=self.string(t.get("model_name", kind.replace("_", "-")), "training.model_name"),
             epochs=self.integer(t.get("epochs", 3), "training.epochs"),
             batch_size=self.integer(t.get("batch_size", 64), "training.batch_size"), lr=lr,
-            width=self.integer(t.get("width", 32), "training.width"),
+            width=self.integer(t.get("width", 32), "training.width"), augment=self._bool(t, "augment", True, "training"),
         )
+
+    def _bool(self, m: dict[str, Any], key: str, default: bool, where: str) -> bool:
+        v = m.get(key, default)
+        if not isinstance(v, bool):
+            raise self.fail(f"{where}.{key}", f"must be true or false, got {v!r}")
+        return v
 
 
 _TOP_KEYS = {"kind", "version", "description", "tensor", "file", "columns", "label", "features", "training",

@@ -48,7 +48,7 @@ def test_pixels_become_normalised_nchw_and_bad_widths_fail() -> None:
     assert x.shape == (5, 6, 16, 16) and x.dtype == torch.float32
     raw = np.frombuffer(t.column("pixels")[2].as_py(), dtype=np.uint8).reshape(16, 16, 6)
     assert torch.allclose(x[2, 4], torch.from_numpy(raw[:, :, 4].astype(np.float32) * CONTRACT.scale))
-    with pytest.raises(ValueError, match="pixels row 1 has 3 bytes"):
+    with pytest.raises(ValueError, match=r"row 1: 3 bytes, the tensor \[16, 16, 6\] uint8 has 1536"):
         pixels_to_tensor(pa.array([b"x" * CONTRACT.sample_nbytes, b"abc"], pa.binary()), CONTRACT)
     assert LandCoverNet()(x).shape == (5, 7)
 
@@ -61,7 +61,7 @@ def test_labels_map_to_class_indices_and_unknown_labels_fail() -> None:
 
 def test_training_skips_summary_and_unlabelled_rows() -> None:
     t = with_unusable_rows(processed_rows(40, seed=1))
-    kept = trainable(t.to_batches()[0])
+    kept = trainable(t.to_batches()[0], CONTRACT)
     assert kept.num_rows == sum(1 for i in range(40) if i % 7 != 6 and i % 8 != 7)
     assert kept.column("label").null_count == 0 and kept.column("pixels").null_count == 0
     assert not any(kept.column("is_summary").to_pylist())
@@ -151,13 +151,14 @@ def trained(stack: localstack.StackState) -> Iterator[Trained]:
 
 @pytest.mark.integration
 def test_stream_continues_exactly_from_a_position(trained: Trained) -> None:
-    frags = open_fragments(DatasetRef(trained.uri, 1, trained.store.storage_options()))
+    frags, columns = open_fragments(DatasetRef(trained.uri, 1, trained.store.storage_options()), CONTRACT)
+    assert columns == ["sample_id", "label", "pixels", "is_summary"]  # no inclusion_p in this table
     assert len(frags) == 2
     files = shard(epoch_order(len(frags), 7, 0), 0, 1)
-    full = [(p, b.column("sample_id").to_pylist()) for p, b in stream(frags, files, Position(0), 50)]
+    full = [(p, b.column("sample_id").to_pylist()) for p, b in stream(frags, files, Position(0), 50, columns)]
     assert len(full) > 3
     cut = full[len(full) // 2][0]
-    resumed = [b.column("sample_id").to_pylist() for _, b in stream(frags, files, cut, 50)]
+    resumed = [b.column("sample_id").to_pylist() for _, b in stream(frags, files, cut, 50, columns)]
     assert resumed == [ids for _, ids in full[len(full) // 2 + 1 :]]
     ids = [i for _, b in full for i in b]
     assert len(ids) == len(set(ids)) == 800  # version 1 = both appends, each row once per epoch

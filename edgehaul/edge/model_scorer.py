@@ -1,12 +1,18 @@
-"""The edge's model-based value scorer: a published land-cover model's predictive uncertainty.
+"""The edge's model-based value scorer, for every kind: a published model's view of each row.
 
-value = normalised predictive entropy H(p) / log(n_classes) in [0, 1]: samples the model is unsure
-about are the most valuable to send to the centre. The edge scorer registry imports this lazily
-(torch is only needed where the 'model' scorer is configured).
+value = normalised predictive entropy H(p) / log(n_classes) in [0, 1] for class kinds (samples the
+model is unsure about are the most valuable to send to the centre); for an anomaly kind, the model's
+probability of the anomaly class (anomalies are what the centre lacks). Rows are decoded by
+`edgehaul.edge.decode` (through `training.model.inputs`), as training decoded them. The edge scorer
+registry imports this lazily (torch is only needed where the 'model' scorer is configured).
 
     scorer = ModelScorer("latest", store)        # the model in models/landcover/latest.json
+    scorer = ModelScorer("latest:motions", store)
     scorer = ModelScorer("s3://.../model.pt", store)
-    values = scorer.score(table)                 # table with the contract's `pixels` column
+    values = scorer.score(table)                 # rows of the model's contract (bundle schema)
+
+A policy's `model_uri: latest` means the published model of the scored kind (its contract's
+`training.model_name`), so one node scores each kind with that kind's own model.
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ import pyarrow.compute as pc
 import torch
 
 from edgehaul.blocks import ObjectStore
-from edgehaul.contracts import contract_by_id
+from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.edge.scorer_registry import ScorerContext
-from edgehaul.training.model import build_model, pixels_to_tensor
+from edgehaul.training.model import build_model, inputs
 from edgehaul.training.registry import load_model_file, parse_model_file, resolve_model_uri
 
 
@@ -44,31 +50,60 @@ class ModelScorer:
         self.model = build_model(dict(f["arch"]))
         self.model.load_state_dict(f["state_dict"])
         self.model.eval()
-        self.n_classes = int(f["arch"]["n_classes"])
+        self.arch = dict(f["arch"])
+        self.n_classes = int(self.arch["n_classes"])
+        # The anomaly class of an anomaly kind (label value 1); None for class kinds (scored by entropy).
+        self.anomaly_index: int | None = (list(self.contract.label_values).index(1)
+                                          if self.contract.label.kind == "anomaly" else None)
         self.batch_size = batch_size
 
+    def _present(self, table: pa.Table) -> np.ndarray:
+        """Rows the model can see: not a summary and with their payload (every payload column, for a columns
+        kind the non-nullable ones)."""
+        missing = [c for c in self.contract.payload_columns if c not in table.column_names]
+        if missing:
+            raise ValueError(f"table lacks the payload columns {missing} of {self.contract.id} "
+                             f"(columns: {table.column_names})")
+        mask = np.ones(table.num_rows, dtype=bool)
+        needed = [c.name for c in self.contract.columns if not c.nullable] if self.contract.layout == "columns" \
+            else list(self.contract.payload_columns)
+        for name in needed:
+            mask &= np.asarray(pc.is_valid(table.column(name)).to_numpy(zero_copy_only=False), dtype=bool)
+        if "is_summary" in table.column_names:
+            mask &= ~np.asarray(pc.fill_null(table.column("is_summary"), False).to_numpy(zero_copy_only=False),
+                                dtype=bool)
+        return mask
+
     def probabilities(self, table: pa.Table) -> np.ndarray:
-        """Class probabilities (n, n_classes); rows without pixels (summaries) get NaN."""
-        if "pixels" not in table.column_names:
-            raise ValueError(f"table has no 'pixels' column (columns: {table.column_names})")
-        pixels = table.column("pixels").combine_chunks()
-        out = np.full((len(pixels), self.n_classes), np.nan, dtype=np.float32)
-        present = np.asarray(pc.is_valid(pixels).to_numpy(zero_copy_only=False), dtype=bool)
-        idx = np.flatnonzero(present)
+        """Class probabilities (n, n_classes); rows without their payload (summaries) get NaN."""
+        out = np.full((table.num_rows, self.n_classes), np.nan, dtype=np.float32)
+        idx = np.flatnonzero(self._present(table))
         with torch.no_grad():
             for s in range(0, len(idx), self.batch_size):
                 part = idx[s : s + self.batch_size]
-                x = pixels_to_tensor(pixels.take(pa.array(part)), self.contract)
+                x = inputs(table.take(pa.array(part)), self.contract, self.arch)
                 out[part] = torch.softmax(self.model(x), dim=1).numpy()
         return out
 
     def score(self, table: pa.Table) -> np.ndarray:
-        """Normalised predictive entropy per row in [0, 1]; 0 for rows without pixels."""
+        """Per row in [0, 1]: the anomaly probability (anomaly kinds) or the normalised predictive entropy;
+        0 for rows without their payload."""
         p = self.probabilities(table)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            h = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1) / math.log(self.n_classes)
-        h = np.where(np.isnan(p).any(axis=1), 0.0, h)
-        return np.clip(h, 0.0, 1.0).astype(np.float64)
+        if self.anomaly_index is not None:
+            v = p[:, self.anomaly_index].astype(np.float64)
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                v = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1) / math.log(self.n_classes)
+        v = np.where(np.isnan(p).any(axis=1), 0.0, v)
+        return np.clip(v, 0.0, 1.0).astype(np.float64)
+
+
+def kind_model_uri(model_uri: str, contract: Contract) -> str:
+    """`latest` (no name) means the published model of the scored kind: `latest:<training.model_name>`
+    (a kind without a training section keeps the registry's default name)."""
+    if model_uri == "latest" and contract.training is not None:
+        return f"latest:{contract.training.model_name}"
+    return model_uri
 
 
 DOWNLINK = "downlink:"  # model_uri "downlink:<name>": the node's downlinked copy, no store access
@@ -84,12 +119,16 @@ def from_context(ctx: ScorerContext) -> ModelScorer:
     if ctx.policy.model_uri.startswith(DOWNLINK):  # the model the core downlinked to this node
         return _downlinked(ctx, ctx.policy.model_uri.removeprefix(DOWNLINK))
     store = ctx.store or ObjectStore.from_env()
-    uri = resolve_model_uri(store, ctx.policy.model_uri)
+    uri = resolve_model_uri(store, kind_model_uri(ctx.policy.model_uri, ctx.contract))
     key = (uri, store.model_dump_json())
     with _loaded_lock:
         scorer = _loaded.get(key)
         if scorer is None:
             scorer = _loaded[key] = ModelScorer(uri, store)
+    return _same_kind(scorer, ctx)
+
+
+def _same_kind(scorer: ModelScorer, ctx: ScorerContext) -> ModelScorer:
     if scorer.contract.id != ctx.contract.id:
         raise ValueError(f"model {scorer.version} was trained on {scorer.contract.id}, cannot score {ctx.contract.id}")
     return scorer
@@ -107,4 +146,4 @@ def _downlinked(ctx: ScorerContext, name: str) -> ModelScorer:
         scorer = _loaded.get(key)
         if scorer is None:
             scorer = _loaded[key] = ModelScorer(f"downlink:{name}", model_file=parse_model_file(path.read_bytes()))
-    return scorer
+    return _same_kind(scorer, ctx)

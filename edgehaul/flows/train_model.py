@@ -1,4 +1,8 @@
-"""train_model: train the land-cover model on a dataset version, on the central work pool.
+"""train_model: train the model of a kind on a dataset version, on the central work pool.
+
+The kind (`dataset_kind`) picks the contract (its newest version); its `training:` section gives the
+model family (cnn2d, cnn1d, mlp), the model name and the epochs, batch size, learning rate and width
+defaults, which parameters override. A kind without a training section is refused.
 
 Checks placement (refuses edge-* pools; a call outside a deployment needs allow_local), resolves
 the dataset version (the newest committed one, once: see `edgehaul.training.catch_up`; `catch_up=False`
@@ -24,11 +28,12 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore, TeamQuota
+from edgehaul.contracts import Contract, ContractError, TrainingSpec, load_contract
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_TEAM, StoreBlock
 from edgehaul.tasks.train import check_team_quota, plan_training, publish, report_training, train_run
-from edgehaul.training.model import estimate_storage_bytes
+from edgehaul.training.model import arch_for, estimate_storage_bytes
 from edgehaul.training.placement import check_placement
 from edgehaul.training.trainer import TrainConfig
 
@@ -39,17 +44,18 @@ class TrainModelParams(BaseModel):
     dataset_version: int | None = Field(default=None, ge=0, description="Delta version; None: latest.")
     run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
                                description="Checkpoint folder / model id; None: train-<flow run id>.")
-    model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    model_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+                                   description="None: the contract's training.model_name.")
     store_block: str = Field(default=StoreBlock.TRAINER)
     quota_block: str | None = Field(default=None, description="TeamQuota block name; None: the team name.")
     nproc_per_node: int = Field(default=1, ge=1, le=64, description="Processes (accelerators) per node.")
     nnodes: int = Field(default=1, ge=1, le=1024, description="Nodes (torchrun PET_NNODES on the job).")
     max_hours: float = Field(default=1.0, gt=0, le=720, description="Wall-clock limit; the quota request.")
-    epochs: int = Field(default=3, ge=1, le=10_000)
-    batch_size: int = Field(default=64, ge=1, le=65_536)
-    lr: float = Field(default=2e-3, gt=0, le=1)
+    epochs: int | None = Field(default=None, ge=1, le=10_000, description="None: the contract's.")
+    batch_size: int | None = Field(default=None, ge=1, le=65_536, description="None: the contract's.")
+    lr: float | None = Field(default=None, gt=0, le=1, description="None: the contract's.")
     seed: int = Field(default=0, ge=0)
-    width: int = Field(default=32, ge=4, le=512)
+    width: int | None = Field(default=None, ge=4, le=512, description="None: the contract's.")
     val_fraction: float = Field(default=0.1, ge=0, lt=1)
     checkpoint_every_steps: int | None = Field(default=None, ge=1, description="None: adapt to a 5% cost.")
     num_threads: int | None = Field(default=None, ge=1, le=256)
@@ -70,27 +76,43 @@ def current_work_pool() -> str | None:
         return client.read_flow_run(UUID(run_id)).work_pool_name
 
 
+class KindNotTrainable(ContractError):
+    """The kind's contract has no training section (or no label to train on)."""
+
+
+def training_of(kind: str) -> tuple[Contract, TrainingSpec]:
+    """The contract a kind trains under and its training section; a kind without one is refused."""
+    contract = load_contract(kind)
+    if contract.training is None:
+        raise KindNotTrainable(f"kind {kind!r} is not trained: its contract {contract.id} ({contract.source}) has no "
+                               "training section (training: model, model_name)")
+    return contract, contract.training
+
+
 def _about(p: TrainModelParams) -> str:
-    return f"{p.model_name} on {p.dataset_kind}@{'latest' if p.dataset_version is None else p.dataset_version}"
+    return f"{p.model_name or 'model'} on {p.dataset_kind}@{'latest' if p.dataset_version is None else p.dataset_version}"
 
 
 @flow(name="train_model", log_prints=True, flow_run_name=run_namer("train_model", TrainModelParams, _about))
 def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
-    """Train the land-cover model on the central GPU pool; see the module docstring."""
+    """Train a kind's model on the central GPU pool; see the module docstring."""
     p = params or TrainModelParams()
     logger = get_run_logger()
     where = check_placement(current_work_pool(), p.allow_local)
+    contract, spec = training_of(p.dataset_kind)
+    model_name = p.model_name or spec.model_name
+    width = p.width or spec.width
     store = load_block(ObjectStore, p.store_block, param="store_block")
     quota = load_block(TeamQuota, p.quota_block or p.team, param="quota_block")
     if quota.team != p.team:
         raise ValueError(f"quota block {p.quota_block or p.team!r} is for team {quota.team!r}, not {p.team!r}")
     run_id = p.run_id or f"train-{flow_run.id or 'local'}"
     accelerators = p.nproc_per_node * p.nnodes
-    arch = {"in_channels": 6, "n_classes": 7, "width": p.width}
+    arch = arch_for(contract, width)
     keep = TrainConfig.model_fields["keep_checkpoints"].default
     # the quota first: a request over it is refused whatever the data (no silent skip of a bad request)
     usage = check_team_quota(store, quota, accelerators, p.max_hours, estimate_storage_bytes(arch, keep))
-    uri, plan = plan_training(store, p.dataset_kind, p.dataset_version, p.model_name, p.catch_up, run_id)
+    uri, plan = plan_training(store, p.dataset_kind, p.dataset_version, model_name, p.catch_up, run_id)
     logger.info("train_model: %s", plan.reason)
     if plan.version is None:  # a newer run already trained the newest version: this one is covered
         return {"run_id": run_id, "skipped": True, "reason": plan.reason, "model_id": plan.covered_by,
@@ -98,20 +120,22 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
                 "work_pool": where, "history": []}
     version = plan.version
     cfg = TrainConfig(
-        run_id=run_id, dataset_uri=uri, dataset_version=version, team=p.team, model_name=p.model_name,
-        seed=p.seed, epochs=p.epochs, batch_size=p.batch_size, lr=p.lr, width=p.width, val_fraction=p.val_fraction,
+        run_id=run_id, dataset_uri=uri, dataset_version=version, team=p.team, model_name=model_name,
+        contract_id=contract.id, seed=p.seed, epochs=p.epochs or spec.epochs, batch_size=p.batch_size or spec.batch_size,
+        lr=p.lr or spec.lr, width=width, augment=spec.augment, val_fraction=p.val_fraction,
         checkpoint_every_steps=p.checkpoint_every_steps, num_threads=p.num_threads, flow_run_id=flow_run.id,
     )
-    logger.info("team %s: %.3g accelerator-h used in %s; training %s on %s v%d in %s", p.team,
-                usage["accelerator_hours"], usage["month"], run_id, uri, version, where)
+    logger.info("team %s: %.3g accelerator-h used in %s; training %s (%s %s) on %s v%d in %s", p.team,
+                usage["accelerator_hours"], usage["month"], run_id, spec.model, model_name, uri, version, where)
     result = train_run.with_options(timeout_seconds=p.max_hours * 3600)(cfg, store, p.nproc_per_node)
-    links = report_training(store, result, p.model_name)
-    published = publish(store, p.model_name, result["model_id"]) if p.publish else None
+    links = report_training(store, result, model_name)
+    published = publish(store, model_name, result["model_id"]) if p.publish else None
     final = result["history"][-1] if result["history"] else {}
     logger.info("model %s: %d steps, final %s, checkpoint share %s", result["model_id"], result["steps"], final,
                 result["checkpoint"])
     return {
-        "run_id": run_id, "model_id": result["model_id"], "work_pool": where, "dataset_uri": uri,
+        "run_id": run_id, "model_id": result["model_id"], "model_name": model_name, "kind": contract.kind,
+        "contract": contract.id, "model_family": spec.model, "work_pool": where, "dataset_uri": uri,
         "dataset_version": version, "requested_version": plan.requested, "history": result["history"],
         "checkpoint": result["checkpoint"],
         "resumed_from_step": result["resumed_from_step"], "world_size": result["world_size"],

@@ -5,6 +5,10 @@ by (seed, epoch), and rank r of W takes files r, r+W, ... of that order (disjoin
 file is read as a stream of Arrow record batches (only the needed columns, never the whole file
 or table in memory). A `Position` (epoch, file index in this rank's shard, batches done in that
 file) is all a checkpoint needs to continue exactly where training stopped.
+
+What is read follows the contract (`columns_for`): the sample id, the label column, the payload columns,
+`is_summary` and, where the table has it, `inclusion_p` (rows sampled into a tier with probability p
+weigh 1/p: `sample_weights`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pds
 
+from edgehaul.contracts import Contract, ContractError
 from edgehaul.core.datasets import DatasetError, open_uri
 
-COLUMNS = ["sample_id", "label", "pixels", "is_summary"]
+INCLUSION_P = "inclusion_p"  # optional: the probability a row was sampled with (older tables lack it)
+
+
+def columns_for(contract: Contract) -> list[str]:
+    """The columns training reads of a contract's dataset (`inclusion_p` is added where the table has it)."""
+    if contract.label_column is None:
+        raise ContractError(f"contract {contract.id} has no label column to train on")
+    return ["sample_id", contract.label_column, *contract.payload_columns, "is_summary"]
 
 
 @dataclass(frozen=True)
@@ -49,17 +61,21 @@ def latest_version(uri: str, storage_options: dict[str, str]) -> int:
     return int(open_uri(uri, storage_options).version())
 
 
-def open_fragments(ref: DatasetRef) -> list[pds.ParquetFileFragment]:
-    """The version's data files, sorted by path (the order every rank agrees on)."""
+def open_fragments(ref: DatasetRef, contract: Contract) -> tuple[list[pds.ParquetFileFragment], list[str]]:
+    """The version's data files, sorted by path (the order every rank agrees on), and the columns to read."""
     dt = open_uri(ref.uri, ref.storage_options, ref.version)
     ds = dt.to_pyarrow_dataset()
-    missing = [c for c in COLUMNS if c not in ds.schema.names]
+    columns = columns_for(contract)
+    missing = [c for c in columns if c not in ds.schema.names]
     if missing:
-        raise DatasetError(f"{ref.uri}@v{ref.version} lacks columns {missing} (has {ds.schema.names})")
+        raise DatasetError(f"{ref.uri}@v{ref.version} lacks columns {missing} of contract {contract.id} "
+                           f"(has {ds.schema.names})")
+    if INCLUSION_P in ds.schema.names:
+        columns.append(INCLUSION_P)
     frags = sorted(ds.get_fragments(), key=lambda f: f.path)
     if not frags:
         raise DatasetError(f"{ref.uri}@v{ref.version} has no data files")
-    return frags  # type: ignore[return-value]
+    return frags, columns  # type: ignore[return-value]
 
 
 def epoch_order(n_files: int, seed: int, epoch: int) -> list[int]:
@@ -83,17 +99,42 @@ def is_validation(sample_ids: pa.Array, val_fraction: float) -> np.ndarray:
     )
 
 
-def trainable(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Rows usable for supervised training: labelled and with pixels (summary rows have none)."""
-    mask = pc.and_(
-        pc.and_(pc.is_valid(batch.column("label")), pc.is_valid(batch.column("pixels"))),
-        pc.invert(pc.fill_null(batch.column("is_summary"), False)),
-    )
+def trainable(batch: pa.RecordBatch, contract: Contract) -> pa.RecordBatch:
+    """Rows usable for supervised training: labelled, not a summary, and with their payload (a tensor or
+    file kind's payload column; every non-nullable data column of a columns kind)."""
+    if contract.label_column is None:
+        raise ContractError(f"contract {contract.id} has no label column to train on")
+    needed = [contract.label_column]
+    if contract.layout == "columns":
+        needed += [c.name for c in contract.columns if not c.nullable]
+    else:
+        needed += list(contract.payload_columns)
+    mask = pc.invert(pc.fill_null(batch.column("is_summary"), False))
+    for name in needed:
+        mask = pc.and_(mask, pc.is_valid(batch.column(name)))
     return batch.filter(mask)
 
 
+def sample_weights(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
+    """Per-row loss weights (float64): 1/inclusion_p where the batch has an `inclusion_p` column (a row kept
+    with probability p stands for 1/p rows of the population), 1 where it has none or the value is null.
+    A p outside (0, 1] is an error naming the row's sample id."""
+    n = batch.num_rows
+    if INCLUSION_P not in batch.schema.names:
+        return np.ones(n, dtype=np.float64)
+    p = np.asarray(pc.fill_null(batch.column(INCLUSION_P).cast(pa.float64()), 1.0).to_numpy(zero_copy_only=False),
+                   dtype=np.float64)
+    bad = ~((p > 0) & (p <= 1))  # NaN included
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        sid = batch.column("sample_id")[i].as_py() if "sample_id" in batch.schema.names else f"row {i}"
+        raise ValueError(f"{INCLUSION_P} {p[i]!r} of sample {sid} is outside (0, 1]; "
+                         f"{int(bad.sum())} of {n} rows of the batch are")
+    return 1.0 / p
+
+
 def stream(
-    fragments: list[pds.ParquetFileFragment], files: list[int], start: Position, batch_size: int
+    fragments: list[pds.ParquetFileFragment], files: list[int], start: Position, batch_size: int, columns: list[str]
 ) -> Iterator[tuple[Position, pa.RecordBatch]]:
     """Yield (position after this batch, raw batch) from `files` (indices into `fragments`),
     starting at `start`. Batches before `start.batch` of the first file are read and dropped
@@ -101,7 +142,7 @@ def stream(
     for fi in range(start.file, len(files)):
         skip = start.batch if fi == start.file else 0
         frag = fragments[files[fi]]
-        for bi, batch in enumerate(frag.to_batches(columns=COLUMNS, batch_size=batch_size)):
+        for bi, batch in enumerate(frag.to_batches(columns=columns, batch_size=batch_size)):
             if bi < skip or batch.num_rows == 0:
                 continue
             yield Position(start.epoch, fi, bi + 1), batch

@@ -1,7 +1,13 @@
-"""The land-cover classifier: a small CNN over contract patches (HWC uint8 -> 7 classes).
+"""The models central training builds, one family per `contract.training.model`:
 
-Kept deliberately small (about 60k parameters) so it trains on CPU in tests; the architecture is
-recorded in every checkpoint and model file, so a loader rebuilds exactly what was trained.
+- `cnn2d` (`LandCoverNet`): images of any HxW and channel count, channels-last or first in the contract;
+- `cnn1d` (`Cnn1d`): multichannel series CxT (or TxC), a Conv1d stack and a global pool;
+- `mlp` (`Mlp`): the numeric columns of a columns kind, or a flattened tensor.
+
+Kept deliberately small so they train on CPU in tests. The architecture (with its `family`) is recorded
+in every checkpoint and model file, so a loader rebuilds exactly what was trained; an arch without a
+family is a Landsat-era cnn2d. Inputs always come from `edgehaul.edge.decode` (the one place payloads
+become arrays), normalised as the contract says.
 """
 
 from __future__ import annotations
@@ -13,14 +19,15 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from edgehaul.contracts import Contract
+from edgehaul.contracts import Contract, ContractError
+from edgehaul.edge.decode import column_matrix, decode_tensors, normalise
 
 
 class LandCoverNet(nn.Module):
-    """conv(3x3) x3 with stride-2 downsampling, global average pool, linear head.
+    """The cnn2d family: conv(3x3) x3 with stride-2 downsampling, global average pool, linear head.
 
     No batch norm: ranks may see empty local batches (uneven shards) and batch statistics would
-    then differ between single-process and distributed runs.
+    then differ between single-process and distributed runs (the same holds for every family).
     """
 
     def __init__(self, in_channels: int = 6, n_classes: int = 7, width: int = 32, dropout: float = 0.1) -> None:
@@ -39,36 +46,126 @@ class LandCoverNet(nn.Module):
         return self.head(self.features(x))
 
 
-def build_model(arch: dict[str, Any]) -> LandCoverNet:
-    return LandCoverNet(**arch)
+class Cnn1d(nn.Module):
+    """The cnn1d family: conv(k=5) x3 over time with stride-2 downsampling, global average pool, linear head."""
 
-
-def pixels_to_tensor(pixels: pa.Array | pa.ChunkedArray, contract: Contract) -> torch.Tensor:
-    """Binary `pixels` column (no nulls) -> float NCHW tensor, normalised as the contract says."""
-    arr = pixels.combine_chunks() if isinstance(pixels, pa.ChunkedArray) else pixels
-    n = len(arr)
-    if n == 0:
-        return torch.zeros((0, contract.shape[2], contract.shape[0], contract.shape[1]), dtype=torch.float32)
-    if arr.null_count:
-        raise ValueError(f"pixels column has {arr.null_count} null rows; filter summary rows first")
-    if pa.types.is_large_binary(arr.type):
-        arr = arr.cast(pa.binary())
-    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + n + 1]
-    widths = np.diff(offsets)
-    if not (widths == contract.sample_nbytes).all():
-        bad = int(np.flatnonzero(widths != contract.sample_nbytes)[0])
-        raise ValueError(
-            f"pixels row {bad} has {int(widths[bad])} bytes, contract {contract.id} needs {contract.sample_nbytes}"
+    def __init__(self, in_channels: int, n_classes: int, width: int = 32, dropout: float = 0.1) -> None:
+        super().__init__()
+        w = width
+        self.features = nn.Sequential(
+            nn.Conv1d(in_channels, w, 5, padding=2), nn.ReLU(),
+            nn.Conv1d(w, 2 * w, 5, stride=2, padding=2), nn.ReLU(),
+            nn.Conv1d(2 * w, 2 * w, 5, stride=2, padding=2), nn.ReLU(),
+            nn.AdaptiveAvgPool1d(1), nn.Flatten(),
         )
-    data = np.frombuffer(arr.buffers()[2], dtype=contract.np_dtype)
-    start = int(offsets[0]) // contract.np_dtype.itemsize
-    flat = data[start : start + n * contract.sample_nbytes // contract.np_dtype.itemsize]
-    hwc = flat.reshape((n, *contract.shape)).astype(np.float32) * contract.scale + contract.offset
-    return torch.from_numpy(np.ascontiguousarray(hwc.transpose(0, 3, 1, 2)))
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(2 * w, n_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class Mlp(nn.Module):
+    """The mlp family: two hidden layers of `width` units."""
+
+    def __init__(self, in_features: int, n_classes: int, width: int = 32, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(in_features, width), nn.ReLU(),
+            nn.Linear(width, width), nn.ReLU(),
+            nn.Dropout(dropout), nn.Linear(width, n_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+FAMILIES: dict[str, type[nn.Module]] = {"cnn2d": LandCoverNet, "cnn1d": Cnn1d, "mlp": Mlp}
+
+
+def family_of(contract: Contract) -> str:
+    """The contract's model family; a kind without a training section cannot be trained."""
+    if contract.training is None:
+        raise ContractError(f"contract {contract.id} has no training section ({contract.source}): "
+                            "add `training:` (model, model_name) to train this kind")
+    return contract.training.model
+
+
+def arch_for(contract: Contract, width: int, family: str | None = None) -> dict[str, Any]:
+    """The architecture a contract's data needs: input size from the contract, one output per label value
+    (an anomaly flag is 2 classes)."""
+    family = family or family_of(contract)
+    n_classes = len(contract.label_values)
+    if n_classes < 2:
+        raise ContractError(f"contract {contract.id}: training needs a label with at least 2 values, "
+                            f"has {list(contract.label_values)}")
+    if family == "mlp":
+        t = contract.tensor
+        n_in = len(contract.numeric_columns) if contract.layout == "columns" else (
+            int(np.prod(t.shape)) if t is not None else 0)
+        if n_in == 0:
+            raise ContractError(f"contract {contract.id}: mlp needs numeric columns or a tensor, it has neither")
+        return {"family": family, "in_features": n_in, "n_classes": n_classes, "width": width}
+    if family not in ("cnn2d", "cnn1d"):
+        raise ContractError(f"contract {contract.id}: unknown model family {family!r} (known: {sorted(FAMILIES)})")
+    rank = 3 if family == "cnn2d" else 2
+    if contract.tensor is None or len(contract.shape) != rank:
+        raise ContractError(f"contract {contract.id}: {family} needs a rank-{rank} tensor")
+    return {"family": family, "in_channels": len(contract.channels), "n_classes": n_classes, "width": width}
+
+
+def build_model(arch: dict[str, Any]) -> nn.Module:
+    """The model an arch dict describes (no family: the Landsat-era cnn2d)."""
+    a = dict(arch)
+    family = a.pop("family", "cnn2d")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r} in arch {arch} (known: {sorted(FAMILIES)})")
+    return FAMILIES[family](**a)
+
+
+def empty_inputs(contract: Contract, arch: dict[str, Any]) -> torch.Tensor:
+    """A 0-row input batch of the family's shape (a rank whose shard ran dry still steps)."""
+    family = arch.get("family", "cnn2d")
+    if family == "mlp":
+        return torch.zeros((0, int(arch["in_features"])))
+    t = contract.tensor
+    assert t is not None
+    rest = [s for i, s in enumerate(t.shape) if i != t.channel_axis]
+    return torch.zeros((0, len(t.channels), *rest))
+
+
+def inputs(table: pa.Table | pa.RecordBatch, contract: Contract, arch: dict[str, Any]) -> torch.Tensor:
+    """Trainable rows (no summaries, no null payload) -> the family's float input batch: (m, C, H, W) for
+    cnn2d, (m, C, T) for cnn1d (the channel axis moved first), (m, features) for mlp (a columns kind's
+    numeric columns scaled to their ranges, a null reading as 0; or the normalised tensor flattened)."""
+    family = arch.get("family", "cnn2d")
+    if table.num_rows == 0:
+        return empty_inputs(contract, arch)
+    if contract.layout == "columns":
+        if family != "mlp":
+            raise ContractError(f"contract {contract.id}: a columns kind trains an mlp, not {family}")
+        x = np.nan_to_num(column_matrix(pa.Table.from_batches([table]) if isinstance(table, pa.RecordBatch)
+                                        else table, contract), nan=0.0)
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    spec = contract.tensor
+    if spec is None:
+        raise ContractError(f"contract {contract.id} ({contract.layout}) has no tensor to train on")
+    x = normalise(decode_tensors(table.column(contract.payload_columns[0]), contract), spec)
+    x = x.reshape(len(x), -1) if family == "mlp" else np.moveaxis(x, 1 + spec.channel_axis, 1)
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def pixels_to_tensor(payload: pa.Array | pa.ChunkedArray, contract: Contract) -> torch.Tensor:
+    """An image kind's payload column (no nulls) -> float NCHW, normalised (the cnn2d input)."""
+    t = contract.tensor
+    if t is None:
+        raise ContractError(f"contract {contract.id} has no tensor")
+    col = payload.combine_chunks() if isinstance(payload, pa.ChunkedArray) else payload
+    batch = pa.table({contract.payload_columns[0]: col})
+    return inputs(batch, contract, {"family": "cnn2d"})
 
 
 def labels_to_targets(labels: pa.Array | pa.ChunkedArray, contract: Contract) -> torch.Tensor:
-    """Contract labels (e.g. 1..7) -> class indices 0..n-1; unknown labels are an error."""
+    """Contract labels (e.g. 1..7; 0/1 for an anomaly flag) -> class indices 0..n-1; unknown labels are an error."""
     values = np.asarray(labels.to_numpy(zero_copy_only=False), dtype=np.int64)
     known = np.asarray(contract.label_values, dtype=np.int64)
     order = np.argsort(known)
@@ -83,5 +180,5 @@ def labels_to_targets(labels: pa.Array | pa.ChunkedArray, contract: Contract) ->
 def estimate_storage_bytes(arch: dict[str, Any], keep_checkpoints: int) -> int:
     """Bytes a run keeps: the model file plus `keep_checkpoints` checkpoints (weights + two AdamW
     moments each), with 10% for serialisation overhead and RNG/position state."""
-    params = sum(p.numel() for p in LandCoverNet(**arch).parameters()) * 4
+    params = sum(p.numel() for p in build_model(arch).parameters()) * 4
     return int((params + keep_checkpoints * 3 * params) * 1.1) + 64 * 1024

@@ -11,11 +11,12 @@ METRICS = ("train_loss", "val_loss", "train_acc", "val_acc")
 
 
 def metrics_table(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows for `create_table_artifact`; NaN (no held-out rows) shown as None."""
+    """Rows for `create_table_artifact` (per-class recall included); NaN (no held-out rows) shown as None."""
     rows = []
     for h in history:
         row: dict[str, Any] = {"epoch": int(h["epoch"]), "step": int(h["step"])}
-        for k in (*METRICS, "train_samples", "val_samples"):
+        for k in (*METRICS, "val_macro_f1", "val_rare_recall", "train_samples", "val_samples",
+                  *sorted(k for k in h if k.startswith("val_recall_"))):
             v = h.get(k)
             row[k] = None if v is None or (isinstance(v, float) and math.isnan(v)) else round(float(v), 5)
         rows.append(row)

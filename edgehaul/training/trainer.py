@@ -5,9 +5,14 @@ process of `torchrun --nproc_per_node N -m edgehaul.training ...` (rank, world s
 rendezvous come from the environment torchrun sets; gloo on CPU, nccl on CUDA).
 
 Exactness under DDP: every step all ranks agree on the global count of training rows, and each
-rank's loss is sum(CE)/global_count * world, so DDP's gradient average equals the mean over the
-global batch even when a rank's shard ran dry (it then steps with an empty batch) or rows were
-filtered out. The epoch ends when every rank's shard is exhausted.
+rank's loss is sum(w * CE)/global_weight * world, so DDP's gradient average equals the weighted mean
+over the global batch even when a rank's shard ran dry (it then steps with an empty batch) or rows
+were filtered out. The epoch ends when every rank's shard is exhausted.
+
+What is trained follows the contract (`cfg.contract_id`): the model family of its training section,
+inputs decoded by `edgehaul.edge.decode`, the label column it names; each row's loss weighs
+1/inclusion_p (`data.sample_weights`). Each epoch records, besides loss and accuracy, per-class
+validation metrics (recall per class, macro-F1, recall of the rarest classes; `metrics.class_metrics`).
 """
 
 from __future__ import annotations
@@ -33,8 +38,19 @@ from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.platform.settings import torchrun_env
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointError, CheckpointStore, IntervalController, check_resumable
-from edgehaul.training.data import DatasetRef, Position, epoch_order, is_validation, open_fragments, shard, stream, trainable
-from edgehaul.training.model import LandCoverNet, labels_to_targets, pixels_to_tensor
+from edgehaul.training.data import (
+    DatasetRef,
+    Position,
+    epoch_order,
+    is_validation,
+    open_fragments,
+    sample_weights,
+    shard,
+    stream,
+    trainable,
+)
+from edgehaul.training.metrics import class_metrics, rare_labels
+from edgehaul.training.model import arch_for, build_model, empty_inputs, inputs, labels_to_targets
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +70,7 @@ class TrainConfig(BaseModel):
     lr: float = Field(default=2e-3, gt=0, le=1)
     weight_decay: float = Field(default=1e-4, ge=0, le=1)
     width: int = Field(default=32, ge=4, le=512)
-    augment: bool = Field(default=True, description="Random flips/rotations per batch (seeded).")
+    augment: bool = Field(default=True, description="Random flips/rotations per batch (seeded; cnn2d only).")
     val_fraction: float = Field(default=0.1, ge=0, lt=1, description="Held-out share by sample-id hash.")
     checkpoint_every_steps: int | None = Field(default=None, ge=1, description="Fixed interval; None adapts.")
     max_checkpoint_share: float = Field(default=0.05, gt=0, lt=1, description="Checkpoint cost cap per interval.")
@@ -150,16 +166,28 @@ def _augment(x: torch.Tensor) -> torch.Tensor:
 class _Acc:
     """Per-rank sums of one epoch (reduced across ranks at the epoch's end)."""
 
-    loss: float = 0.0
+    loss: float = 0.0  # sum of weighted cross-entropy
     correct: float = 0.0
     n: float = 0.0
     val_loss: float = 0.0
     val_correct: float = 0.0
     val_n: float = 0.0
     steps: int = 0
+    wsum: float = 0.0  # sum of training rows' weights
+    val_confusion: list[float] = field(default_factory=list)  # weighted, row-major [true][predicted]
+
+    @classmethod
+    def restore(cls, d: dict[str, Any], n_classes: int) -> _Acc:
+        acc = cls(**d)
+        if "wsum" not in d:  # a checkpoint of an unweighted (pre-weights) run: every weight was 1
+            acc.wsum = acc.n
+        if not acc.val_confusion:
+            acc.val_confusion = [0.0] * n_classes * n_classes
+        return acc
 
     def as_list(self) -> list[float]:
-        return [self.loss, self.correct, self.n, self.val_loss, self.val_correct, self.val_n]
+        return [self.loss, self.correct, self.n, self.val_loss, self.val_correct, self.val_n, self.wsum,
+                *self.val_confusion]
 
 
 @dataclass
@@ -178,19 +206,38 @@ class TrainResult:
     rank_files: list[dict[str, list[str]]]  # per rank: epoch -> data files it read
 
 
-def _prepare(batch: pa.RecordBatch, contract: Contract, val_fraction: float, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = trainable(batch)
+@dataclass
+class _Part:
+    """One side (training or validation) of a batch, on the device."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    w: torch.Tensor  # per-row loss weight (1/inclusion_p)
+
+
+def _part(rows: pa.RecordBatch, contract: Contract, arch: dict[str, Any], device: torch.device) -> _Part:
+    assert contract.label_column is not None
+    return _Part(inputs(rows, contract, arch).to(device),
+                 labels_to_targets(rows.column(contract.label_column), contract).to(device),
+                 torch.from_numpy(sample_weights(rows).astype(np.float32)).to(device))
+
+
+def _prepare(batch: pa.RecordBatch, contract: Contract, arch: dict[str, Any], val_fraction: float,
+             device: torch.device) -> tuple[_Part, _Part]:
+    rows = trainable(batch, contract)
     val = is_validation(rows.column("sample_id"), val_fraction)
-    tr_idx = pa.array(np.flatnonzero(~val))
-    va_idx = pa.array(np.flatnonzero(val))
-    tr, va = rows.take(tr_idx), rows.take(va_idx)
-    return (
-        pixels_to_tensor(tr.column("pixels"), contract).to(device),
-        labels_to_targets(tr.column("label"), contract).to(device),
-        pixels_to_tensor(va.column("pixels"), contract).to(device),
-        labels_to_targets(va.column("label"), contract).to(device),
-    )
+    tr, va = rows.take(pa.array(np.flatnonzero(~val))), rows.take(pa.array(np.flatnonzero(val)))
+    return _part(tr, contract, arch, device), _part(va, contract, arch, device)
+
+
+def _empty(contract: Contract, arch: dict[str, Any], device: torch.device) -> _Part:
+    return _Part(empty_inputs(contract, arch).to(device), torch.zeros(0, dtype=torch.long, device=device),
+                 torch.zeros(0, device=device))
+
+
+def weighted_loss_sum(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i * CE_i: with every weight 1, the plain summed cross-entropy."""
+    return (F.cross_entropy(logits, y, reduction="none") * w).sum()
 
 
 ProgressFn = Callable[[float, str], None]
@@ -206,6 +253,9 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     contract = contract_by_id(cfg.contract_id)
+    arch = arch_for(contract, cfg.width)
+    n_classes = int(arch["n_classes"])
+    augment = cfg.augment and arch["family"] == "cnn2d"  # flips/rotations only make sense for images
     done = d.broadcast(registry.read_lineage(store, cfg.model_name, cfg.run_id) if d.rank == 0 else None)
     if done is not None:
         # A retried flow whose run already registered its model: nothing to train again.
@@ -218,8 +268,7 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
 
     # Same seed on every rank for the initial weights; then a per-rank stream for augmentation/dropout.
     torch.manual_seed(cfg.seed)
-    arch = {"in_channels": contract.shape[2], "n_classes": len(contract.label_values), "width": cfg.width}
-    raw_model = LandCoverNet(**arch).to(d.device)
+    raw_model = build_model(arch).to(d.device)
     model: torch.nn.Module = raw_model
     if d.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -233,7 +282,7 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
 
     ckpts = CheckpointStore(store, cfg.run_id, keep=cfg.keep_checkpoints, emit_events=cfg.emit_events)
     ref = DatasetRef(cfg.dataset_uri, cfg.dataset_version, store.storage_options())
-    fragments = open_fragments(ref)
+    fragments, columns = open_fragments(ref, contract)
     ctl = IntervalController(
         target_share=cfg.max_checkpoint_share,
         interval=cfg.checkpoint_every_steps or cfg.first_checkpoint_steps,
@@ -241,7 +290,7 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
     )
 
     latest = d.broadcast(ckpts.latest() if d.rank == 0 else None)
-    step, pos, acc, history = 0, Position(), _Acc(), []
+    step, pos, acc, history = 0, Position(), _Acc.restore({}, n_classes), []
     elapsed_before = 0.0
     resumed_from: int | None = None
     if latest is not None:
@@ -252,7 +301,7 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
         mine = state["ranks"][d.rank]
         _set_rng_state(mine["rng"], d.device)
         pos = Position.from_dict(mine["position"])
-        acc = _Acc(**mine["acc"])
+        acc = _Acc.restore(mine["acc"], n_classes)
         step = int(state["step"])
         history = list(state["history"])
         elapsed_before = float(state["elapsed_s"])
@@ -312,40 +361,42 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
     for epoch in range(pos.epoch, cfg.epochs):
         files = shard(epoch_order(len(fragments), cfg.seed, epoch), d.rank, d.world)
         rank_files[str(epoch)] = [fragments[i].path for i in files]
-        it = stream(fragments, files, pos if pos.epoch == epoch else Position(epoch), cfg.batch_size)
+        it = stream(fragments, files, pos if pos.epoch == epoch else Position(epoch), cfg.batch_size, columns)
         while True:
             t0 = time.perf_counter()
             nxt = next(it, None)
-            empty = torch.zeros((0, contract.shape[2], *contract.shape[:2]), device=d.device)
-            no_y = torch.zeros(0, dtype=torch.long, device=d.device)
-            x, y, xv, yv = empty, no_y, empty, no_y
+            tr = va = _empty(contract, arch, d.device)
             if nxt is not None:
                 pos, batch = nxt
-                x, y, xv, yv = _prepare(batch, contract, cfg.val_fraction, d.device)
-            has_batch, global_n = d.all_sum([float(nxt is not None), float(len(y))])
+                tr, va = _prepare(batch, contract, arch, cfg.val_fraction, d.device)
+            has_batch, global_n, global_w = d.all_sum([float(nxt is not None), float(len(tr.y)), float(tr.w.sum())])
             if has_batch == 0:
                 break
-            if len(yv):
+            if len(va.y):
                 raw_model.eval()
                 with torch.no_grad():
-                    lv = raw_model(xv)
-                    acc.val_loss += float(F.cross_entropy(lv, yv, reduction="sum"))
-                    acc.val_correct += float((lv.argmax(1) == yv).sum())
-                    acc.val_n += len(yv)
+                    lv = raw_model(va.x)
+                    pred = lv.argmax(1)
+                    acc.val_loss += float(F.cross_entropy(lv, va.y, reduction="sum"))
+                    acc.val_correct += float((pred == va.y).sum())
+                    acc.val_n += len(va.y)
+                    cm = torch.zeros(n_classes * n_classes, dtype=torch.float64)
+                    cm.index_add_(0, (va.y * n_classes + pred).cpu(), va.w.double().cpu())
+                    acc.val_confusion = [a + b for a, b in zip(acc.val_confusion, cm.tolist(), strict=True)]
                 raw_model.train()
             if global_n > 0:
-                if cfg.augment and len(y):
-                    x = _augment(x)
+                x = _augment(tr.x) if augment and len(tr.y) else tr.x
                 logits = model(x)
-                loss_sum = F.cross_entropy(logits, y, reduction="sum")
-                loss = loss_sum * (d.world / global_n)
+                loss_sum = weighted_loss_sum(logits, tr.y, tr.w)
+                loss = loss_sum * (d.world / global_w)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 acc.loss += float(loss_sum.detach())
-                acc.correct += float((logits.detach().argmax(1) == y).sum())
-                acc.n += len(y)
-                samples += len(y)
+                acc.wsum += float(tr.w.sum())
+                acc.correct += float((logits.detach().argmax(1) == tr.y).sum())
+                acc.n += len(tr.y)
+                samples += len(tr.y)
             step += 1
             acc.steps += 1
             dt = time.perf_counter() - t0
@@ -357,17 +408,19 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
         s = d.all_sum(acc.as_list())
         row = {
             "epoch": epoch, "step": step,
-            "train_loss": s[0] / s[2] if s[2] else float("nan"), "train_acc": s[1] / s[2] if s[2] else float("nan"),
+            "train_loss": s[0] / s[6] if s[6] else float("nan"), "train_acc": s[1] / s[2] if s[2] else float("nan"),
             "val_loss": s[3] / s[5] if s[5] else float("nan"), "val_acc": s[4] / s[5] if s[5] else float("nan"),
             "train_samples": s[2], "val_samples": s[5],
+            **class_metrics(np.asarray(s[7:]).reshape(n_classes, n_classes), contract.label_values),
         }
         history.append(row)
         if d.rank == 0:
-            log.info("run %s epoch %d: loss %.4f acc %.3f val_loss %.4f val_acc %.3f (%d samples)", cfg.run_id,
-                     epoch, row["train_loss"], row["train_acc"], row["val_loss"], row["val_acc"], int(s[2]))
+            log.info("run %s epoch %d: loss %.4f acc %.3f val_loss %.4f val_acc %.3f macro_f1 %.3f rare_recall %.3f "
+                     "(%d samples)", cfg.run_id, epoch, row["train_loss"], row["train_acc"], row["val_loss"],
+                     row["val_acc"], row["val_macro_f1"], row["val_rare_recall"], int(s[2]))
             report(100.0 * (epoch + 1) / cfg.epochs, f"epoch {epoch + 1}/{cfg.epochs}: loss {row['train_loss']:.4f}, "
                    f"val_loss {row['val_loss']:.4f}, val_acc {row['val_acc']:.3f} (step {step})")
-        acc = _Acc()
+        acc = _Acc.restore({}, n_classes)
         pos = Position(epoch + 1)
 
     all_files = d.gather(rank_files)
@@ -378,14 +431,17 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
     if d.rank == 0:
         model_file = {
             "arch": arch, "state_dict": raw_model.state_dict(), "contract": contract.id,
-            "label_values": list(contract.label_values), "model_id": cfg.run_id, "model_name": cfg.model_name,
+            "label_values": list(contract.label_values), "label_kind": contract.label.kind,
+            "model_id": cfg.run_id, "model_name": cfg.model_name,
         }
         lineage = {
             "run_id": cfg.run_id, "flow_run_id": cfg.flow_run_id, "team": cfg.team, "accelerator_hours": acc_hours,
             "accelerators": d.world, "device": d.device.type, "dataset_uri": cfg.dataset_uri,
-            "dataset_version": cfg.dataset_version, "contract": contract.id, "code_version": registry.code_version(),
+            "dataset_version": cfg.dataset_version, "contract": contract.id, "kind": contract.kind,
+            "model_family": arch["family"], "code_version": registry.code_version(),
             "seed": cfg.seed, "config": cfg.model_dump(mode="json"), "metrics": history,
             "final": history[-1] if history else {}, "checkpoint_share": ctl.report(),
+            "rare_classes": rare_labels(history[-1], contract.label_values) if history else [],
             "started": started.isoformat(), "finished": finished.isoformat(), "steps": step,
         }
         lineage["storage_bytes"] = ckpts.retained_bytes()

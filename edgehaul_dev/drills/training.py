@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.contracts import load_contract
 from edgehaul.core import datasets
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointStore
@@ -60,9 +61,9 @@ def _w_train(store_d: dict[str, str], cfg: dict[str, Any], record: str, out: Any
     fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     read = trainer.stream
 
-    def observed(fragments: Any, files: list[int], start: Position, batch_size: int
+    def observed(fragments: Any, files: list[int], start: Position, batch_size: int, columns: list[str]
                  ) -> Iterator[tuple[Position, pa.RecordBatch]]:
-        for pos, batch in read(fragments, files, start, batch_size):
+        for pos, batch in read(fragments, files, start, batch_size, columns):
             # one write(2) per batch: it survives the kill -9 (a torn last line is ignored)
             os.write(fd, json.dumps({"pos": pos.to_dict(), "ids": batch.column("sample_id").to_pylist()}).encode() + b"\n")
             yield pos, batch
@@ -139,7 +140,8 @@ def drill_trainer_kill(env: DrillEnv, rng: random.Random, data: ObjectStore) -> 
             problems.append(f"checkpoint position {state['ranks'][0]['position']} is not batch {ck_step}'s")
     # the trainer's own counts: every trainable row once per epoch (accumulators restored on resume)
     table = datasets.read_version(data, KIND, version=version, columns=["sample_id", "label", "pixels", "is_summary"])
-    n_trainable = sum(trainable(b).num_rows for b in table.to_batches())
+    contract = load_contract(KIND)
+    n_trainable = sum(trainable(b, contract).num_rows for b in table.to_batches())
     for row in res["history"]:
         if row["train_samples"] + row["val_samples"] != n_trainable:
             problems.append(f"epoch {row['epoch']}: the trainer counted {row['train_samples'] + row['val_samples']} "

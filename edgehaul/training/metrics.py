@@ -1,0 +1,54 @@
+"""Per-class metrics from a (weighted) confusion matrix: what accuracy hides on imbalanced kinds.
+
+An anomaly kind with 2% anomalies reaches 0.98 accuracy by never predicting one; its recall of the
+anomaly class (the rarest) is then 0, and its macro-F1 about 0.5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def rare_classes(support: np.ndarray) -> list[int]:
+    """Indices of the rarest classes present: the quarter of the present classes (at least one) with the
+    least support."""
+    present = np.flatnonzero(support > 0)
+    if present.size == 0:
+        return []
+    k = max(1, math.ceil(present.size / 4))
+    return sorted(int(i) for i in present[np.argsort(support[present], kind="stable")[:k]])
+
+
+def class_metrics(confusion: np.ndarray, label_values: tuple[int, ...] | list[int]) -> dict[str, float]:
+    """`confusion[true][predicted]` (sums of row weights) -> `val_recall_<label>` and `val_f1_<label>` per
+    class present in validation, `val_support_<label>` per class (its weighted count), `val_macro_f1` (mean
+    F1 over the classes present) and `val_rare_recall` (mean recall of `rare_classes`); those two are NaN
+    without validation rows."""
+    cm = np.asarray(confusion, dtype=np.float64)
+    support = cm.sum(axis=1)
+    predicted = cm.sum(axis=0)
+    tp = np.diag(cm)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        recall = np.where(support > 0, tp / support, np.nan)
+        precision = np.where(predicted > 0, tp / predicted, 0.0)
+        f1 = np.where(support > 0, np.where(precision + recall > 0, 2 * precision * recall / (precision + recall), 0.0),
+                      np.nan)
+    out: dict[str, float] = {}
+    for i, v in enumerate(label_values):
+        out[f"val_support_{v}"] = float(support[i])
+        if support[i] > 0:  # no NaN per class: a lineage record compares equal to the history it was made of
+            out[f"val_recall_{v}"] = float(recall[i])
+            out[f"val_f1_{v}"] = float(f1[i])
+    present = support > 0
+    out["val_macro_f1"] = float(f1[present].mean()) if present.any() else math.nan
+    rare = rare_classes(support)
+    out["val_rare_recall"] = float(np.mean(recall[rare])) if rare else math.nan
+    return out
+
+
+def rare_labels(row: dict[str, float], label_values: tuple[int, ...] | list[int]) -> list[int]:
+    """The label values `val_rare_recall` of a history row averages over."""
+    support = np.asarray([row.get(f"val_support_{v}", 0.0) for v in label_values], dtype=np.float64)
+    return [int(label_values[i]) for i in rare_classes(support)]
