@@ -85,8 +85,9 @@ def _ledger_ids(spool: Spool) -> list[str]:
         return [r[0] for r in spool.ledger._conn.execute("SELECT DISTINCT sample_id FROM ledger")]
 
 
-def close_the_loop(loop: Loop, store: ObjectStore, epochs: int = 2) -> None:
-    """Train the kind's model on the committed version, publish it, send it down to the node and score with it."""
+def close_the_loop(loop: Loop, store: ObjectStore, epochs: int | None = None, width: int | None = 8) -> None:
+    """Train the kind's model on the committed version (the contract's training section; `epochs`, `width`: a
+    smaller run), publish it, send it down to the node and score with it."""
     from edgehaul import downlink
     from edgehaul.cli import main
     from edgehaul.edge.preprocess import preprocess
@@ -97,7 +98,7 @@ def close_the_loop(loop: Loop, store: ObjectStore, epochs: int = 2) -> None:
     assert training is not None and loop.version is not None
     loop.train = train_model(TrainModelParams(
         team="geo", dataset_kind=loop.contract.kind, model_name=training.model_name, store_block=names["store"],
-        quota_block=names["quota"], epochs=epochs, batch_size=min(training.batch_size, 64), width=8, num_threads=1,
+        quota_block=names["quota"], epochs=epochs, width=width, num_threads=1,
         checkpoint_every_steps=50, allow_local=True, max_hours=0.5, publish=True, catch_up=False,
         dataset_version=loop.version, run_id=f"kd-{loop.contract.kind.replace('_', '-')}-{loop.node_id}"))
     assert main(["downlink", "publish", "--node", loop.node_id, "--model", training.model_name,

@@ -70,7 +70,7 @@ def test_daphnet_gait_from_csv_and_parquet_drop_files(store: ObjectStore, tmp_pa
                                                        start_seq=100_000, end=end)))
     kd.write_drop_table(real, tmp_path / "drop", "S06R02E0.csv")
     kd.write_drop_table(synthetic, tmp_path / "drop", "gait-2.parquet")
-    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id)
+    loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id, batch_size=5000)
 
     sent = pa.concat_tables([real, synthetic])
     rejected = _check_accounted(loop, set(sent.column("sample_id").to_pylist()))
