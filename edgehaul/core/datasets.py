@@ -470,16 +470,15 @@ def summary_stats(table: pa.Table, contract: Contract) -> dict[str, Any]:
         return {str(d["values"]): int(d["counts"]) for d in vc}
 
     times = table.column("capture_time")
+    # a kind may have no label, and channel means only where it has a tensor with mean_* features
+    channels = [c for c in (contract.channels if contract.tensor else ()) if f"mean_{c}" in table.column_names]
     return {
         "rows": table.num_rows,
         "summary_rows": int(pc.sum(table.column("is_summary")).as_py() or 0),
-        "labels": counts(contract.label_column) if contract.label_column is not None else {},
+        "labels": counts(contract.label_column) if contract.label_column else {},
         "tiers": counts("tier"),
         "value_mean": float(pc.mean(table.column("value")).as_py() or 0.0),
-        # per-channel means of a kind with a tensor and a `mean` feature; a columns kind has no bands
-        "band_means": {c: round(float(pc.mean(table.column(f"mean_{c}")).as_py() or 0.0), 6)
-                       for c in (contract.channels if contract.tensor is not None else ())
-                       if f"mean_{c}" in table.column_names},
+        "band_means": {c: round(float(pc.mean(table.column(f"mean_{c}")).as_py() or 0.0), 6) for c in channels},
         "min_capture_time": pc.min(times).as_py().isoformat() if table.num_rows else None,
         "max_capture_time": pc.max(times).as_py().isoformat() if table.num_rows else None,
     }

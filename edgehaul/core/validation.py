@@ -1,7 +1,9 @@
 """Validation of landed bundles: checksum, manifest, schema and the contract's Great Expectations suite.
 
-Great Expectations (1.x) reads pandas, so a bundle goes Arrow -> pandas without its `pixels` column
-(no expectation reads it, and converting megabytes of binary to Python objects dominates otherwise).
+Great Expectations (1.x) reads pandas, so a bundle goes Arrow -> pandas with only the columns the suite names,
+never a tensor's or file's bytes (converting megabytes of binary to Python objects dominates otherwise). The
+payload is checked per layout in `row_problems` with Arrow compute: a tensor's byte length, a file's size and
+media type, typed columns' nulls, ranges and categories.
 The GE context and each contract's suite are built once per process, keyed by the contract's
 sha256, and reused for every bundle. `validate_bundle` never raises for bad data: it returns a
 `ValidationResult` whose `reason` names what failed, ready to be written as JSON beside a quarantined
@@ -30,19 +32,20 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from edgehaul.bundles import BundleError, BundleManifest, check_schema, read_bundle
-from edgehaul.contracts import Contract, ContractError, ContractInvalid, contract_by_id
+from edgehaul.contracts import MEDIA_MAGIC, Contract, ContractError, ContractInvalid, contract_by_id
 
 log = logging.getLogger(__name__)
 
 # Bump when the checks below change meaning: cached validation results keyed on it go stale.
-VALIDATION_VERSION = "2"  # 2: ids, owner, size limits, tensor lengths, finite floats
+VALIDATION_VERSION = "3"  # 2: ids, owner, size limits, tensor lengths, finite floats; 3: payload per layout
 
 # Reasons, most specific first; "ok" means the bundle may enter a dataset version.
 SLOT_COLUMN = "__bundle"  # which bundle a row of a batched GE run came from
 
 REASONS = (
     "ok", "bad_id", "wrong_node", "too_large", "manifest_missing", "checksum", "unreadable", "unknown_contract",
-    "row_count", "manifest_mismatch", "schema_drift", "tensor_length", "non_finite", "expectations", "bundle_error",
+    "row_count", "manifest_mismatch", "schema_drift", "tensor_length", "file_invalid", "column_values", "non_finite",
+    "expectations", "bundle_error",
 )
 
 
@@ -155,7 +158,7 @@ def _json_value(v: Any) -> float | str | None:
 
 def _ge_frame(tables: list[pa.Table], columns: list[str], slot: bool) -> Any:
     """The columns the suite reads, as pandas; with `slot`, a `__bundle` column numbering the tables."""
-    # Only the columns the suite reads; above all not `pixels`. float32 -> float64: GE's pandas
+    # Only the columns the suite reads; above all not a tensor's or file's bytes. float32 -> float64: GE's pandas
     # between-check is vectorised only for the Python-float dtype and loops per row otherwise (~10x).
     parts = []
     for i, t in enumerate(tables):
@@ -317,7 +320,8 @@ def check_manifest_matches(table: pa.Table, manifest: BundleManifest) -> str:
 
 def _read_lean(data: bytes, manifest: BundleManifest, contract: Contract) -> pa.Table:
     """`read_bundle`'s checks (checksum, readable footer, contract, row count, schema) but decoding
-    only the columns validation reads: not `pixels`, which is most of a bundle's bytes. A commit
+    only the columns validation reads: the payload only for the row checks (a tensor's or file's bytes are most of a
+    bundle's bytes, and GE never sees them). A commit
     decodes the whole bundle again (and re-checks its checksum) from the validated bytes."""
     digest = hashlib.sha256(data).hexdigest()
     if digest != manifest.sha256:
@@ -334,8 +338,8 @@ def _read_lean(data: bytes, manifest: BundleManifest, contract: Contract) -> pa.
     if pf.metadata.num_rows != manifest.row_count:
         raise BundleError(f"bundle {manifest.bundle_id}: {pf.metadata.num_rows} rows, manifest says {manifest.row_count}")
     check_schema(schema, contract)
-    # + what `row_problems` reads: pixels (for their lengths only: dropped after the check) and the floats
-    wanted = sorted({*suite_for(contract).columns, "sample_id", "node_id", "pixels", "is_summary",
+    # + what `row_problems` reads: the payload (a tensor's or file's bytes are dropped after the check) and the floats
+    wanted = sorted({*suite_for(contract).columns, "sample_id", "node_id", *contract.payload_columns, "is_summary",
                      *_float_columns(contract)} & set(schema.names))
     try:
         return pf.read(columns=wanted)
@@ -353,36 +357,105 @@ def _examples(table: pa.Table, mask: pa.ChunkedArray | pa.Array, n: int = 5) -> 
 
 def row_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
     """(reason, error) of the first per-row check that fails, ("", "") when all pass: at most the
-    contract's rows; each full row's `pixels` exactly the contract's tensor (shape x dtype) and a summary
-    row's null; no NaN/inf in a float column the contract does not list in `limits.allow_nonfinite`.
+    contract's rows; each full row's payload as its layout says (a tensor: exactly shape x dtype bytes;
+    a file: at most `file.max_bytes`, starting like its media type; typed columns: no null in a
+    non-nullable column, numbers in [min, max], categories in their values) and a summary row's payload
+    null; no NaN/inf in a float column the contract does not list in `limits.allow_nonfinite`.
     Errors give the counts and the first sample ids, so a node's operator can find the rows."""
     if table.num_rows > contract.max_rows:
         return "too_large", f"{table.num_rows} rows, contract {contract.id} allows {contract.max_rows}"
-    if "pixels" in table.column_names and "is_summary" in table.column_names:
-        want = contract.sample_nbytes
-        lengths = pc.binary_length(table.column("pixels"))
-        summary = table.column("is_summary")
-        full_bad = pc.and_(pc.invert(summary), pc.fill_null(pc.not_equal(lengths, want), True))
-        summary_bad = pc.and_(summary, pc.is_valid(lengths))
-        bad = pc.or_(full_bad, summary_bad)
-        n_bad = int(pc.sum(bad).as_py() or 0)
-        if n_bad:
-            observed = sorted({str(v) for v in lengths.filter(bad).to_pylist()})[:5]
-            return "tensor_length", (f"{n_bad} rows with pixels not {want} bytes (shape {list(contract.shape)} "
-                                     f"{contract.dtype}; summary rows: none), lengths {observed}, "
-                                     f"e.g. samples {_examples(table, bad)}")
+    if "is_summary" in table.column_names and all(c in table.column_names for c in contract.payload_columns):
+        check = {"tensor": _tensor_problems, "file": _file_problems, "columns": _column_problems}[contract.layout]
+        reason, error = check(table, contract)
+        if reason:
+            return reason, error
     problems = []
     first: list[str] = []
     for col in _float_columns(contract):
         if col in contract.allow_nonfinite or col not in table.column_names:
             continue
         bad = pc.invert(pc.fill_null(pc.is_finite(table.column(col)), True))
+        if (src := _nullable_source(col, contract)) and src in table.column_names:
+            bad = pc.and_(bad, pc.is_valid(table.column(src)))  # norm_<col> of a null reading is NaN by design
         n_bad = int(pc.sum(bad).as_py() or 0)
         if n_bad:
             problems.append(f"{col}: {n_bad}")
             first = first or _examples(table, bad)
     if problems:
         return "non_finite", f"NaN/inf in {', '.join(problems)} rows, e.g. samples {first}"
+    return "", ""
+
+
+def _nullable_source(feature: str, contract: Contract) -> str | None:
+    """The nullable numeric column a `norm_<column>` feature is derived from, else None."""
+    name = feature.removeprefix("norm_")
+    return name if name != feature and any(c.name == name and c.nullable for c in contract.columns) else None
+
+
+def _summary_payload(table: pa.Table, name: str) -> pa.ChunkedArray:
+    """Summary rows that carry a payload (they must not)."""
+    return pc.and_(table.column("is_summary"), pc.is_valid(table.column(name)))
+
+
+def _tensor_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
+    name = contract.payload_columns[0]
+    want = contract.sample_nbytes
+    lengths = pc.binary_length(table.column(name))
+    full_bad = pc.and_(pc.invert(table.column("is_summary")), pc.fill_null(pc.not_equal(lengths, want), True))
+    bad = pc.or_(full_bad, _summary_payload(table, name))
+    n_bad = int(pc.sum(bad).as_py() or 0)
+    if not n_bad:
+        return "", ""
+    observed = sorted({str(v) for v in lengths.filter(bad).to_pylist()})[:5]
+    return "tensor_length", (f"{n_bad} rows with {name} not {want} bytes (shape {list(contract.shape)} "
+                             f"{contract.dtype}; summary rows: none), lengths {observed}, "
+                             f"e.g. samples {_examples(table, bad)}")
+
+
+def _file_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
+    f = contract.file
+    assert f is not None
+    col = table.column(f.column)
+    full = pc.invert(table.column("is_summary"))
+    sizes = pc.binary_length(col)
+    checks: list[tuple[str, Any]] = [
+        ("missing", pc.and_(full, pc.is_null(col))),
+        (f"over {f.max_bytes} bytes", pc.and_(full, pc.fill_null(pc.greater(sizes, f.max_bytes), False))),
+    ]
+    if magics := MEDIA_MAGIC[f.media_type]:
+        ok = pc.fill_null(pc.starts_with(col, magics[0]), False)
+        for m in magics[1:]:
+            ok = pc.or_(ok, pc.fill_null(pc.starts_with(col, m), False))
+        checks.append((f"not starting like {f.media_type}", pc.and_(pc.and_(full, pc.is_valid(col)), pc.invert(ok))))
+    checks.append(("a summary row with a file", _summary_payload(table, f.column)))
+    return _first_problem(table, "file_invalid", f.column, checks)
+
+
+def _column_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
+    full = pc.invert(table.column("is_summary"))
+    for c in contract.columns:
+        col = table.column(c.name)
+        checks: list[tuple[str, Any]] = [("a summary row with a value", _summary_payload(table, c.name))]
+        if not c.nullable:
+            checks.append(("null", pc.and_(full, pc.is_null(col))))
+        if c.min is not None:
+            checks.append((f"below {c.min:g}", pc.fill_null(pc.less(col, c.min), False)))
+        if c.max is not None:
+            checks.append((f"above {c.max:g}", pc.fill_null(pc.greater(col, c.max), False)))
+        if c.type == "category":
+            checks.append((f"not in {list(c.values)}", pc.and_(pc.is_valid(col), pc.invert(
+                pc.fill_null(pc.is_in(col, value_set=pa.array(c.values, pa.string())), True)))))
+        reason, error = _first_problem(table, "column_values", c.name, checks)
+        if reason:
+            return reason, error
+    return "", ""
+
+
+def _first_problem(table: pa.Table, reason: str, column: str, checks: list[tuple[str, Any]]) -> tuple[str, str]:
+    for what, mask in checks:
+        n_bad = int(pc.sum(mask).as_py() or 0)
+        if n_bad:
+            return reason, f"{n_bad} rows with {column} {what}, e.g. samples {_examples(table, mask)}"
     return "", ""
 
 
@@ -419,8 +492,9 @@ def _prechecks(
     reason, error = row_problems(table, contract)
     if reason:
         return contract, table, replace(base, reason=reason, error=f"bundle {manifest.bundle_id}: {error}")
-    if not full and "pixels" in table.column_names:
-        table = table.drop_columns(["pixels"])  # read for its lengths only
+    binary = contract.payload_column  # a tensor's or file's bytes: read for the row checks only, never by GE
+    if not full and binary is not None and binary in table.column_names:
+        table = table.drop_columns([binary])
     return contract, table, replace(base, reason="pending")
 
 

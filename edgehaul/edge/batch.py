@@ -43,7 +43,7 @@ def ingest_batch(
 ) -> BatchResult:
     """Run one raw batch through the edge path and put its bundles in `spool`.
 
-    `key`, `hashes`: `batch_key(raw)` (the hashes save hashing the pixels twice). `context_key`: the
+    `key`, `hashes`: `batch_key(raw)` (the hashes save hashing the payload twice). `context_key`: the
     key a ContextualScorer files this batch under (default `key`); it scores the batch against the
     batches folded before it, then folds it. The caller persists the scorer's state.
     """

@@ -4,7 +4,7 @@ Layout under the spool root:
     bundles/<bundle_id>.parquet          bundle bytes (high/normal tier), waiting for uplink
     bundles/<bundle_id>.manifest.json    its manifest (BundleManifest.to_json()), written LAST
     raw/<bundle_id>.parquet + .manifest.json
-                                         the local raw store: full low-tier rows (pixels kept) whose
+                                         the local raw store: full low-tier rows (payload kept) whose
                                          summary rows went up in normal bundles; never uplinked, removed
                                          by retention (`raw_ttl_seconds`) or clean-up, counted in the cap
     staging/                             derived intermediates (preprocessed batches for the cache),
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FULL_POLICIES = ("reject-new", "drop-lowest-value")
-STAGE_RAW = "spool-raw"  # ledger stage of the raw store (low-tier pixels; their summaries were kept)
+STAGE_RAW = "spool-raw"  # ledger stage of the raw store (low-tier payloads; their summaries were kept)
 _SIDECAR = ".manifest.json"
 _TMP = ".tmp"
 
@@ -278,7 +278,7 @@ class Spool:
             return sorted(entries, key=lambda e: (tier_rank(e.tier), -e.max_value, e.created_at))
 
     def raw_entries(self) -> list[SpoolEntry]:
-        """The local raw store (low-tier rows with pixels), oldest first."""
+        """The local raw store (low-tier rows with their payload), oldest first."""
         with self._tlock:
             return sorted(self._entries(self.raw_dir), key=lambda e: e.created_at)
 

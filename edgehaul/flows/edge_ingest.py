@@ -60,14 +60,16 @@ class EdgeIngestParams(BaseModel):
     contract: str = Field(default="landsat_patch.v1", description="Data contract id of the raw observations.")
     source: Literal["generate", "parquet", "drop"] = Field(
         default="generate", description="generate: Landsat demo patches; parquet: every Parquet file of a folder, "
-        "every run; drop: an instrument's drop folder (Parquet, Arrow IPC, CSV; each file once, then to done_path).")
+        "every run; drop: an instrument's drop folder (Parquet, Arrow IPC, CSV, or one file per observation of a file "
+        "kind, e.g. *.png with an optional <stem>.json sidecar; each file once, then to done_path).")
     source_path: str | None = Field(default=None, description="The folder (source=parquet or drop).")
     settle_s: float = Field(default=5.0, ge=0, le=3600, description="source=drop: a file modified more recently "
                             "than this may still be written: it waits for the next run.")
     route_events_to_outbox: bool = Field(default=False, description="A node-local run: its summary and alerts go "
                                          "to the node's outbox (forwarded when in contact), not to a Prefect API.")
     done_path: str | None = Field(default=None, description="source=drop: where read files go (beside it, "
-                                  "`rejected/` for unknown formats); the read-once log is in the spool.")
+                                  "`rejected/` for unknown formats and refused observation files); the read-once "
+                                  "log is in the spool.")
     n_samples: int = Field(default=10_000, ge=1, le=100_000_000, description="Samples to generate.")
     batch_size: int = Field(default=50_000, ge=100, le=200_000, description="Samples per raw batch (one task run each).")
     seed: int = Field(default=0, ge=0, description="Generator seed.")
@@ -90,13 +92,14 @@ class EdgeIngestParams(BaseModel):
 
 
 def _raw_batches(p: EdgeIngestParams, node_id: str, drop: DropFolder | None, contract: Contract
-                 ) -> Iterator[tuple[pa.Table, tuple[DropFile, int] | None]]:
-    """Raw batches; with a drop folder, the last batch of each file carries (file, its rows) so the caller
-    records the file as read only once all of it is spooled."""
+                 ) -> Iterator[tuple[pa.Table, list[tuple[DropFile, int]]]]:
+    """Raw batches; with a drop folder, the last batch of each file carries [(file, its rows)] so the caller
+    records the file as read only once all of it is spooled (a file kind's batch: each of its observation
+    files, one row each)."""
     if p.source == "generate":
         for t in generate(p.n_samples, node_id, seed=p.seed, class_weights=p.class_weights, start_seq=p.start_seq,
                           batch_size=p.batch_size):
-            yield t, None
+            yield t, []
         return
     if drop is not None:
         claimed = drop.claim()  # listed once: a file dropped during the run waits for the next
@@ -104,21 +107,25 @@ def _raw_batches(p: EdgeIngestParams, node_id: str, drop: DropFolder | None, con
             get_run_logger().info("drop folder: %d files to read, %d still being written, %d already read, "
                                   "%d rejected %s", len(claimed.files), len(claimed.waiting),
                                   len(claimed.duplicates), len(claimed.rejected), claimed.rejected or "")
+        for t, observed in drop.read_observations(claimed.files, contract, p.batch_size):
+            yield t, [(f, 1) for f in observed]
         for f in claimed.files:
+            if f.format == "file":
+                continue
             batches = [b for b in drop.read(f, contract, p.batch_size) if b.num_rows]
             if not batches:  # an empty file: read, nothing to spool
                 drop.mark_read(f, 0)
                 continue
             rows = sum(b.num_rows for b in batches)
             for j, b in enumerate(batches):
-                yield b, ((f, rows) if j == len(batches) - 1 else None)
+                yield b, ([(f, rows)] if j == len(batches) - 1 else [])
         return
     files = sorted(Path(cast(str, p.source_path)).glob("*.parquet"))
     if not files:
         raise FileNotFoundError(f"no *.parquet files in {p.source_path}")
     for path in files:
         for rb in pq.ParquetFile(path).iter_batches(batch_size=p.batch_size):
-            yield pa.Table.from_batches([rb]), None
+            yield pa.Table.from_batches([rb]), []
 
 
 def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore | None]:
@@ -158,15 +165,15 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     first = make_scorer(policy, node, contract, store)
     fixed_version = None if isinstance(first, ContextualScorer) else first.version
     done: list[EdgeBatch] = []
-    drop = (DropFolder(cast(str, p.source_path), cast(str, p.done_path), node.spool_dir, settle_s=p.settle_s)
-            if p.source == "drop" else None)
+    drop = (DropFolder(cast(str, p.source_path), cast(str, p.done_path), node.spool_dir, settle_s=p.settle_s,
+                       contract=contract) if p.source == "drop" else None)
     files_read = 0
     # the progress artifact moves every 10%: an API call each, not one per batch on long runs
     with run_logging.for_node(node.node_id), Progress(
             f"edge-ingest-{node.node_id}-progress", total=expected,
             description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
-        for i, (raw, file_done) in enumerate(_raw_batches(p, node.node_id, drop, contract)):
-            raw_key, hashes = batch_key(raw)
+        for i, (raw, files_done) in enumerate(_raw_batches(p, node.node_id, drop, contract)):
+            raw_key, hashes = batch_key(raw, contract.payload_column or "")
             version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store,
                                                   contract)
             res = batch_task(raw, raw_key, contract.id, policy, node, version, store, hashes)
@@ -176,8 +183,8 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
                     raw, raw_key, contract.id, policy, node, version, store, hashes)
             del raw, hashes
             done.append(res)
-            if drop is not None and file_done is not None:  # all of the file is spooled: it is read
-                read_file, n_rows = file_done
+            for read_file, n_rows in files_done:  # all of the file is spooled: it is read
+                assert drop is not None  # only a drop folder names files
                 if drop.unchanged(read_file):
                     drop.mark_read(read_file, n_rows)
                     files_read += 1
