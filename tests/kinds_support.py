@@ -5,6 +5,7 @@ the kind is a contract id and a folder of files."""
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ def blocks(store: ObjectStore, node_id: str, spool_dir: Path, tag: str) -> dict[
 def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path, *, node_id: str | None = None,
              batch_size: int = 500) -> Loop:
     """The node's drop folder to a dataset version: edge_ingest, uplink_drain, core_ingest."""
+    from edgehaul.core.datasets import read_version
     from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
     from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
     from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
@@ -69,20 +71,23 @@ def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path,
     landed = list(drained["landed_keys"])
     core = core_ingest(CoreIngestParams(store_block=names["store"], bundle_keys=landed))
     version = core["versions"].get(contract.kind)
-    from edgehaul.core.datasets import read_version
-
     dataset = read_version(store, contract.kind, version) if version is not None else pa.table({})
     spool = Spool.from_block(EdgeNode(node_id=node_id, spool_dir=str(spool_dir)))
     try:
-        rejected = spool.ledger.lookup(_ledger_ids(spool))
+        rejected = spool.ledger.lookup(_ledger_ids(spool_dir))
     finally:
         spool.close()
     return Loop(contract, node_id, spool_dir, edge, landed, core, version, dataset, rejected, names)
 
 
-def _ledger_ids(spool: Spool) -> list[str]:
-    with spool.ledger._lock:  # the ledger has no listing call; the test reads every id it holds
-        return [r[0] for r in spool.ledger._conn.execute("SELECT DISTINCT sample_id FROM ledger")]
+def _ledger_ids(spool_dir: Path) -> list[str]:
+    """Every sample id the node's ledger holds (its SQLite file in the spool root, read only): the Ledger has
+    lookups by id, and the test must also see ids it did not expect."""
+    con = sqlite3.connect(f"file:{spool_dir / 'ledger.sqlite'}?mode=ro", uri=True)
+    try:
+        return [r[0] for r in con.execute("SELECT DISTINCT sample_id FROM ledger")]
+    finally:
+        con.close()
 
 
 def close_the_loop(loop: Loop, store: ObjectStore, epochs: int | None = None, width: int | None = 8) -> None:

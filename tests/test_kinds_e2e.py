@@ -43,6 +43,7 @@ def _check_accounted(loop: Loop, sent: set[str]) -> set[str]:
     assert len(in_dataset) == len(set(in_dataset)), "a sample id twice in the dataset"
     rejected = set(loop.rejected)
     assert set(in_dataset) | rejected == sent and not set(in_dataset) & rejected
+    assert sum(loop.edge["rejected"].values()) == len(rejected)  # the run's own count says the same
     assert loop.dataset.schema.field("capture_time").type.tz == "UTC"
     return rejected
 
