@@ -186,6 +186,9 @@ def test_every_file_row_is_accounted_exactly_once(kinds: list[str]) -> None:
     assert r.accounted()
     assert sorted(zip(r.rejects.column("sample_id").to_pylist(), r.rejects.column("reason").to_pylist(),
                       strict=True)) == sorted((ids[i], why) for i, why in expect.items())
+    key, hashes = pp.batch_key(t, "image")  # the cache key's hashes, filtered along with the rows
+    with_hashes = pp.preprocess(t, DIGITS, key=key, hashes=hashes)
+    assert with_hashes.accepted.equals(r.accepted) and with_hashes.rejects.equals(r.rejects)
     assert r.accepted.column("image").to_pylist() == [good[i] for i in range(len(kinds)) if i not in expect]
 
 
@@ -243,11 +246,13 @@ columns:
   sky: {type: category, values: [clear, cloudy, rain]}
   station: {type: string}
   windy: {type: bool, nullable: true}
+  seen: {type: timestamp, nullable: true}
 label: {column: alarm, kind: anomaly}
 """, "weather")
+    seen = pa.array([T0, None, T0, T0, T0], pa.timestamp("ms", tz="UTC"))
     t = pa.table({**_identity(5), "alarm": pa.array([0, 1, 0, None, 0], pa.int16()),
                   "temp": [12.5, None, 70.0, -3.0, 1.0], "sky": ["clear", "rain", "clear", "fog", "cloudy"],
-                  "station": ["a", "b", "c", "d", None], "windy": [True, None, False, True, False]})
+                  "station": ["a", "b", "c", "d", None], "windy": [True, None, False, True, False], "seen": seen})
     r = pp.preprocess(t, c)
     assert dict(zip(r.rejects.column("sample_id").to_pylist(), r.rejects.column("reason").to_pylist(),
                     strict=True)) == {"s2": pp.OUT_OF_RANGE, "s3": pp.BAD_VALUE, "s4": pp.MISSING_FIELD}
@@ -257,12 +262,18 @@ label: {column: alarm, kind: anomaly}
     norm = acc.column("norm_temp").to_numpy(zero_copy_only=False)
     assert norm[0] == pytest.approx((12.5 + 80) / 140) and np.isnan(norm[1])  # a null reading: NaN feature
     # the digest covers every data column, strings by length and bytes, nulls by their validity byte
+    ms = int(T0.timestamp() * 1000)
     ref = (b"\x01" + struct.pack("<d", 12.5) + b"\x01" + struct.pack("<I", 5) + b"clear" + b"\x01"
-           + struct.pack("<I", 1) + b"a" + b"\x01\x01")
+           + struct.pack("<I", 1) + b"a" + b"\x01\x01" + b"\x01" + struct.pack("<q", ms))
     assert acc.column("content_sha256")[0].as_py() == hashlib.sha256(ref).hexdigest()
     ref1 = (b"\x00" + b"\0" * 8 + b"\x01" + struct.pack("<I", 4) + b"rain" + b"\x01" + struct.pack("<I", 1) + b"b"
-            + b"\x00\x00")
+            + b"\x00\x00" + b"\x00" + b"\0" * 8)
     assert acc.column("content_sha256")[1].as_py() == hashlib.sha256(ref1).hexdigest()
+    # a nullable column the instrument does not write at all is null in every row; a required one is missing
+    r = pp.preprocess(t.drop_columns(["windy", "seen"]), c)
+    assert r.accepted.num_rows == 2 and r.accepted.column("windy").null_count == 2
+    r = pp.preprocess(t.drop_columns(["station"]), c)
+    assert r.accepted.num_rows == 0 and "column 'station' absent" in r.rejects.column("detail")[0].as_py()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

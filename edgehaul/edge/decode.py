@@ -66,7 +66,9 @@ def decode_file(data: bytes, spec: TensorSpec) -> np.ndarray:
         with Image.open(io.BytesIO(data)) as im:
             im.load()
             a = np.asarray(im)
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except UnidentifiedImageError as e:  # its text names the BytesIO's address: not the same twice
+        raise DecodeError(-1, "not a readable image (no decoder recognises it)") from e
+    except (OSError, ValueError) as e:
         raise DecodeError(-1, f"not a readable image ({e})") from e
     if a.ndim == 2 and len(spec.shape) == 3:  # grey image, one channel axis in the contract
         a = np.expand_dims(a, spec.channel_axis)

@@ -354,13 +354,14 @@ def preprocess(
         raise ValueError(f"{len(hashes)} content hashes for a batch of {n} rows")
     rj = _Rejects(n)
     payload = contract.payload_column  # None for a columns kind
+    nullable = {c.name for c in contract.columns if c.nullable}
     cols: dict[str, pa.Array] = {}
     for name, typ in zip(contract.raw_schema.names, contract.raw_schema.types, strict=True):
         if name not in raw.column_names:
             if name == "node_id" and node_id:
                 cols[name] = pa.array(np.full(n, node_id, dtype=object), pa.string())
                 continue
-            if name == contract.label_column:
+            if name == contract.label_column or name in nullable:  # absent = null in every row: allowed
                 cols[name] = pa.nulls(n, typ)
                 continue
             cols[name] = pa.nulls(n, typ)
