@@ -67,6 +67,12 @@ def alert_labels(payload: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def dataset_committed_labels(kind: str, trainable: bool) -> dict[str, str]:
+    """Labels of a DATASET_COMMITTED event; the train trigger matches `edgehaul.dataset.trainable` "true"
+    (the kind's contract has a training section)."""
+    return {"edgehaul.dataset.kind": kind, "edgehaul.dataset.trainable": "true" if trainable else "false"}
+
+
 def landing_batch(batch_id: str, source: str, bundles: list[tuple[str, str, str]],
                   **extra: Any) -> tuple[dict[str, str], dict[str, Any]]:
     """Resource and payload of a LANDING_BATCH event for (object_key, node_id, bundle_id) triples."""

@@ -20,6 +20,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgehaul import downlink, events
 from edgehaul.blocks import ObjectStore, TeamQuota, TieringPolicy
 from edgehaul.contracts import Contract, ContractError, load_contract
 from edgehaul.edge.scorer_registry import ScorerContext
@@ -144,6 +145,17 @@ def test_inputs_follow_the_contracts_layout() -> None:
     assert xd.shape == (4, 1, 8, 8) and float(xd.min()) >= 0 and float(xd.max()) <= 1  # scale 1/255
 
 
+def test_a_checkpoint_of_an_unweighted_run_restores_its_weight_sum() -> None:
+    from edgehaul.training.trainer import _Acc
+
+    # what a pre-weights (Landsat) checkpoint holds for the epoch in progress
+    old = {"loss": 12.0, "correct": 7.0, "n": 10.0, "val_loss": 1.0, "val_correct": 1.0, "val_n": 2.0, "steps": 3}
+    acc = _Acc.restore(old, n_classes=7)
+    assert acc.wsum == 10.0 and acc.val_confusion == [0.0] * 49 and acc.loss / acc.wsum == 1.2
+    new = _Acc.restore({**old, "wsum": 40.0, "val_confusion": [1.0] * 4}, n_classes=2)
+    assert new.wsum == 40.0 and new.val_confusion == [1.0] * 4
+
+
 def test_a_legacy_landsat_arch_without_a_family_is_the_cnn2d() -> None:
     m = build_model({"in_channels": 6, "n_classes": 7, "width": 8})
     assert isinstance(m, LandCoverNet)
@@ -171,18 +183,13 @@ def test_the_train_trigger_matches_commits_of_trainable_kinds_only() -> None:
     assert trigger["parameters"]["params"]["dataset_kind"] == "{{ event.payload.kind }}"
     assert "model_name" not in trigger["parameters"]["params"]  # the contract names the model
 
-    def labels(kind: str) -> Resource:  # what core_ingest puts on its dataset.committed event
-        c = load_contract(kind)
-        return Resource({"prefect.resource.id": f"edgehaul.dataset.{kind}", "edgehaul.dataset.kind": kind,
-                         "edgehaul.dataset.trainable": str(c.training is not None).lower()})
+    def committed(kind: str, trainable: bool) -> Resource:  # the resource of core_ingest's event
+        return Resource({"prefect.resource.id": f"edgehaul.dataset.{kind}",
+                         **events.dataset_committed_labels(kind, trainable)})
 
     for kind in (*KINDS, "landsat_patch"):
-        assert match.matches(labels(kind)), kind
-    untrainable = Resource({"prefect.resource.id": "edgehaul.dataset.notes", "edgehaul.dataset.kind": "notes",
-                            "edgehaul.dataset.trainable": "false"})
-    assert not match.matches(untrainable)
-    core_ingest = (ROOT / "edgehaul" / "flows" / "core_ingest.py").read_text()
-    assert '"edgehaul.dataset.trainable": str(contract_by_id(contract_id).training is not None).lower()' in core_ingest
+        assert match.matches(committed(kind, load_contract(kind).training is not None)), kind
+    assert not match.matches(committed("notes", trainable=False))
 
 
 # ---------------------------------------------------------------------------------------- integration
@@ -306,7 +313,8 @@ def test_a_non_landsat_run_stopped_after_a_checkpoint_resumes_to_the_same_metric
 
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_published_model_scores_its_kind_at_the_edge(runs: dict[str, KindRun], kind: str, tmp_path: Path) -> None:
+def test_the_published_model_scores_its_kind_at_the_edge(runs: dict[str, KindRun], kind: str, tmp_path: Path,
+                                                         stack: localstack.StackState) -> None:
     from edgehaul.edge.model_scorer import ModelScorer, from_context
 
     r = runs[kind]
@@ -331,6 +339,14 @@ def test_the_published_model_scores_its_kind_at_the_edge(runs: dict[str, KindRun
     policy = TieringPolicy(scorer="model", model_uri="latest")
     ctx = ScorerContext(contract=r.contract, policy=policy, store=r.store, state_dir=tmp_path)
     assert from_context(ctx).version == r.cfg.run_id
+    # the same model downlinked to a node (no store access there): `downlink:` alone is the kind's own model
+    data = registry.read_model_bytes(r.store, scorer.model_uri)
+    downlink.publish_update(store_for(stack, "ingest"), "node-a", [(name, "model", r.cfg.run_id, data)])
+    assert downlink.sync(store_for(stack, "node-a"), "node-a", tmp_path).applied
+    node_ctx = ScorerContext(contract=r.contract, policy=TieringPolicy(scorer="model", model_uri="downlink:"),
+                             store=None, state_dir=tmp_path / "state", node_dir=tmp_path)
+    on_node = from_context(node_ctx)
+    assert on_node.version == r.cfg.run_id and np.allclose(on_node.score(rows), values)
     other = load_contract("landsat_patch" if kind != "landsat_patch" else "basic_motions")
     with pytest.raises(ValueError, match=f"trained on {r.contract.id}, cannot score {other.id}"):
         from_context(ScorerContext(contract=other, policy=TieringPolicy(scorer="model", model_uri=f"latest:{name}"),
@@ -347,13 +363,61 @@ def test_train_model_trains_the_kind_with_the_contracts_defaults(store: ObjectSt
     store.save(f"store-{tag}", overwrite=True)
     TeamQuota(team="geo", accelerator_hours_per_month=100, storage_bytes=10**9).save(f"quota-{tag}", overwrite=True)
     out = train_model(TrainModelParams(team="geo", dataset_kind="daphnet_gait", store_block=f"store-{tag}",
-                                       quota_block=f"quota-{tag}", num_threads=1, allow_local=True, max_hours=0.5))
+                                       quota_block=f"quota-{tag}", num_threads=1, allow_local=True, max_hours=0.5,
+                                       publish=True))
     assert c.training is not None
     assert out["model_name"] == c.training.model_name == "gait-freeze" and out["model_family"] == "mlp"
     assert len(out["history"]) == c.training.epochs and out["contract"] == "daphnet_gait.v1"
     lin = registry.read_lineage(store, "gait-freeze", out["model_id"])
     assert lin is not None and lin["config"]["batch_size"] == c.training.batch_size
     assert "val_macro_f1" in lin["final"]
+    from edgehaul.edge.model_scorer import ModelScorer
+
+    assert out["published"]["model_id"] == out["model_id"]  # the closed loop: the kind's edge model
+    assert ModelScorer("latest:gait-freeze", store).version == out["model_id"]
     with pytest.raises(ContractError, match="no data contract for kind 'no_such_kind'"):
         train_model(TrainModelParams(dataset_kind="no_such_kind", allow_local=True))
     assert issubclass(KindNotTrainable, ContractError)
+
+
+def test_the_metrics_artifact_rows_carry_the_per_class_metrics() -> None:
+    from edgehaul.training.report import metrics_table
+
+    row = {"epoch": 0, "step": 5, "train_loss": 0.5, "val_loss": 0.6, "train_acc": 0.9, "val_acc": 0.98,
+           "train_samples": 80.0, "val_samples": 20.0,
+           **class_metrics(np.array([[98.0, 0.0], [2.0, 0.0]]), (0, 1))}
+    (out,) = metrics_table([row])
+    assert out["val_recall_1"] == 0.0 and out["val_rare_recall"] == 0.0 and out["val_recall_0"] == 1.0
+    assert out["val_macro_f1"] == pytest.approx(0.49495, abs=1e-5)
+
+
+def _image_contract(tmp_path: Path, kind: str, shape: list[int], axis: int) -> Contract:
+    doc = {"kind": kind, "version": 1,
+           "tensor": {"column": "img", "shape": shape, "dtype": "uint8", "channel_axis": axis,
+                      "channels": ["r", "g", "b"], "scale": 0.5},
+           "label": {"column": "label", "values": [1, 2]},
+           "training": {"model": "cnn2d", "model_name": kind.replace("_", "-")}}
+    (tmp_path / f"{kind}.v1.yaml").write_text(yaml.safe_dump(doc))
+    return load_contract(kind, directory=tmp_path)
+
+
+def test_cnn2d_takes_images_channels_last_or_first_of_any_size(tmp_path: Path) -> None:
+    last = _image_contract(tmp_path, "hwc_kind", [5, 7, 3], -1)
+    first = _image_contract(tmp_path, "chw_kind", [3, 5, 7], 0)
+    hwc = np.random.default_rng(0).integers(0, 256, (4, 5, 7, 3), dtype=np.uint8)
+    chw = np.ascontiguousarray(hwc.transpose(0, 3, 1, 2))
+    xl = inputs(pa.table({"img": pa.array([a.tobytes() for a in hwc], pa.binary())}), last, arch_for(last, 8))
+    xf = inputs(pa.table({"img": pa.array([a.tobytes() for a in chw], pa.binary())}), first, arch_for(first, 8))
+    assert xl.shape == xf.shape == (4, 3, 5, 7) and torch.equal(xl, xf)
+    assert torch.equal(xl, torch.from_numpy(chw.astype(np.float32) * 0.5))
+    assert build_model(arch_for(first, 8))(xf).shape == (4, 2)
+
+
+def test_an_mlp_takes_a_flattened_tensor() -> None:
+    motions = load_contract("basic_motions")
+    arch = arch_for(motions, 8, family="mlp")
+    t = _rows("basic_motions", 3, unusable_every=1000)
+    x = inputs(t, motions, arch)
+    assert arch["in_features"] == 600 and x.shape == (3, 600)
+    assert torch.equal(x[2], torch.from_numpy(np.frombuffer(t.column("series")[2].as_py(), np.float32).copy()))
+    assert build_model(arch)(x).shape == (3, 4)

@@ -137,6 +137,8 @@ def _same_kind(scorer: ModelScorer, ctx: ScorerContext) -> ModelScorer:
 def _downlinked(ctx: ScorerContext, name: str) -> ModelScorer:
     from edgehaul.downlink import current_file
 
+    if not name and ctx.contract.training is not None:  # `downlink:` alone: the scored kind's own model
+        name = ctx.contract.training.model_name
     path = current_file(ctx.node_dir, "model", name) if ctx.node_dir else None
     if path is None:
         raise ValueError(f"no model {name!r} downlinked to this node yet ({ctx.node_dir}); it arrives with the "

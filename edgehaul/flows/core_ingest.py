@@ -175,9 +175,7 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
             events.emit(events.DATASET_COMMITTED, f"edgehaul.dataset.{c.kind}",
                         {"kind": c.kind, "version": c.version, "parent": c.parent, "bundles": c.bundles,
                          "nodes": c.nodes, "rows": c.rows, "contract": contract_id},
-                        **{"edgehaul.dataset.kind": c.kind,
-                           # the train trigger matches it: only kinds whose contract says how to train
-                           "edgehaul.dataset.trainable": str(contract_by_id(contract_id).training is not None).lower()})
+                        **events.dataset_committed_labels(c.kind, contract_by_id(contract_id).training is not None))
         for b, status in [*((b, "committed") for b in c.bundles), *((b, "already_committed") for b in c.already_committed)]:
             events.emit(events.BUNDLE_RECEIPT, f"edgehaul.bundle.{b}",
                         {"status": status, "kind": c.kind, "version": c.version, "node_id": node_of.get(b, "")},
