@@ -6,7 +6,8 @@ with a reason) -> train_model on that version -> published -> sent down to the n
 - daphnet_gait (columns): the real Daphnet recording as CSV plus generated readings with synthetic freezes as
   Parquet (the recording has no freezing episode, and a model needs both classes);
 - basic_motions (tensor [6, 100]): the 80 real BasicMotions windows plus resampled ones, as Parquet;
-- digits_png (file): one PNG per observation with a JSON sidecar (label, capture time).
+- digits_png (file): one PNG per observation with a JSON sidecar (label, capture time);
+- and one node with two kinds: one drain, one core run, a dataset and a scorer state per kind.
 """
 
 from __future__ import annotations
@@ -137,3 +138,34 @@ def test_digits_from_png_files_with_sidecars(store: ObjectStore, tmp_path: Path)
         assert got[sid]["seq"] == sidecars[sid]["seq"]
     assert not list((tmp_path / "drop").glob("*.png"))  # each file read once, moved out of the drop folder
     _check_closed_loop(loop, store, epochs=3)
+
+
+def test_one_node_two_kinds_one_drain_one_core_run(store: ObjectStore, tmp_path: Path) -> None:
+    """A node that observes two kinds spools both, drains them in one run, and one core_ingest run commits each
+    to its own dataset; the novelty scorer keeps a state per kind."""
+    from edgehaul.core.datasets import read_version
+    from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+    from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
+    from tests.kinds_support import blocks
+
+    tag = uuid.uuid4().hex[:8]
+    node_id, spool_dir = f"kd-{tag}", tmp_path / "spool"
+    names = blocks(store, node_id, spool_dir, tag)
+    motions = kd.motions_table(node_id)
+    kd.write_drop_table(motions, tmp_path / "motions", "BasicMotions.parquet")
+    digit_ids = kd.write_digit_files(tmp_path / "digits", node_id, n=120, start_seq=10_000)
+    for kind, folder in (("basic_motions.v1", "motions"), ("digits_png.v1", "digits")):
+        edge_ingest(EdgeIngestParams(edge_node=names["node"], tiering_policy=names["policy"], contract=kind,
+                                     source="drop", source_path=str(tmp_path / folder),
+                                     done_path=str(tmp_path / f"done-{folder}"), settle_s=0, batch_size=100))
+    drained = uplink_drain(UplinkDrainParams(edge_node=names["node"], link_profile=names["link"],
+                                             object_store=names["store"], max_seconds=120))
+    core = core_ingest(CoreIngestParams(store_block=names["store"], bundle_keys=drained["landed_keys"]))
+    assert set(core["versions"]) == {"basic_motions", "digits_png"} and not core["quarantined"], core
+    got_motions = read_version(store, "basic_motions", core["versions"]["basic_motions"])
+    got_digits = read_version(store, "digits_png", core["versions"]["digits_png"])
+    assert sorted(got_motions.column("sample_id").to_pylist()) == sorted(motions.column("sample_id").to_pylist())
+    assert sorted(got_digits.column("sample_id").to_pylist()) == sorted(digit_ids)
+    states = {p.name for p in (spool_dir / "scorer" / "novelty").iterdir()}
+    assert states == {"basic_motions.v1", "digits_png.v1"}
