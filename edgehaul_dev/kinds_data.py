@@ -114,7 +114,8 @@ def _ending_now(offsets_ms: np.ndarray, end: datetime | None) -> np.ndarray:
     """Offsets from the recording's start -> absolute times whose last one is `end` (default: now)."""
     end = end or datetime.now(UTC)
     end64 = np.datetime64(end.astimezone(UTC).replace(tzinfo=None), "ms")
-    return end64 - np.timedelta64(int(offsets_ms[-1]), "ms") + offsets_ms.astype("timedelta64[ms]")
+    last = int(offsets_ms[-1]) if len(offsets_ms) else 0
+    return end64 - np.timedelta64(last, "ms") + offsets_ms.astype("timedelta64[ms]")
 
 
 # --- daphnet_gait: one row per reading ------------------------------------------------------------------------
@@ -157,13 +158,13 @@ def generate_gait(n: int, node_id: str = "node-a", *, seed: int = 0, anomaly_fra
     contract = contract or load_contract("daphnet_gait")
     g = gait_recording()
     rng = np.random.default_rng(seed)
-    step = 1000 // DAPHNET_HZ
     end = end or datetime.now(UTC)
     done = 0
     while done < n:
         m = min(batch_size, n - done)
         idx = rng.integers(0, len(g.anomaly), size=m)
-        offsets = (np.arange(done, done + m, dtype=np.int64) - (n - 1)) * step  # <= 0: the last one is `end`
+        # ms before `end` (<= 0: the last reading is at `end`), 64 Hz as the recording
+        offsets = np.rint((np.arange(done, done + m) - (n - 1)) * (1000 / DAPHNET_HZ)).astype(np.int64)
         cols = {k: v[idx] + rng.integers(-3, 4, size=m).astype(np.float32) for k, v in g.readings.items()}
         labels = g.anomaly[idx].copy()
         if anomaly_fraction is not None:

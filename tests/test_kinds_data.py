@@ -37,7 +37,8 @@ def test_gait_rows_are_the_recordings_readings_at_real_times() -> None:
     times = t.column("capture_time").cast(pa.int64()).to_numpy()
     steps = np.diff(times)
     assert set(np.unique(steps)) <= {15, 16}  # 64 Hz, the file's own clock
-    assert times[-1] == int(END.timestamp() * 1000) and times[0] == times[-1] - (times[-1] - times[0])
+    span = datetime.fromisoformat(rows[-1]["timestamp"]) - datetime.fromisoformat(rows[0]["timestamp"])
+    assert times[-1] == int(END.timestamp() * 1000) and times[-1] - times[0] == span // timedelta(milliseconds=1)
     assert len(set(t.column("sample_id").to_pylist())) == t.num_rows
     assert kd.gait_table("node-a", limit=100).column("capture_time")[-1].as_py() > datetime.now(UTC) - timedelta(
         seconds=60)  # default: the recording ends now, not in 1970
@@ -148,6 +149,9 @@ def test_generated_gait_marks_its_synthetic_freezes_with_a_tremor() -> None:
     assert abs(trunk[flag].mean() - base.readings["trunk_vert"].mean()) < 25
     plain = pa.concat_tables(list(kd.generate_gait(500, "node-a", seed=1, end=END)))
     assert plain.column("is_anomaly").to_numpy().sum() == 0  # the recording's own labels: no freeze in it
+    times = t.column("capture_time").cast(pa.int64()).to_numpy()
+    assert set(np.unique(np.diff(times))) <= {15, 16} and times[-1] == int(END.timestamp() * 1000)  # 64 Hz
+    assert kd.digits_table("node-a", n=0).num_rows == 0
 
 
 def test_a_missing_data_package_names_its_install_line() -> None:
