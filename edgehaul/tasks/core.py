@@ -62,6 +62,13 @@ def read_manifests_task(store: ObjectStore, keys: list[str], manifest_wait_s: fl
     return ingest.read_manifests(store, keys, manifest_wait_s=manifest_wait_s)
 
 
+@task(name="core-committed", **IO_RETRY,
+      cache_policy=NO_CACHE)
+def committed_task(store: ObjectStore, manifests: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """key -> bundle id of the bundles already in their dataset (see `ingest.already_committed`)."""
+    return ingest.already_committed(store, manifests)
+
+
 # ---------------------------------------------------------------- validation
 
 
