@@ -68,6 +68,7 @@ BUNDLES_PER_NODE_H = 20.0
 WINDOW_S = 5.0  # the gateway's coalescing window (EDGEHAUL_GATEWAY_BATCH_WINDOW_S, its default)
 LINK_BPS = 8e6  # the model's example link: 8 Mbit/s, 70% of it for data
 Mode = Literal["coalesced", "per-bundle"]
+Serving = Literal["process", "warm"]  # a fresh process per flow run (Prefect's runner), or runs in one warm process
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Phase:
     rate_scale: float = 1.0  # >1 compresses time: the quick variant's 10 nodes make a fleet's rate
     drain_timeout_s: float = 240.0  # after the burst: how long the backlog may take to empty
     rows: int = 10  # rows per bundle: the bench measures the control plane, not bytes
+    serving: Serving = "process"
 
 
 @dataclass
@@ -264,8 +266,9 @@ def trigger_spec(mode: Mode) -> dict[str, Any]:
     return dict(spec)
 
 
-def serve(mode: Mode, limit: int, name: str) -> None:
-    """Entry of the served core (its own process): core_ingest with `mode`'s trigger, at most `limit` runs at once."""
+def serve(mode: Mode, limit: int, name: str, serving: Serving = "process") -> None:
+    """Entry of the served core (its own process): core_ingest with `mode`'s trigger, at most `limit` runs at once,
+    each in a fresh process (Prefect's runner) or in this one (`edgehaul.platform.warm`)."""
     from prefect.events import DeploymentEventTrigger
 
     from edgehaul.flows.core_ingest import core_ingest
@@ -273,10 +276,17 @@ def serve(mode: Mode, limit: int, name: str) -> None:
     spec = trigger_spec(mode)
     trig = DeploymentEventTrigger(name=spec["name"], enabled=True, match=spec["match"], expect=set(spec["expect"]),
                                   parameters=spec["parameters"])
-    core_ingest.serve(name=name, triggers=[trig], limit=limit, print_starting_message=False)
+    if serving == "process":
+        core_ingest.serve(name=name, triggers=[trig], limit=limit, print_starting_message=False)
+        return
+    from edgehaul.platform.warm import serve_warm
+
+    dep_id = core_ingest.to_deployment(name=name, triggers=[trig]).apply()
+    serve_warm(core_ingest, str(dep_id), limit=limit, poll_s=1.0)
 
 
-def start_core(c: Central, mode: Mode, limit: int, name: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_core(c: Central, mode: Mode, limit: int, name: str, log: Path,
+               serving: Serving = "process") -> tuple[subprocess.Popen[bytes], str]:
     """Serve core_ingest as deployment `name` (one per phase: runs a phase left scheduled stay with it);
     return the process and the deployment id once its trigger exists."""
     from prefect.client.orchestration import get_client
@@ -284,8 +294,8 @@ def start_core(c: Central, mode: Mode, limit: int, name: str, log: Path) -> tupl
     env = {**os.environ, **c.state.env(), "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_LOGGING_LEVEL": "INFO",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     out = open(log, "ab")  # noqa: SIM115 (the child writes to it until stopped)
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_fleet", "--serve", mode, str(limit), name], env=env,
-                            stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_fleet", "--serve", mode, str(limit), name, serving],
+                            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
                             start_new_session=True)
     deadline = time.monotonic() + 180
     while True:
@@ -499,8 +509,9 @@ def run_phase(c: Central, phase: Phase, factory: BundleFactory, work: Path, *, l
     nodes = node_ids(phase.nodes)
     server_log = Path(c.state.root) / "logs" / "prefect.log"
     server_off = server_log.stat().st_size if server_log.exists() else 0
-    runner_log = work / f"serve-{phase.mode}-{phase.nodes}.log"
-    core, dep_id = start_core(c, phase.mode, limit, f"fleet-{phase.mode}-{phase.nodes}", runner_log)
+    runner_log = work / f"serve-{phase.mode}-{phase.nodes}-{phase.serving}.log"
+    core, dep_id = start_core(c, phase.mode, limit, f"fleet-{phase.mode}-{phase.nodes}-{phase.serving}", runner_log,
+                              phase.serving)
     fleet = Fleet(c, nodes, phase.mode, res, factory, work / f"edge-{phase.mode}-{phase.nodes}")
     sampler = Sampler(c, core, res)
     rng = random.Random(phase.nodes)
@@ -508,7 +519,7 @@ def run_phase(c: Central, phase: Phase, factory: BundleFactory, work: Path, *, l
         sampler.sample()
         rate = phase.nodes * BUNDLES_PER_NODE_H / 3600 * phase.rate_scale
         n_steady = max(1, round(rate * phase.steady_s))
-        say(f"[{phase.mode} {phase.nodes} nodes] steady: {rate:.2f} bundles/s for {phase.steady_s:.0f} s "
+        say(f"[{phase.mode} {phase.nodes} nodes, {phase.serving}] steady: {rate:.2f} bundles/s for {phase.steady_s:.0f} s "
             f"({n_steady} bundles), then a burst of {phase.nodes} x {phase.backlog_per_node}")
         res.t0 = time.time()
         sampler.start()
@@ -588,7 +599,7 @@ def summary(res: Result) -> dict[str, Any]:
     flows_mean, flows_peak = res.per_minute([t for t, _ in res.flow_runs])
     tasks_mean, tasks_peak = res.per_minute(res.task_runs)
     return {
-        "mode": p.mode, "nodes": p.nodes, "landed": len(res.landed), "committed": len(res.committed),
+        "mode": p.mode, "nodes": p.nodes, "serving": p.serving, "landed": len(res.landed), "committed": len(res.committed),
         "steady_backlog_max": res.steady_backlog_max(), "final_backlog": len(res.landed) - len(res.committed),
         "steady_p50_s": _pct(steady_lat, 0.5), "steady_p99_s": _pct(steady_lat, 0.99),
         "burst_p50_s": _pct(burst_lat, 0.5), "burst_p99_s": _pct(burst_lat, 0.99),
@@ -638,7 +649,7 @@ _ROWS = [
 
 
 def print_side_by_side(sums: list[dict[str, Any]]) -> None:
-    heads = [f"{s['mode']} {s['nodes']}" for s in sums]
+    heads = [f"{s['mode']} {s['nodes']} {s['serving']}" for s in sums]
     print(f"{'':50s}" + "".join(f"{h:>26s}" for h in heads))
     for label, fn in _ROWS:
         print(f"{label:50s}" + "".join(f"{fn(s):>26s}" for s in sums))
@@ -700,6 +711,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 5 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])  # type: ignore[arg-type]
+        serve(sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])  # type: ignore[arg-type]
     else:
         main()
