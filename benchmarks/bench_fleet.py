@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import httpx
 import psutil
@@ -100,6 +100,7 @@ class Result:
     run_seconds: list[float] = field(default_factory=list)  # each finished run: start -> end
     run_lag: list[float] = field(default_factory=list)  # each started run: created (by the trigger) -> started
     failed_runs: int = 0  # runs that failed or crashed before the phase ended (not those its shutdown stopped)
+    covered_runs: int = 0  # completed without starting: an earlier run took their bundles (core_ingest catch_up)
     task_runs: list[float] = field(default_factory=list)
     api_errors: dict[str, int] = field(default_factory=dict)
     hook_errors: int = 0
@@ -279,9 +280,11 @@ def serve(mode: Mode, limit: int, name: str, serving: Serving = "process") -> No
     if serving == "process":
         core_ingest.serve(name=name, triggers=[trig], limit=limit, print_starting_message=False)
         return
+    from prefect.deployments.runner import RunnerDeployment
+
     from edgehaul.platform.warm import serve_warm
 
-    dep_id = core_ingest.to_deployment(name=name, triggers=[trig]).apply()
+    dep_id = cast(RunnerDeployment, core_ingest.to_deployment(name=name, triggers=[trig])).apply()  # sync here
     serve_warm(core_ingest, str(dep_id), limit=limit, poll_s=1.0)
 
 
@@ -480,6 +483,9 @@ def _db_runs(pg_url: str, dep_id: str, res: Result) -> tuple[list[tuple[float, s
                 res.run_seconds.append(float(dur))
             if state in ("FAILED", "CRASHED") and ended is not None and float(ended) < res.end:
                 res.failed_runs += 1
+        cur.execute("SELECT count(*) FROM flow_run WHERE deployment_id = %s AND start_time IS NULL "
+                    "AND state_type = 'COMPLETED'", (dep_id,))
+        res.covered_runs = int(cur.fetchone()[0])  # type: ignore[index]
         cur.execute("SELECT extract(epoch from coalesce(start_time, expected_start_time)), state_type "
                     "FROM flow_run WHERE deployment_id = %s", (dep_id,))
         flows = [(float(t), str(s)) for t, s in cur.fetchall() if t is not None]
@@ -607,6 +613,7 @@ def summary(res: Result) -> dict[str, Any]:
         "flow_runs": len(res.flow_runs), "flow_runs_per_min": flows_mean, "flow_runs_peak_min": flows_peak,
         "run_s_p50": _pct(sorted(res.run_seconds), 0.5), "run_lag_p50": _pct(sorted(res.run_lag), 0.5),
         "runs_unstarted": sum(1 for _, st in res.flow_runs if st in ("SCHEDULED", "PENDING")),
+        "runs_covered": res.covered_runs,
         "task_runs": len(res.task_runs), "task_runs_per_min": tasks_mean, "task_runs_peak_min": tasks_peak,
         "api_errors": sum(res.api_errors.values()), "api_error_sources": res.api_errors,
         "hook_errors": res.hook_errors, "landing_failures": res.landing_failures,
@@ -633,6 +640,7 @@ _ROWS = [
      + (f"{s['recovery_s']:.0f} s" if s["recovery_s"] is not None else "not within the run")),
     ("core_ingest flow runs (per min mean / peak)", lambda s: f"{s['flow_runs']} ({s['flow_runs_per_min']:.1f} / "
      f"{s['flow_runs_peak_min']})"),
+    ("  of which covered (completed, never started)", lambda s: f"{s.get('runs_covered', 0)}"),
     ("run length p50 / trigger -> start p50 / unstarted", lambda s: f"{s['run_s_p50']:.0f} s / {s['run_lag_p50']:.0f} s"
      f" / {s['runs_unstarted']}"),
     ("task runs (per min mean / peak)", lambda s: f"{s['task_runs']} ({s['task_runs_per_min']:.0f} / "

@@ -78,3 +78,38 @@ def serve_warm(flow: Any, deployment_id: str, *, limit: int = 4, poll_s: float =
             log.warning("warm serve of %s: stopped with a run still going after %.0f s", deployment_id, grace_s)
     pool.shutdown(wait=False)
     return started
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m edgehaul.platform.warm core_ingest/on-bundle-landed --limit 4`: serve a deployment made by
+    `prefect deploy` warm, from the code folder its entrypoint is relative to (the images' /opt/edgehaul).
+    Beside the pool's process worker it is safe: each run is taken once (Pending), by whichever polls first."""
+    import argparse
+    import signal
+
+    from prefect.client.orchestration import get_client
+    from prefect.flows import load_flow_from_entrypoint
+
+    ap = argparse.ArgumentParser(prog="python -m edgehaul.platform.warm", description=main.__doc__)
+    ap.add_argument("deployment", help="<flow>/<deployment>, e.g. core_ingest/on-bundle-landed")
+    ap.add_argument("--limit", type=int, default=4, help="runs at once in this process (default 4)")
+    ap.add_argument("--poll", type=float, default=1.0, help="seconds between polls (default 1)")
+    args = ap.parse_args(argv)
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(args.deployment)
+    if not dep.entrypoint:
+        raise SystemExit(f"deployment {args.deployment} has no entrypoint to load its flow from")
+    flow: Any = load_flow_from_entrypoint(dep.entrypoint)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log.info("serving %s warm (%s), %d at once", args.deployment, dep.entrypoint, args.limit)
+    try:
+        n = serve_warm(flow, str(dep.id), limit=args.limit, poll_s=args.poll, stop=stop)
+    except KeyboardInterrupt:
+        return 130
+    log.info("stopped after %d runs", n)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
