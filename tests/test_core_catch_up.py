@@ -114,7 +114,11 @@ def test_two_runs_racing_over_a_queue_commit_each_bundle_once_and_complete_the_c
     versions = [c["version"] for r in results for c in r["commits"] if c["version"] is not None]
     assert sorted(b["bundle_id"] for b in lineage(store, KIND, max(versions)).bundles) == sorted(ids)
     # the queued runs were taken: completed without ever starting (no task runs), naming the run that did it
-    assert sum(r["taken_from_queue"] for r in results) >= 3
+    # each queued batch taken by one of the two runs (claimed), never both; its claim dropped once completed
+    taken = [set(r["taken_runs"]) for r in results]
+    assert not taken[0] & taken[1] and taken[0] | taken[1] == set(covered)
+    assert "Contents" not in store.client().list_objects_v2(Bucket=store.bucket("curated"),
+                                                            Prefix=store.key("curated", "_claims/_batches/"))
     with get_client(sync_client=True) as client:
         runs = {str(r.id): r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
             id=FlowRunFilterId(any_=[uuid.UUID(x) for x in (first, second, *covered, other)])))}
@@ -168,3 +172,13 @@ def test_a_warm_process_runs_the_deployment_and_its_first_run_covers_the_queue(s
     assert out == [1] and "covered by core_ingest run" in (states[1].message or "")  # type: ignore[union-attr]
     got = open_table(store, KIND).to_pyarrow_table(columns=["bundle_id"]).column("bundle_id").to_pylist()
     assert sorted(set(got)) == sorted(m.bundle_id for _, m in made) and len(got) == 30
+    # the warm run's task runs are recorded like any run's (one validation per bundle)
+    names: list[str] = []
+    with get_client(sync_client=True) as client:
+        for _ in range(60):
+            names = [t.name for t in client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(runs[0])])))]
+            if sum(n.startswith("validate-") for n in names) >= 3:
+                break
+            time.sleep(0.5)
+    assert sum(n.startswith("validate-") for n in names) == 3, names

@@ -8,7 +8,9 @@ implementation of each step and the drills' accounting is a claim about it.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -307,6 +309,42 @@ def take_queued(own: list[str], queued: list[QueuedBatch], bound: int) -> tuple[
         seen.update(new)
         taken.append(b)
     return keys, taken
+
+
+def _batch_claim_key(store: ObjectStore, run_id: str) -> str:
+    return store.key("curated", f"_claims/_batches/{run_id}.json")
+
+
+def claim_batches(
+    store: ObjectStore, batches: list[QueuedBatch], taker: str, *, s3: S3Client | None = None,
+) -> list[QueuedBatch]:
+    """The batches this run wins: a conditional PUT (If-None-Match) of `_claims/_batches/<run>.json` per
+    batch, as bundles are claimed, so runs starting together split the queue instead of all validating
+    the same bundles. A batch lost here is another run's; its own run still does it if nobody completes it
+    (a taker that dies leaves the queued run as it was)."""
+    s3 = s3 or store.client()
+    won = []
+    for b in batches:
+        body = json.dumps({"run": taker, "at": time.time()}).encode()
+        try:
+            s3.put_object(Bucket=store.bucket("curated"), Key=_batch_claim_key(store, b.run_id), Body=body,
+                          IfNoneMatch="*")
+        except ClientError as e:
+            if error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                continue
+            raise
+        won.append(b)
+    return won
+
+
+def release_batch_claims(store: ObjectStore, batches: list[QueuedBatch], *, s3: S3Client | None = None) -> None:
+    """Drop the claims of batches whose runs are completed (their runs never start; nothing reads them again)."""
+    s3 = s3 or store.client()
+    for b in batches:
+        try:
+            s3.delete_object(Bucket=store.bucket("curated"), Key=_batch_claim_key(store, b.run_id))
+        except ClientError as e:  # a claim left behind costs one small object, never a bundle
+            log.warning("batch claim of run %s kept (%s)", b.run_id, e)
 
 
 def settled_batches(taken: list[QueuedBatch], unsettled: set[str]) -> list[QueuedBatch]:

@@ -60,11 +60,13 @@ from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import (
     BundleRejected,
+    claim_batches_task,
     commit_task,
     committed_task,
     discover_task,
     quarantine_task,
     read_manifests_task,
+    release_batch_claims_task,
     validate_bundle_task,
 )
 
@@ -159,7 +161,7 @@ def _queued_batches(p: CoreIngestParams, store: ObjectStore) -> list[QueuedBatch
     return out
 
 
-def _complete_covered(batches: list[QueuedBatch], run_id: str) -> int:
+def _complete_covered(store: ObjectStore, batches: list[QueuedBatch], run_id: str) -> int:
     """Mark the queued runs whose batches this run settled as Completed, so they never start; a run that
     has left Scheduled meanwhile is left alone (it finds its bundles committed and ends at once)."""
     from prefect.client.orchestration import get_client
@@ -167,7 +169,7 @@ def _complete_covered(batches: list[QueuedBatch], run_id: str) -> int:
     from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
     from prefect.states import Completed
 
-    done = 0
+    done: list[QueuedBatch] = []
     try:
         with get_client(sync_client=True) as client:
             for b in batches:
@@ -176,11 +178,14 @@ def _complete_covered(batches: list[QueuedBatch], run_id: str) -> int:
                     continue
                 res: OrchestrationResult[Any] = client.set_flow_run_state(uuid.UUID(b.run_id), Completed(
                     message=f"covered by core_ingest run {run_id}: its {len(b.keys)} bundles were settled there"))
-                done += res.status == SetStateStatus.ACCEPT
+                if res.status == SetStateStatus.ACCEPT:
+                    done.append(b)
     except Exception as e:  # the covered runs then start and find nothing to do
         get_run_logger().warning("core_ingest: covered runs not completed (%s); they will start and find "
                                  "their bundles settled", e)
-    return done
+    if done:
+        release_batch_claims_task(store, done)
+    return len(done)
 
 
 _QUEUE_READ = 200  # queued runs read per catch-up (each holds up to a gateway batch, 200 keys)
@@ -210,8 +215,11 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     own = set(keys)
     taken: list[QueuedBatch] = []
     if p.bundle_keys and p.catch_up:
-        # A run that starts late takes what queued behind it, so the runs queued after it end at once.
-        keys, taken = take_queued(keys, _queued_batches(p, store), p.max_bundles)
+        # A run that starts late takes what queued behind it, so the runs queued after it end at once;
+        # runs starting together split the queue (each batch is claimed by one of them).
+        _, fits = take_queued(keys, _queued_batches(p, store), p.max_bundles)
+        taken = claim_batches_task(store, fits, run_id) if fits else []
+        keys = take_queued(keys, taken, p.max_bundles)[0]
         if taken:
             logger.info("core_ingest: took %d bundles of %d queued runs", len(keys) - len(own), len(taken))
     # raises ContractInvalid (a broken contract) before anything moves: the run fails, naming file and field
@@ -285,10 +293,11 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     deferred = sorted(b for c in commits for b in c.deferred)
     key_of = {r.bundle_id: k for k, r in passed.items()}
     unsettled = {*scan.waiting, *errors, *(key_of[b] for b in deferred if b in key_of)}
-    covered = _complete_covered(settled_batches(taken, unsettled), run_id) if taken else 0
+    covered = _complete_covered(store, settled_batches(taken, unsettled), run_id) if taken else 0
     summary = {
         "bundles": len(keys),
         "taken_from_queue": len(keys) - len(own),
+        "taken_runs": [b.run_id for b in taken],
         "queued_runs_completed": covered,
         "already_committed": sorted(done_before.values()),
         "valid": len(passed),
