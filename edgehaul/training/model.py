@@ -145,13 +145,38 @@ def inputs(table: pa.Table | pa.RecordBatch, contract: Contract, arch: dict[str,
             raise ContractError(f"contract {contract.id}: a columns kind trains an mlp, not {family}")
         x = np.nan_to_num(column_matrix(pa.Table.from_batches([table]) if isinstance(table, pa.RecordBatch)
                                         else table, contract), nan=0.0)
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    spec = contract.tensor
-    if spec is None:
-        raise ContractError(f"contract {contract.id} ({contract.layout}) has no tensor to train on")
-    x = normalise(decode_tensors(table.column(contract.payload_columns[0]), contract), spec)
-    x = x.reshape(len(x), -1) if family == "mlp" else np.moveaxis(x, 1 + spec.channel_axis, 1)
-    return torch.from_numpy(np.ascontiguousarray(x))
+    else:
+        spec = contract.tensor
+        if spec is None:
+            raise ContractError(f"contract {contract.id} ({contract.layout}) has no tensor to train on")
+        x = normalise(decode_tensors(table.column(contract.payload_columns[0]), contract), spec)
+        x = x.reshape(len(x), -1) if family == "mlp" else np.moveaxis(x, 1 + spec.channel_axis, 1)
+    return torch.from_numpy(standardise(np.ascontiguousarray(x, dtype=np.float32), arch))
+
+
+def standardise(x: np.ndarray, arch: dict[str, Any]) -> np.ndarray:
+    """(x - input_shift) / input_scale per feature or channel (axis 1) where the arch carries them: the
+    statistics the trainer measured on the data, kept in the model file so the edge scorer feeds the model
+    exactly what it was trained on."""
+    if "input_shift" not in arch:
+        return x
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    shift = np.asarray(arch["input_shift"], dtype=np.float32).reshape(shape)
+    scale = np.asarray(arch["input_scale"], dtype=np.float32).reshape(shape)
+    return (x - shift) / scale
+
+
+def input_statistics(x: np.ndarray) -> dict[str, list[float]]:
+    """Per-feature (mlp) or per-channel (cnn) mean and std of an unstandardised input batch, for the arch.
+
+    A declared range (a sensor's full scale) is far wider than what it reads in use: scaled to it, 1 g
+    of gravity and a 0.2 g gait swing differ by 0.02, too little for a small model to learn from in a few
+    epochs. A std of 0 (a constant input) is kept at 1 so the input passes unscaled."""
+    axes = tuple(i for i in range(x.ndim) if i != 1)
+    mean = x.astype(np.float64).mean(axis=axes)
+    std = x.astype(np.float64).std(axis=axes)
+    std = np.where(std > 1e-6, std, 1.0)
+    return {"input_shift": [float(v) for v in mean], "input_scale": [float(v) for v in std]}
 
 
 def pixels_to_tensor(payload: pa.Array | pa.ChunkedArray, contract: Contract) -> torch.Tensor:

@@ -50,7 +50,14 @@ from edgehaul.training.data import (
     trainable,
 )
 from edgehaul.training.metrics import class_metrics, rare_labels
-from edgehaul.training.model import arch_for, build_model, empty_inputs, inputs, labels_to_targets
+from edgehaul.training.model import (
+    arch_for,
+    build_model,
+    empty_inputs,
+    input_statistics,
+    inputs,
+    labels_to_targets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +247,30 @@ def weighted_loss_sum(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) ->
     return (F.cross_entropy(logits, y, reduction="none") * w).sum()
 
 
+# Families whose inputs are standardised by statistics measured on the data (images are already in [0, 1];
+# Landsat's model stays as it was).
+STANDARDISED_FAMILIES = ("mlp", "cnn1d")
+
+
+def _input_statistics(fragments: list[Any], columns: list[str], contract: Contract, arch: dict[str, Any],
+                      max_rows: int = 8192) -> dict[str, list[float]]:
+    """Input mean/std from the trainable rows of the first data file (sorted by path, so every rank and a
+    resumed run measure the same), for `model.standardise`."""
+    parts: list[np.ndarray] = []
+    n = 0
+    have = fragments[0].physical_schema.names  # a file from before a column was added lacks it
+    for batch in fragments[0].to_batches(columns=[c for c in columns if c in have], batch_size=2048):
+        rows = trainable(batch, contract)
+        if rows.num_rows:
+            parts.append(inputs(rows, contract, arch).numpy())
+            n += rows.num_rows
+        if n >= max_rows:
+            break
+    if not parts:
+        return {}
+    return input_statistics(np.concatenate(parts)[:max_rows])
+
+
 ProgressFn = Callable[[float, str], None]
 """Rank 0's progress: (percent of the run's epochs done, what just happened), e.g. for a progress artifact."""
 
@@ -283,6 +314,8 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
     ckpts = CheckpointStore(store, cfg.run_id, keep=cfg.keep_checkpoints, emit_events=cfg.emit_events)
     ref = DatasetRef(cfg.dataset_uri, cfg.dataset_version, store.storage_options())
     fragments, columns = open_fragments(ref, contract)
+    if arch["family"] in STANDARDISED_FAMILIES:  # every rank reads the same first file: the same statistics
+        arch.update(_input_statistics(fragments, columns, contract, arch))
     ctl = IntervalController(
         target_share=cfg.max_checkpoint_share,
         interval=cfg.checkpoint_every_steps or cfg.first_checkpoint_steps,
