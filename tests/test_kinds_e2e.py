@@ -49,8 +49,8 @@ def _check_accounted(loop: Loop, sent: set[str]) -> set[str]:
     return rejected
 
 
-def _check_closed_loop(loop: Loop, store: ObjectStore, epochs: int) -> None:
-    close_the_loop(loop, store, epochs)
+def _check_closed_loop(loop: Loop, store: ObjectStore, epochs: int | None, min_macro_f1: float) -> None:
+    close_the_loop(loop, store, epochs, width=None)
     training = loop.contract.training
     assert training is not None and loop.train is not None
     model_id = loop.train["model_id"]
@@ -61,6 +61,8 @@ def _check_closed_loop(loop: Loop, store: ObjectStore, epochs: int) -> None:
     assert pointer["model_id"] == model_id  # published
     assert loop.scorer_version == model_id  # the node scores with the model it was sent
     assert loop.scores and all(0.0 <= v <= 1.0 for v in loop.scores)
+    final = loop.train["history"][-1]
+    assert final["val_macro_f1"] >= min_macro_f1, final  # it learnt its kind, not only closed the loop
 
 
 def test_daphnet_gait_from_csv_and_parquet_drop_files(store: ObjectStore, tmp_path: Path) -> None:
@@ -85,7 +87,7 @@ def test_daphnet_gait_from_csv_and_parquet_drop_files(store: ObjectStore, tmp_pa
         assert {k: got[sid][k] for k in want[sid]} == want[sid]
     assert int(pa.compute.sum(loop.dataset.column("is_anomaly")).as_py()) == int(
         pa.compute.sum(synthetic.column("is_anomaly")).as_py())
-    _check_closed_loop(loop, store, epochs=3)
+    _check_closed_loop(loop, store, epochs=None, min_macro_f1=0.0)  # barely separable per reading
 
 
 def _outside_ranges(t: pa.Table, contract: Contract) -> set[str]:
@@ -115,7 +117,7 @@ def test_basic_motions_from_parquet_drop_files(store: ObjectStore, tmp_path: Pat
     for sid, row in want.items():  # every window's bytes, label and time as written
         assert {k: got[sid][k] for k in row} == row
     assert got[f"{node_id}-{0:012d}"]["activity"] == 3  # the first real case is "Standing": class 3 by name
-    _check_closed_loop(loop, store, epochs=3)
+    _check_closed_loop(loop, store, epochs=None, min_macro_f1=0.8)
 
 
 def test_digits_from_png_files_with_sidecars(store: ObjectStore, tmp_path: Path) -> None:
@@ -136,7 +138,7 @@ def test_digits_from_png_files_with_sidecars(store: ObjectStore, tmp_path: Path)
         assert got[sid]["capture_time"] == datetime.fromisoformat(sidecars[sid]["capture_time"])
         assert got[sid]["seq"] == sidecars[sid]["seq"]
     assert not list((tmp_path / "drop").glob("*.png"))  # each file read once, moved out of the drop folder
-    _check_closed_loop(loop, store, epochs=3)
+    _check_closed_loop(loop, store, epochs=None, min_macro_f1=0.5)
 
 
 def test_one_node_two_kinds_one_drain_one_core_run(store: ObjectStore, tmp_path: Path) -> None:

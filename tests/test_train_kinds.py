@@ -421,3 +421,19 @@ def test_an_mlp_takes_a_flattened_tensor() -> None:
     assert arch["in_features"] == 600 and x.shape == (3, 600)
     assert torch.equal(x[2], torch.from_numpy(np.frombuffer(t.column("series")[2].as_py(), np.float32).copy()))
     assert build_model(arch)(x).shape == (3, 4)
+
+
+def test_standardised_inputs_have_zero_mean_and_unit_spread_and_constant_inputs_pass_unscaled() -> None:
+    from edgehaul.training.model import input_statistics, standardise
+
+    rng = np.random.default_rng(3)
+    x = np.stack([rng.normal(1000, 200, 4000), rng.normal(-5, 0.1, 4000), np.full(4000, 7.0)], axis=1)
+    arch = {"family": "mlp", **input_statistics(x.astype(np.float32))}
+    z = standardise(x.astype(np.float32), arch)
+    assert np.allclose(z[:, :2].mean(axis=0), 0, atol=1e-3) and np.allclose(z[:, :2].std(axis=0), 1, atol=1e-3)
+    assert np.allclose(z[:, 2], 0.0)  # constant: shifted, scale kept at 1
+    series = rng.normal(0, 3, (50, 6, 100)).astype(np.float32)  # cnn1d: one statistic per channel
+    stats = input_statistics(series)
+    assert len(stats["input_shift"]) == 6
+    assert np.allclose(standardise(series, {**stats}).std(axis=(0, 2)), 1, atol=1e-3)
+    assert standardise(series, {"family": "cnn1d"}) is series  # an arch without statistics: unchanged (Landsat)

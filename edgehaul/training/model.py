@@ -115,7 +115,7 @@ def arch_for(contract: Contract, width: int, family: str | None = None) -> dict[
 
 def build_model(arch: dict[str, Any]) -> nn.Module:
     """The model an arch dict describes (no family: the Landsat-era cnn2d)."""
-    a = dict(arch)
+    a = {k: v for k, v in arch.items() if k not in ("input_shift", "input_scale")}  # inputs' business, not the net's
     family = a.pop("family", "cnn2d")
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r} in arch {arch} (known: {sorted(FAMILIES)})")

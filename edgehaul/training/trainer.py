@@ -271,6 +271,30 @@ def _input_statistics(fragments: list[Any], columns: list[str], contract: Contra
     return input_statistics(np.concatenate(parts)[:max_rows])
 
 
+def _class_weights(fragments: list[Any], columns: list[str], contract: Contract, n_classes: int,
+                   max_rows: int = 65_536) -> torch.Tensor:
+    """Inverse population share per class (weighted by 1/inclusion_p), from the first data file, scaled so
+    the commonest class weighs 1; a class absent there weighs as much as the rarest present."""
+    assert contract.label_column is not None
+    counts = np.zeros(n_classes, dtype=np.float64)
+    n = 0
+    have = fragments[0].physical_schema.names
+    for batch in fragments[0].to_batches(columns=[c for c in columns if c in have], batch_size=8192):
+        rows = trainable(batch, contract)
+        y = labels_to_targets(rows.column(contract.label_column), contract).numpy()
+        np.add.at(counts, y, sample_weights(rows))
+        n += rows.num_rows
+        if n >= max_rows:
+            break
+    present = counts > 0
+    w = np.ones(n_classes, dtype=np.float64)
+    if present.any():
+        w[present] = counts[present].max() / counts[present]
+        w[~present] = w[present].max()
+    log.info("class weights %s", [round(float(v), 3) for v in w])
+    return torch.from_numpy(w.astype(np.float32))
+
+
 ProgressFn = Callable[[float, str], None]
 """Rank 0's progress: (percent of the run's epochs done, what just happened), e.g. for a progress artifact."""
 
@@ -316,6 +340,8 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
     fragments, columns = open_fragments(ref, contract)
     if arch["family"] in STANDARDISED_FAMILIES:  # every rank reads the same first file: the same statistics
         arch.update(_input_statistics(fragments, columns, contract, arch))
+    class_w = _class_weights(fragments, columns, contract, n_classes) if (
+        contract.training is not None and contract.training.balance_classes) else None
     ctl = IntervalController(
         target_share=cfg.max_checkpoint_share,
         interval=cfg.checkpoint_every_steps or cfg.first_checkpoint_steps,
@@ -402,6 +428,8 @@ def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = No
             if nxt is not None:
                 pos, batch = nxt
                 tr, va = _prepare(batch, contract, arch, cfg.val_fraction, d.device)
+                if class_w is not None:  # the loss only: validation metrics stay weighted to the population
+                    tr.w = tr.w * class_w.to(d.device)[tr.y]
             has_batch, global_n, global_w = d.all_sum([float(nxt is not None), float(len(tr.y)), float(tr.w.sum())])
             if has_batch == 0:
                 break
