@@ -64,11 +64,15 @@ def decode_file(data: bytes, spec: TensorSpec) -> np.ndarray:
 
     try:
         with Image.open(io.BytesIO(data)) as im:
+            # a node's bytes: the header's size is checked before any pixel is decoded (a few KB of PNG can
+            # declare gigapixels)
+            if im.width * im.height > 16 * int(np.prod(spec.shape)):
+                raise OSError(f"declares {im.width}x{im.height} px, far more than the contract's {list(spec.shape)}")
             im.load()
             a = np.asarray(im)
     except UnidentifiedImageError as e:  # its text names the BytesIO's address: not the same twice
         raise DecodeError(-1, "not a readable image (no decoder recognises it)") from e
-    except (OSError, ValueError) as e:
+    except (Image.DecompressionBombError, OSError, ValueError) as e:
         raise DecodeError(-1, f"not a readable image ({e})") from e
     if a.ndim == 2 and len(spec.shape) == 3:  # grey image, one channel axis in the contract
         a = np.expand_dims(a, spec.channel_axis)
