@@ -3,14 +3,16 @@
     python -m edgehaul_dev.verify [--root .edgehaul-stack] [--only NAME ...]     # `make verify`
 
 Prints PASS/FAIL per item and exits non-zero if any fails:
-1. control_plane   Prefect API healthy; every work pool (edge-*, central, central-gpu, ops) has a worker with a
+1. control_plane   Prefect API healthy; every work pool of the product (edge-*, central, central-gpu, ops:
+                   deployments/prefect.yaml; other pools on the server are not judged) has a worker with a
                    recent heartbeat; recent edgehaul.link.stats and edgehaul.dataset.committed /
                    edgehaul.bundle.receipt events are visible (needs `make deploy` and a demo run);
 2. high_value      a high-value sample, spooled and drained, lands in the object store within its
                    expected time (high tier is sent at once: transfer time at the rate cap + slack);
 3. placement       train_model runs were executed by workers of the central-gpu pool, edge flows by workers
                    of edge-* pools (the workers' prefect.worker.executed-flow-run events, cross-checked
-                   with each run's pool on the server); needs runs through deployments, e.g.
+                   with each run's pool on the server), for runs of the product's deployments; needs runs
+                   through deployments, e.g.
                    `python -m edgehaul_dev.demo --via-deployments` (`make verify-demo` does it all);
 4. resume          a training process killed with kill -9 after a committed checkpoint resumes from
                    that checkpoint, and its loss curve equals an uninterrupted run's;
@@ -118,8 +120,13 @@ def check_control_plane(state: localstack.StackState, window_h: float = 24.0) ->
     if h.status_code != 200:
         problems.append(f"API health {h.status_code}")
     now = datetime.now(UTC)
+    from edgehaul_dev.deploy import load_spec, pools_of
+
+    # The product's pools (deployments/prefect.yaml): a pool someone else made on this server (another
+    # stack's, a test's) is not this product's control plane and its idle workers are not a fault here.
+    product = set(pools_of(load_spec()))
     with get_client(sync_client=True) as c:
-        pools = sorted(p.name for p in c.read_work_pools())
+        pools = sorted(p.name for p in c.read_work_pools() if p.name in product)
         edge = [p for p in pools if p.startswith("edge")]
         if not edge or not {"central", TRAINING_POOL, "ops"} <= set(pools):
             problems.append(f"pools {pools}: want edge-*, central, {TRAINING_POOL}, ops (run `make deploy`)")
@@ -231,9 +238,13 @@ def placement_verdict(execs: list[Execution], assigned: dict[str, str]) -> tuple
 def check_placement(state: localstack.StackState, window_h: float = 24.0, since: datetime | None = None,
                     flow_run_ids: set[str] | None = None) -> tuple[bool, str]:
     """Placement from the workers' own execution events, cross-checked with the server's pool of each
-    run; `flow_run_ids` limits the check to those runs (tests)."""
+    run; `flow_run_ids` limits the check to those runs (tests), else to runs of the product's deployments
+    (prefect.yaml): another stack's or a test's deployment of the same flow on this server is not this
+    product's placement."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from edgehaul_dev.deploy import deployment_names, load_spec
 
     execs = executions(state, since or datetime.now(UTC) - timedelta(hours=window_h))
     execs = [x for x in execs if x.flow in TRAINING_FLOWS + EDGE_FLOWS]
@@ -241,11 +252,22 @@ def check_placement(state: localstack.StackState, window_h: float = 24.0, since:
         execs = [x for x in execs if x.flow_run_id in flow_run_ids]
     ids = sorted({x.flow_run_id for x in execs})
     assigned: dict[str, str] = {}
+    deployment_of: dict[str, str] = {}
     with get_client(sync_client=True) as c:
         for i in range(0, len(ids), 200):
             chunk = [uuid.UUID(x) for x in ids[i:i + 200]]
             for r in c.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=chunk)), limit=200):
                 assigned[str(r.id)] = r.work_pool_name or ""
+                deployment_of[str(r.id)] = str(r.deployment_id or "")
+        if flow_run_ids is None:
+            ours = set()
+            for name in deployment_names(load_spec()):
+                try:
+                    ours.add(str(c.read_deployment_by_name(name).id))
+                except Exception:  # ObjectNotFound: not deployed (the verdict then finds no run of it)
+                    continue
+            execs = [x for x in execs if deployment_of.get(x.flow_run_id) in ours]
+            assigned = {i: p for i, p in assigned.items() if deployment_of.get(i) in ours}
     return placement_verdict(execs, assigned)
 
 
