@@ -114,7 +114,7 @@ def test_two_runs_racing_over_a_queue_commit_each_bundle_once_and_complete_the_c
     versions = [c["version"] for r in results for c in r["commits"] if c["version"] is not None]
     assert sorted(b["bundle_id"] for b in lineage(store, KIND, max(versions)).bundles) == sorted(ids)
     # the queued runs were taken: completed without ever starting (no task runs), naming the run that did it
-    # each queued batch taken by one of the two runs (claimed), never both; its claim dropped once completed
+    # each queued batch taken by one of the two runs (claimed), never both; every claim dropped at the end
     taken = [set(r["taken_runs"]) for r in results]
     assert not taken[0] & taken[1] and taken[0] | taken[1] == set(covered)
     assert "Contents" not in store.client().list_objects_v2(Bucket=store.bucket("curated"),
@@ -123,12 +123,22 @@ def test_two_runs_racing_over_a_queue_commit_each_bundle_once_and_complete_the_c
         runs = {str(r.id): r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
             id=FlowRunFilterId(any_=[uuid.UUID(x) for x in (first, second, *covered, other)])))}
         st_of = {r: runs[r].state for r in runs}
-        for run in covered:
+        taker = {run: r for r in results for run in r["taken_runs"]}
+        for i, run in enumerate(covered):
             s = st_of[run]
-            assert s is not None and s.is_completed() and "covered by core_ingest run" in (s.message or "")
+            assert s is not None
+            if i == 1 and s.is_scheduled():
+                # its batch shares a bundle with the first runner's own: when the taker met that bundle
+                # claimed by the live first runner (deferred there), the batch is not settled and stays its
+                # own run's, which would find both bundles committed
+                assert ids[0] in taker[run]["deferred"], (taker[run], s)
+                client.delete_flow_run(uuid.UUID(run))
+                continue
+            assert s.is_completed() and "covered by core_ingest run" in (s.message or ""), s
             assert not client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run)])))
-        assert all((s := st_of[r]) is not None and s.is_completed() for r in (first, second))
-        assert (s := st_of[other]) is not None and s.is_scheduled()
+        ends = [st_of[r] for r in (first, second, other)]
+        assert all(e is not None and e.is_completed() for e in ends[:2]), ends
+        assert ends[2] is not None and ends[2].is_scheduled(), ends[2]
         client.delete_flow_run(uuid.UUID(other))
 
     # a run started after all that finds its bundles committed: no validation, no commit

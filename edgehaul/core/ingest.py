@@ -338,7 +338,8 @@ def claim_batches(
 
 
 def release_batch_claims(store: ObjectStore, batches: list[QueuedBatch], *, s3: S3Client | None = None) -> None:
-    """Drop the claims of batches whose runs are completed (their runs never start; nothing reads them again)."""
+    """Drop a run's batch claims when it ends: a claim only keeps runs starting together apart, and its batch
+    is then either settled (its run completed, or finding everything committed) or free to be taken again."""
     s3 = s3 or store.client()
     for b in batches:
         try:

@@ -163,7 +163,8 @@ def _queued_batches(p: CoreIngestParams, store: ObjectStore) -> list[QueuedBatch
 
 def _complete_covered(store: ObjectStore, batches: list[QueuedBatch], run_id: str) -> int:
     """Mark the queued runs whose batches this run settled as Completed, so they never start; a run that
-    has left Scheduled meanwhile is left alone (it finds its bundles committed and ends at once)."""
+    has left Scheduled meanwhile is left alone (it finds its bundles committed and ends at once). The
+    caller drops the claims."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
@@ -183,8 +184,6 @@ def _complete_covered(store: ObjectStore, batches: list[QueuedBatch], run_id: st
     except Exception as e:  # the covered runs then start and find nothing to do
         get_run_logger().warning("core_ingest: covered runs not completed (%s); they will start and find "
                                  "their bundles settled", e)
-    if done:
-        release_batch_claims_task(store, done)
     return len(done)
 
 
@@ -294,6 +293,10 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     key_of = {r.bundle_id: k for k, r in passed.items()}
     unsettled = {*scan.waiting, *errors, *(key_of[b] for b in deferred if b in key_of)}
     covered = _complete_covered(store, settled_batches(taken, unsettled), run_id) if taken else 0
+    if taken:
+        # Every claim goes now, completed or not: a claim only keeps runs starting together apart. A batch
+        # left unsettled (or whose run started meanwhile) is its own run's again, or the next taker's.
+        release_batch_claims_task(store, taken)
     summary = {
         "bundles": len(keys),
         "taken_from_queue": len(keys) - len(own),
