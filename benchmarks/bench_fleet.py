@@ -34,6 +34,7 @@ import math
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,7 +44,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import httpx
 import psutil
@@ -68,6 +69,7 @@ BUNDLES_PER_NODE_H = 20.0
 WINDOW_S = 5.0  # the gateway's coalescing window (EDGEHAUL_GATEWAY_BATCH_WINDOW_S, its default)
 LINK_BPS = 8e6  # the model's example link: 8 Mbit/s, 70% of it for data
 Mode = Literal["coalesced", "per-bundle"]
+Serving = Literal["process", "warm"]  # a fresh process per flow run (Prefect's runner), or runs in one warm process
 
 
 @dataclass
@@ -80,7 +82,9 @@ class Phase:
     backlog_per_node: int  # bundles each node holds when the burst's contact opens
     rate_scale: float = 1.0  # >1 compresses time: the quick variant's 10 nodes make a fleet's rate
     drain_timeout_s: float = 240.0  # after the burst: how long the backlog may take to empty
+    settle_s: float = 180.0  # then how long the runs still queued (with nothing left to do) may take to end
     rows: int = 10  # rows per bundle: the bench measures the control plane, not bytes
+    serving: Serving = "process"
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Result:
     run_seconds: list[float] = field(default_factory=list)  # each finished run: start -> end
     run_lag: list[float] = field(default_factory=list)  # each started run: created (by the trigger) -> started
     failed_runs: int = 0  # runs that failed or crashed before the phase ended (not those its shutdown stopped)
+    covered_runs: int = 0  # completed without starting: an earlier run took their bundles (core_ingest catch_up)
     task_runs: list[float] = field(default_factory=list)
     api_errors: dict[str, int] = field(default_factory=dict)
     hook_errors: int = 0
@@ -264,8 +269,9 @@ def trigger_spec(mode: Mode) -> dict[str, Any]:
     return dict(spec)
 
 
-def serve(mode: Mode, limit: int, name: str) -> None:
-    """Entry of the served core (its own process): core_ingest with `mode`'s trigger, at most `limit` runs at once."""
+def serve(mode: Mode, limit: int, name: str, serving: Serving = "process") -> None:
+    """Entry of the served core (its own process): core_ingest with `mode`'s trigger, at most `limit` runs at once,
+    each in a fresh process (Prefect's runner) or in this one (`edgehaul.platform.warm`)."""
     from prefect.events import DeploymentEventTrigger
 
     from edgehaul.flows.core_ingest import core_ingest
@@ -273,10 +279,21 @@ def serve(mode: Mode, limit: int, name: str) -> None:
     spec = trigger_spec(mode)
     trig = DeploymentEventTrigger(name=spec["name"], enabled=True, match=spec["match"], expect=set(spec["expect"]),
                                   parameters=spec["parameters"])
-    core_ingest.serve(name=name, triggers=[trig], limit=limit, print_starting_message=False)
+    if serving == "process":
+        core_ingest.serve(name=name, triggers=[trig], limit=limit, print_starting_message=False)
+        return
+    from prefect.deployments.runner import RunnerDeployment
+
+    from edgehaul.platform.warm import serve_warm
+
+    dep_id = cast(RunnerDeployment, core_ingest.to_deployment(name=name, triggers=[trig])).apply()  # sync here
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop_core: finish the runs, flush their events
+    serve_warm(core_ingest, str(dep_id), limit=limit, poll_s=1.0, stop=stop, grace_s=15)
 
 
-def start_core(c: Central, mode: Mode, limit: int, name: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_core(c: Central, mode: Mode, limit: int, name: str, log: Path,
+               serving: Serving = "process") -> tuple[subprocess.Popen[bytes], str]:
     """Serve core_ingest as deployment `name` (one per phase: runs a phase left scheduled stay with it);
     return the process and the deployment id once its trigger exists."""
     from prefect.client.orchestration import get_client
@@ -284,8 +301,8 @@ def start_core(c: Central, mode: Mode, limit: int, name: str, log: Path) -> tupl
     env = {**os.environ, **c.state.env(), "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_LOGGING_LEVEL": "INFO",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     out = open(log, "ab")  # noqa: SIM115 (the child writes to it until stopped)
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_fleet", "--serve", mode, str(limit), name], env=env,
-                            stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_fleet", "--serve", mode, str(limit), name, serving],
+                            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
                             start_new_session=True)
     deadline = time.monotonic() + 180
     while True:
@@ -457,6 +474,16 @@ def _committed(admin: ObjectStore, wanted: set[str]) -> dict[str, float]:
     return out
 
 
+def _open_runs(pg_url: str, dep_id: str) -> int:
+    """The deployment's runs not in a final state (scheduled, pending, running)."""
+    import psycopg2
+
+    with psycopg2.connect(postgres.dsn(pg_url)) as conn, conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM flow_run WHERE deployment_id = %s AND state_type IN "
+                    "('SCHEDULED', 'PENDING', 'RUNNING', 'PAUSED', 'CANCELLING')", (dep_id,))
+        return int(cur.fetchone()[0])  # type: ignore[index]
+
+
 def _db_runs(pg_url: str, dep_id: str, res: Result) -> tuple[list[tuple[float, str]], list[float]]:
     import psycopg2
 
@@ -470,6 +497,9 @@ def _db_runs(pg_url: str, dep_id: str, res: Result) -> tuple[list[tuple[float, s
                 res.run_seconds.append(float(dur))
             if state in ("FAILED", "CRASHED") and ended is not None and float(ended) < res.end:
                 res.failed_runs += 1
+        cur.execute("SELECT count(*) FROM flow_run WHERE deployment_id = %s AND start_time IS NULL "
+                    "AND state_type = 'COMPLETED'", (dep_id,))
+        res.covered_runs = int(cur.fetchone()[0])  # type: ignore[index]
         cur.execute("SELECT extract(epoch from coalesce(start_time, expected_start_time)), state_type "
                     "FROM flow_run WHERE deployment_id = %s", (dep_id,))
         flows = [(float(t), str(s)) for t, s in cur.fetchall() if t is not None]
@@ -499,8 +529,9 @@ def run_phase(c: Central, phase: Phase, factory: BundleFactory, work: Path, *, l
     nodes = node_ids(phase.nodes)
     server_log = Path(c.state.root) / "logs" / "prefect.log"
     server_off = server_log.stat().st_size if server_log.exists() else 0
-    runner_log = work / f"serve-{phase.mode}-{phase.nodes}.log"
-    core, dep_id = start_core(c, phase.mode, limit, f"fleet-{phase.mode}-{phase.nodes}", runner_log)
+    runner_log = work / f"serve-{phase.mode}-{phase.nodes}-{phase.serving}.log"
+    core, dep_id = start_core(c, phase.mode, limit, f"fleet-{phase.mode}-{phase.nodes}-{phase.serving}", runner_log,
+                              phase.serving)
     fleet = Fleet(c, nodes, phase.mode, res, factory, work / f"edge-{phase.mode}-{phase.nodes}")
     sampler = Sampler(c, core, res)
     rng = random.Random(phase.nodes)
@@ -508,7 +539,7 @@ def run_phase(c: Central, phase: Phase, factory: BundleFactory, work: Path, *, l
         sampler.sample()
         rate = phase.nodes * BUNDLES_PER_NODE_H / 3600 * phase.rate_scale
         n_steady = max(1, round(rate * phase.steady_s))
-        say(f"[{phase.mode} {phase.nodes} nodes] steady: {rate:.2f} bundles/s for {phase.steady_s:.0f} s "
+        say(f"[{phase.mode} {phase.nodes} nodes, {phase.serving}] steady: {rate:.2f} bundles/s for {phase.steady_s:.0f} s "
             f"({n_steady} bundles), then a burst of {phase.nodes} x {phase.backlog_per_node}")
         res.t0 = time.time()
         sampler.start()
@@ -543,6 +574,15 @@ def run_phase(c: Central, phase: Phase, factory: BundleFactory, work: Path, *, l
         sampler.stopped.set()
         sampler.join()
         sampler.sample()
+        # Runs still queued or running when the last bundle is committed (a trigger's batch that a
+        # catching-up run took after the run itself had started) end with nothing to do: let them, so the
+        # runs' states are final ones and not what stopping the runner makes of them.
+        settle = time.time() + phase.settle_s
+        while (still := _open_runs(c.pg_url, dep_id)) and time.time() < settle:
+            time.sleep(2)
+        if still:
+            say(f"[{phase.mode} {phase.nodes} nodes] {still} core_ingest runs not ended {phase.settle_s:.0f} s "
+                "after the last commit")
     finally:
         fleet.close()
         stop_core(core, dep_id)
@@ -588,7 +628,7 @@ def summary(res: Result) -> dict[str, Any]:
     flows_mean, flows_peak = res.per_minute([t for t, _ in res.flow_runs])
     tasks_mean, tasks_peak = res.per_minute(res.task_runs)
     return {
-        "mode": p.mode, "nodes": p.nodes, "landed": len(res.landed), "committed": len(res.committed),
+        "mode": p.mode, "nodes": p.nodes, "serving": p.serving, "landed": len(res.landed), "committed": len(res.committed),
         "steady_backlog_max": res.steady_backlog_max(), "final_backlog": len(res.landed) - len(res.committed),
         "steady_p50_s": _pct(steady_lat, 0.5), "steady_p99_s": _pct(steady_lat, 0.99),
         "burst_p50_s": _pct(burst_lat, 0.5), "burst_p99_s": _pct(burst_lat, 0.99),
@@ -596,6 +636,7 @@ def summary(res: Result) -> dict[str, Any]:
         "flow_runs": len(res.flow_runs), "flow_runs_per_min": flows_mean, "flow_runs_peak_min": flows_peak,
         "run_s_p50": _pct(sorted(res.run_seconds), 0.5), "run_lag_p50": _pct(sorted(res.run_lag), 0.5),
         "runs_unstarted": sum(1 for _, st in res.flow_runs if st in ("SCHEDULED", "PENDING")),
+        "runs_covered": res.covered_runs,
         "task_runs": len(res.task_runs), "task_runs_per_min": tasks_mean, "task_runs_peak_min": tasks_peak,
         "api_errors": sum(res.api_errors.values()), "api_error_sources": res.api_errors,
         "hook_errors": res.hook_errors, "landing_failures": res.landing_failures,
@@ -622,6 +663,7 @@ _ROWS = [
      + (f"{s['recovery_s']:.0f} s" if s["recovery_s"] is not None else "not within the run")),
     ("core_ingest flow runs (per min mean / peak)", lambda s: f"{s['flow_runs']} ({s['flow_runs_per_min']:.1f} / "
      f"{s['flow_runs_peak_min']})"),
+    ("  of which covered (completed, never started)", lambda s: f"{s.get('runs_covered', 0)}"),
     ("run length p50 / trigger -> start p50 / unstarted", lambda s: f"{s['run_s_p50']:.0f} s / {s['run_lag_p50']:.0f} s"
      f" / {s['runs_unstarted']}"),
     ("task runs (per min mean / peak)", lambda s: f"{s['task_runs']} ({s['task_runs_per_min']:.0f} / "
@@ -638,7 +680,7 @@ _ROWS = [
 
 
 def print_side_by_side(sums: list[dict[str, Any]]) -> None:
-    heads = [f"{s['mode']} {s['nodes']}" for s in sums]
+    heads = [f"{s['mode']} {s['nodes']} {s['serving']}" for s in sums]
     print(f"{'':50s}" + "".join(f"{h:>26s}" for h in heads))
     for label, fn in _ROWS:
         print(f"{label:50s}" + "".join(f"{fn(s):>26s}" for s in sums))
@@ -677,10 +719,12 @@ BURST_RECOVERY_BOUND_S = 180.0
 def main() -> None:
     quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
     if quick:  # 10 nodes at 18x the model's rate (1 bundle/s, the load of a 180-node fleet), 20 s steady
-        phases = [Phase("coalesced", 10, 20, 2, rate_scale=18, drain_timeout_s=120),
+        phases = [Phase("coalesced", 10, 20, 2, rate_scale=18, drain_timeout_s=120, serving="warm"),
                   Phase("per-bundle", 10, 20, 2, rate_scale=18, drain_timeout_s=60)]
     else:  # the model's hourly rate, for a steady stretch of 1-2 minutes instead of hours
-        phases = [Phase("coalesced", 100, 60, 2, drain_timeout_s=120), Phase("coalesced", 1000, 60, 1, drain_timeout_s=150),
+        # coalesced core_ingest served warm (docs/CAPACITY.md: 2-10x lower p99 than a process per run)
+        phases = [Phase("coalesced", 100, 60, 2, drain_timeout_s=120, serving="warm"),
+                  Phase("coalesced", 1000, 60, 1, drain_timeout_s=150, serving="warm"),
                   # no burst for the baseline: its steady stretch alone outruns it (and the shared cores)
                   Phase("per-bundle", 1000, 60, 0, drain_timeout_s=60)]
     results = fleet(phases)
@@ -700,6 +744,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 5 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])  # type: ignore[arg-type]
+        serve(sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])  # type: ignore[arg-type]
     else:
         main()

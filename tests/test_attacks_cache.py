@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,14 @@ def _scaled_bundle(node: str, seed: int) -> tuple[bytes, BundleManifest]:
     for name in CONTRACT.feature_columns:
         t = t.set_column(t.schema.get_field_index(name), name, pc.multiply(t.column(name), pa.scalar(255.0, pa.float32())))
     return write_bundle(t, CONTRACT, tier="normal")
+
+
+def _hold_claim(store: ObjectStore, bundle_id: str) -> None:
+    """Another live run's claim on a bundle: core_ingest validates it and defers its commit, so the bundle
+    stays uncommitted and the next run validates it again (a committed bundle is never validated again)."""
+    store.client().put_object(Bucket=store.bucket("curated"),
+                              Key=store.key("curated", f"_claims/{CONTRACT.kind}/{bundle_id}.json"),
+                              Body=json.dumps({"run": "another-live-run", "at": time.time()}).encode())
 
 
 def _central(stack: localstack.StackState, tag: str) -> tuple[ObjectStore, str, str]:
@@ -188,8 +197,9 @@ def test_a_cached_validation_is_bound_to_the_landed_bytes_not_to_the_manifest(st
     admin = store_for(stack, prefix=f"t-{tag}")
     data, m = bundle(30, _nodes(stack)[0], seed=21)
     key = land(admin, data, m)
+    _hold_claim(admin, m.bundle_id)  # validated (and cached), not committed: the next run validates it again
     first = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[key], result_storage=results))
-    assert first["valid"] == 1 and first["versions"] == {CONTRACT.kind: 1}
+    assert first["valid"] == 1 and first["deferred"] == [m.bundle_id]
     swapped = data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:]
     admin.client().put_object(Bucket="edgehaul-landing", Key=key, Body=swapped)  # same size, same manifest
     state = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[key], result_storage=results),
@@ -246,10 +256,17 @@ def test_flows_save_no_block_and_cached_results_are_json(stack: localstack.Stack
     assert len(edge_records) == 1
     assert json.loads(edge_records[0].read_bytes())["metadata"]["serializer"]["type"] == "json"
 
-    # and a rerun is served from those JSON records
-    again = core_ingest(CoreIngestParams(store_block=block, bundle_keys=keys, result_storage=results),
-                        return_state=True)
-    assert again.result()["valid"] == 2
+    # a rerun over committed bundles validates nothing; a deferred bundle's rerun is served from its JSON record
+    again = core_ingest(CoreIngestParams(store_block=block, bundle_keys=keys, result_storage=results))
+    assert again["already_committed"] == sorted(g[1].bundle_id for g in good) and again["valid"] == 0
+    d, late = bundle(10, node, seed=44, start_seq=300)
+    late_key = land(admin, d, late)
+    _hold_claim(admin, late.bundle_id)
+    for _ in range(2):
+        rerun = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[late_key], result_storage=results))
+        assert rerun["valid"] == 1 and rerun["deferred"] == [late.bundle_id]
+    assert len([o for p in s3.get_paginator("list_objects_v2").paginate(Bucket="edgehaul-ops", Prefix=folder + "/")
+                for o in p.get("Contents", [])]) == 5  # one record more, not two: the second run read it
 
 
 # ---- the cached values round-trip as data --------------------------------------------------------

@@ -133,28 +133,41 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     assert sorted(r["reason"] for r in rows) == ["checksum", "expectations", "ok", "ok", "ok", "unknown_contract"]
     assert _task_states(run1, "validate-", 5).count("Completed") == 3
 
-    # rerun on the same bundles: every validation Cached, no new version, no new object anywhere
+    # rerun on the same bundles: they are in the dataset, so nothing is validated again (issue 23: a run
+    # behind one that caught up ends at once), no new version, no new object anywhere
     before = _all_objects(store)
     summary2, run2 = _run(CoreIngestParams(store_block=block, bundle_keys=good_keys), core_ingest)
-    assert _task_states(run2, "validate-", 3) == ["Cached"] * 3
-    assert summary2["versions"] == {"landsat_patch": None}
-    assert sorted(summary2["commits"][0]["already_committed"]) == sorted(m.bundle_id for _, m in good)
+    assert summary2["already_committed"] == sorted(m.bundle_id for _, m in good)
+    assert summary2["valid"] == 0 and summary2["versions"] == {} and summary2["commits"] == []
+    assert _task_states(run2, "validate-", 0) == []
     assert _all_objects(store) == before and open_table(store, "landsat_patch").version() == 1
+
+    # validation is cached on content: a bundle validated but deferred (another live run holds its claim)
+    # is validated again by the next run from the cache, in this process and in another worker process
+    d, late_m = bundle(20, "node-b", seed=8, start_seq=600)
+    late_key = land(store, d, late_m)
+    store.client().put_object(Bucket=store.bucket("curated"),
+                              Key=store.key("curated", f"_claims/landsat_patch/{late_m.bundle_id}.json"),
+                              Body=json.dumps({"run": "another-live-run", "at": time.time()}).encode())
+    summary3, run3 = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key]), core_ingest)
+    assert summary3["deferred"] == [late_m.bundle_id] and _task_states(run3, "validate-", 1) == ["Completed"]
+    summary3, run3 = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key]), core_ingest)
+    assert summary3["deferred"] == [late_m.bundle_id] and _task_states(run3, "validate-", 1) == ["Cached"]
 
     # another worker process hits the cache this one wrote
     code = ("import json,sys; from flows.core_ingest import core_ingest, CoreIngestParams; "
             "s = core_ingest(CoreIngestParams(**json.loads(sys.argv[1])), return_state=True); "
             "print('RUN', s.state_details.flow_run_id)")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps({"store_block": block, "bundle_keys": good_keys})],
+    out = subprocess.run([sys.executable, "-c", code, json.dumps({"store_block": block, "bundle_keys": [late_key]})],
                          cwd=Path(__file__).parent.parent, env=os.environ.copy(), capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    run3 = uuid.UUID(out.stdout.split("RUN", 1)[1].split()[0])
-    assert _task_states(run3, "validate-", 3) == ["Cached"] * 3
+    run4 = uuid.UUID(out.stdout.split("RUN", 1)[1].split()[0])
+    assert _task_states(run4, "validate-", 1) == ["Cached"]
 
     # refresh recomputes
-    _, run4 = _run(CoreIngestParams(store_block=block, bundle_keys=good_keys[:1], refresh_cache=True), core_ingest)
-    assert _task_states(run4, "validate-", 1) == ["Completed"]
+    _, run5 = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key], refresh_cache=True), core_ingest)
+    assert _task_states(run5, "validate-", 1) == ["Completed"]
 
 
 def test_compact_dataset_flow_keeps_versions_and_caches_on_its_file_set(store: ObjectStore, block: str) -> None:

@@ -662,10 +662,11 @@ def find_commit(store: ObjectStore, kind: str, commit_id: str, *, after: int, up
     raise DatasetError(f"dataset {kind}: commit {commit_id} not found in versions {after + 1}..{upto}")
 
 
-def committed_bundle_ids(store: ObjectStore, kind: str, bundle_ids: list[str]) -> set[str]:
+def committed_bundle_ids(store: ObjectStore, kind: str, bundle_ids: list[str], *,
+                         s3: S3Client | None = None) -> set[str]:
     """Which of these bundles the latest version holds (DatasetError when there is no dataset yet);
     answered from the process's transaction index, not one log scan per bundle."""
-    s3 = store.client()
+    s3 = s3 or store.client()
     with _locked_handle(store, kind, s3, lambda: open_table(store, kind)) as h:
         return {b for b in bundle_ids if h.is_committed(b)}
 

@@ -8,7 +8,9 @@ implementation of each step and the drills' accounting is a claim about it.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -279,3 +281,96 @@ def commit_validated(
     s3 = s3 or store.client()
     items = fetch_validated(store, validated, s3=s3)
     return datasets.commit_bundles(store, contract, items, run_id=run_id, lease_s=lease_s, s3=s3)
+
+
+# ---------------------------------------------------------------- catching up (issue 23)
+
+
+@dataclass(frozen=True)
+class QueuedBatch:
+    """The landing keys of a core ingest run still waiting to start (a trigger's batch)."""
+
+    run_id: str
+    keys: tuple[str, ...]
+
+
+def take_queued(own: list[str], queued: list[QueuedBatch], bound: int) -> tuple[list[str], list[QueuedBatch]]:
+    """(keys, taken): this run's own keys, then the keys of whole queued batches, oldest first, while the
+    total stays within `bound`. A batch is taken whole or not at all, so a taken batch can be completed
+    once all its keys are settled; a batch that does not fit is left to its own run."""
+    keys = list(dict.fromkeys(own))
+    seen = set(keys)
+    taken = []
+    for b in queued:
+        new = [k for k in dict.fromkeys(b.keys) if k not in seen]
+        if len(keys) + len(new) > bound:
+            continue  # a smaller one behind it may still fit
+        keys += new
+        seen.update(new)
+        taken.append(b)
+    return keys, taken
+
+
+def _batch_claim_key(store: ObjectStore, run_id: str) -> str:
+    return store.key("curated", f"_claims/_batches/{run_id}.json")
+
+
+def claim_batches(
+    store: ObjectStore, batches: list[QueuedBatch], taker: str, *, s3: S3Client | None = None,
+) -> list[QueuedBatch]:
+    """The batches this run wins: a conditional PUT (If-None-Match) of `_claims/_batches/<run>.json` per
+    batch, as bundles are claimed, so runs starting together split the queue instead of all validating
+    the same bundles. A batch lost here is another run's; its own run still does it if nobody completes it
+    (a taker that dies leaves the queued run as it was)."""
+    s3 = s3 or store.client()
+    won = []
+    for b in batches:
+        body = json.dumps({"run": taker, "at": time.time()}).encode()
+        try:
+            s3.put_object(Bucket=store.bucket("curated"), Key=_batch_claim_key(store, b.run_id), Body=body,
+                          IfNoneMatch="*")
+        except ClientError as e:
+            if error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                continue
+            raise
+        won.append(b)
+    return won
+
+
+def release_batch_claims(store: ObjectStore, batches: list[QueuedBatch], *, s3: S3Client | None = None) -> None:
+    """Drop a run's batch claims when it ends: a claim only keeps runs starting together apart, and its batch
+    is then either settled (its run completed, or finding everything committed) or free to be taken again."""
+    s3 = s3 or store.client()
+    for b in batches:
+        try:
+            s3.delete_object(Bucket=store.bucket("curated"), Key=_batch_claim_key(store, b.run_id))
+        except ClientError as e:  # a claim left behind costs one small object, never a bundle
+            log.warning("batch claim of run %s kept (%s)", b.run_id, e)
+
+
+def settled_batches(taken: list[QueuedBatch], unsettled: set[str]) -> list[QueuedBatch]:
+    """The taken batches none of whose keys is unsettled (still waiting for a manifest, deferred to another
+    live run, or left after an error): their own runs have nothing left to do."""
+    return [b for b in taken if not unsettled.intersection(b.keys)]
+
+
+def already_committed(
+    store: ObjectStore, manifests: dict[str, dict[str, Any]], *, s3: S3Client | None = None,
+) -> dict[str, str]:
+    """key -> bundle id of the bundles whose dataset already holds them (one index lookup per bundle on the
+    process's open table, see `datasets.committed_bundle_ids`): a run skips them before validating."""
+    by_contract: dict[str, dict[str, str]] = {}
+    for key, m in manifests.items():
+        by_contract.setdefault(str(m["contract"]), {})[str(m["bundle_id"])] = key
+    out: dict[str, str] = {}
+    for contract_id, ids in sorted(by_contract.items()):
+        try:
+            kind = contract_by_id(contract_id).kind
+        except ContractError:
+            continue  # validation quarantines it as unknown_contract
+        try:
+            done = datasets.committed_bundle_ids(store, kind, sorted(ids), s3=s3)
+        except datasets.DatasetError:
+            continue  # no dataset yet: nothing committed
+        out.update({ids[b]: b for b in done})
+    return out

@@ -9,7 +9,11 @@ What it does, in order:
    malformed, or naming another node or bundle than the prefix holding it is quarantined. A broken
    contract (YAML, a field, an unknown expectation) fails the run before anything moves; a bundle an
    earlier run quarantined is done (`already_quarantined`), or skipped as `landing_changed` when its
-   landing objects were rewritten since;
+   landing objects were rewritten since; a bundle its dataset already holds is done (`already_committed`)
+   before any validation. Catching up (`catch_up`, issue 23): a deployment run also takes the keys of the
+   runs of its deployment still queued with the same parameters (whole batches, up to `max_bundles`),
+   and marks those runs Completed ("covered by ...") once all their bundles are settled, so a run that
+   starts late commits everything queued behind it and the queue does not outgrow the runs' start-up cost;
 2. validates each bundle (one task run per bundle: checksum, manifest row count and sample ids,
    schema, the contract's Great Expectations suite); the task runs running at once in a worker
    process share one GE run (`edgehaul.core.validation.validate_bundle_batched`), verdicts per bundle;
@@ -47,7 +51,7 @@ from pydantic import BaseModel, Field
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import ContractInvalid, contract_by_id
-from edgehaul.core.ingest import LandedScan
+from edgehaul.core.ingest import LandedScan, QueuedBatch, settled_batches, take_queued
 from edgehaul.core.validation import ValidationResult
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
@@ -56,10 +60,13 @@ from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import (
     BundleRejected,
+    claim_batches_task,
     commit_task,
+    committed_task,
     discover_task,
     quarantine_task,
     read_manifests_task,
+    release_batch_claims_task,
     validate_bundle_task,
 )
 
@@ -78,6 +85,9 @@ class CoreIngestParams(BaseModel):
     refresh_cache: bool = Field(default=False, description="Re-validate even bundles with a cached result.")
     result_storage: str = Field(default="", description="Result storage block slug (central identities only, e.g. "
                                 "'s3-bucket/edgehaul-core-results'); empty: the worker's default (local) storage.")
+    catch_up: bool = Field(default=True, description="Also take the bundle keys of this deployment's runs still "
+                           "queued with the same parameters (up to max_bundles), and complete those runs once "
+                           "their bundles are settled.")
 
 
 def _full_key(store: ObjectStore, key: str) -> str:
@@ -107,6 +117,79 @@ def _artifact_rows(passed: list[ValidationResult], rejected: list[dict[str, Any]
     return rows
 
 
+def _same_work(a: CoreIngestParams, b: CoreIngestParams) -> bool:
+    """Runs that differ only in their bundle keys: one may do the other's work."""
+    return a.model_copy(update={"bundle_keys": []}) == b.model_copy(update={"bundle_keys": []})
+
+
+def _queued_batches(p: CoreIngestParams, store: ObjectStore) -> list[QueuedBatch]:
+    """The batches of this deployment's runs still waiting to start (oldest first) with the same parameters
+    but their keys. Empty outside a deployment run, or when the API cannot tell (catching up is a saving,
+    never a reason to fail)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.runtime import deployment
+
+    dep_id, own = deployment.get_id(), flow_run.get_id()
+    if not dep_id:
+        return []
+    try:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[uuid.UUID(dep_id)]),
+                                              state=FlowRunFilterState(type=FlowRunFilterStateType(
+                                                  any_=[StateType.SCHEDULED]))),
+                sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=_QUEUE_READ)
+    except Exception as e:  # any API trouble: this run does its own keys only
+        get_run_logger().warning("core_ingest: queued runs not read (%s); taking only this run's keys", e)
+        return []
+    out = []
+    for r in runs:
+        try:
+            q = CoreIngestParams.model_validate((r.parameters or {}).get("params") or {})
+        except ValueError:
+            continue  # not ours to judge: that run fails on its own parameters
+        if str(r.id) != own and q.bundle_keys and _same_work(p, q):
+            out.append(QueuedBatch(str(r.id), tuple(_full_key(store, k) for k in dict.fromkeys(q.bundle_keys))))
+    return out
+
+
+def _complete_covered(store: ObjectStore, batches: list[QueuedBatch], run_id: str) -> int:
+    """Mark the queued runs whose batches this run settled as Completed, so they never start; a run that
+    has left Scheduled meanwhile is left alone (it finds its bundles committed and ends at once). The
+    caller drops the claims."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
+    from prefect.states import Completed
+
+    done: list[QueuedBatch] = []
+    try:
+        with get_client(sync_client=True) as client:
+            for b in batches:
+                fr = client.read_flow_run(uuid.UUID(b.run_id))
+                if fr.state is None or fr.state.type != StateType.SCHEDULED:
+                    continue
+                res: OrchestrationResult[Any] = client.set_flow_run_state(uuid.UUID(b.run_id), Completed(
+                    message=f"covered by core_ingest run {run_id}: its {len(b.keys)} bundles were settled there"))
+                if res.status == SetStateStatus.ACCEPT:
+                    done.append(b)
+    except Exception as e:  # the covered runs then start and find nothing to do
+        get_run_logger().warning("core_ingest: covered runs not completed (%s); they will start and find "
+                                 "their bundles settled", e)
+    return len(done)
+
+
+_QUEUE_READ = 200  # queued runs read per catch-up (each holds up to a gateway batch, 200 keys)
+
+
 def _about(p: CoreIngestParams) -> str:
     return f"{len(p.bundle_keys)} bundles" if p.bundle_keys else f"landing/{p.prefix or '*'}"
 
@@ -128,6 +211,16 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
 
     keys = [_full_key(store, k) for k in dict.fromkeys(p.bundle_keys)][: p.max_bundles] if p.bundle_keys else \
         discover_task(store, p.prefix, p.max_bundles)
+    own = set(keys)
+    taken: list[QueuedBatch] = []
+    if p.bundle_keys and p.catch_up:
+        # A run that starts late takes what queued behind it, so the runs queued after it end at once;
+        # runs starting together split the queue (each batch is claimed by one of them).
+        _, fits = take_queued(keys, _queued_batches(p, store), p.max_bundles)
+        taken = claim_batches_task(store, fits, run_id) if fits else []
+        keys = take_queued(keys, taken, p.max_bundles)[0]
+        if taken:
+            logger.info("core_ingest: took %d bundles of %d queued runs", len(keys) - len(own), len(taken))
     # raises ContractInvalid (a broken contract) before anything moves: the run fails, naming file and field
     scan = read_manifests_task(store, keys, p.manifest_wait_s) if keys else LandedScan()
     for key, why in scan.skipped.items():
@@ -138,7 +231,18 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         logger.info("core_ingest: %d bundles waiting for their manifest (left in landing): %s", len(scan.waiting),
                     ", ".join(scan.waiting[:20]) + (" ..." if len(scan.waiting) > 20 else ""))
 
-    futures = {k: validate.submit(store, k, m) for k, m in scan.manifests.items()}
+    # Already in their dataset (a run before this one caught up with them): no validation, no commit.
+    done_before = committed_task(store, scan.manifests) if scan.manifests else {}
+    todo = {k: m for k, m in scan.manifests.items() if k not in done_before}
+    for key, b in done_before.items():
+        if key in own:  # the trigger named it: answer its node, as a commit of it would
+            m = scan.manifests[key]
+            events.emit(events.BUNDLE_RECEIPT, f"edgehaul.bundle.{b}",
+                        {"status": "already_committed", "kind": contract_by_id(m["contract"]).kind, "version": None,
+                         "node_id": m["node_id"]},
+                        **{"edgehaul.node.id": m["node_id"]})
+
+    futures = {k: validate.submit(store, k, m) for k, m in todo.items()}
     rejected: dict[str, dict[str, Any]] = {k: _rejection(k, r, e) for k, (r, e) in scan.rejected.items()}
     passed: dict[str, ValidationResult] = {}
     errors: dict[str, str] = {}
@@ -185,8 +289,20 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "core-ingest-validation", _artifact_rows(list(passed.values()), list(rejected.values())),
         f"core_ingest: {len(passed)} bundles valid, {len(rejected)} quarantined, {len(errors)} errors",
     )
+    deferred = sorted(b for c in commits for b in c.deferred)
+    key_of = {r.bundle_id: k for k, r in passed.items()}
+    unsettled = {*scan.waiting, *errors, *(key_of[b] for b in deferred if b in key_of)}
+    covered = _complete_covered(store, settled_batches(taken, unsettled), run_id) if taken else 0
+    if taken:
+        # Every claim goes now, completed or not: a claim only keeps runs starting together apart. A batch
+        # left unsettled (or whose run started meanwhile) is its own run's again, or the next taker's.
+        release_batch_claims_task(store, taken)
     summary = {
         "bundles": len(keys),
+        "taken_from_queue": len(keys) - len(own),
+        "taken_runs": [b.run_id for b in taken],
+        "queued_runs_completed": covered,
+        "already_committed": sorted(done_before.values()),
         "valid": len(passed),
         "waiting": scan.waiting,
         "skipped": scan.skipped,
@@ -197,11 +313,11 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "commits": [c.to_dict() for c in commits],
         "versions": {c.kind: c.version for c in commits},
     }
-    deferred = sorted(b for c in commits for b in c.deferred)
     summary["deferred"] = deferred
-    logger.info("core_ingest: %d bundles, %d valid, %d quarantined, %d waiting, %d skipped, %d errors, %d deferred; "
-                "versions %s", len(keys), len(passed), len(quarantined), len(scan.waiting), len(scan.skipped),
-                len(errors), len(deferred), summary["versions"])
+    logger.info("core_ingest: %d bundles (%d of %d queued runs, %d completed), %d already committed, %d valid, "
+                "%d quarantined, %d waiting, %d skipped, %d errors, %d deferred; versions %s", len(keys),
+                len(keys) - len(own), len(taken), covered, len(done_before), len(passed), len(quarantined),
+                len(scan.waiting), len(scan.skipped), len(errors), len(deferred), summary["versions"])
     if deferred:
         # Left in landing for the next run (another live run holds their claims); said, never silent.
         logger.warning("core_ingest: %d bundles deferred (claimed by another live run, retried by the next run): %s",

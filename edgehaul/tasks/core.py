@@ -62,6 +62,27 @@ def read_manifests_task(store: ObjectStore, keys: list[str], manifest_wait_s: fl
     return ingest.read_manifests(store, keys, manifest_wait_s=manifest_wait_s)
 
 
+@task(name="core-claim-batches", **IO_RETRY,
+      cache_policy=NO_CACHE)
+def claim_batches_task(store: ObjectStore, batches: list[ingest.QueuedBatch], taker: str) -> list[ingest.QueuedBatch]:
+    """The queued batches this run wins (see `ingest.claim_batches`)."""
+    return ingest.claim_batches(store, batches, taker)
+
+
+@task(name="core-release-batches", **IO_RETRY,
+      cache_policy=NO_CACHE)
+def release_batch_claims_task(store: ObjectStore, batches: list[ingest.QueuedBatch]) -> None:
+    """Drop the claims of the batches whose runs were completed (see `ingest.release_batch_claims`)."""
+    ingest.release_batch_claims(store, batches)
+
+
+@task(name="core-committed", **IO_RETRY,
+      cache_policy=NO_CACHE)
+def committed_task(store: ObjectStore, manifests: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """key -> bundle id of the bundles already in their dataset (see `ingest.already_committed`)."""
+    return ingest.already_committed(store, manifests)
+
+
 # ---------------------------------------------------------------- validation
 
 
