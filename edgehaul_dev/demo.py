@@ -255,7 +255,9 @@ def deployment_summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
                      f"{r['seconds']:>6.1f} s  {r['by'] or 'API':<10} {what}")
     bad = [r for r in out["runs"] if not run_ok(r)]
     skipped = sum(1 for r in out["runs"] if r["state"] == "Cancelled" and run_ok(r))
-    lines.append(f"{len(out['runs'])} flow runs, {len(bad)} failed, {skipped} skipped by a concurrency limit; "
+    covered = sum(1 for r in out["runs"] if r["state"] == "Completed" and (r["message"] or "").startswith("nothing to"))
+    lines.append(f"{len(out['runs'])} flow runs, {len(bad)} failed, {covered} with nothing left to do (a run before "
+                 f"them covered it), {skipped} skipped by a concurrency limit; "
                  f"{out['bundles_landed']} bundles landed; "
                  f"wall time {out['wall_s']} s")
     lines.append(f"Prefect UI: {ui_url}  (flow runs, artifacts, events)")

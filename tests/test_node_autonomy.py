@@ -223,6 +223,10 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
                 waiting = {e.bundle_id for e in spool.pending()}
                 _wait(lambda: not spool.pending(), 12 * HOUR + 120, "the spool to drain after reconnection")
                 _wait(lambda: _outbox_empty(layout), 12 * HOUR + 120, "the outbox to be forwarded")
+                # a drain puts its link stats in the outbox as it ends, after forwarding what was there: the
+                # next scheduled drain forwards them, while the contact is still up
+                _wait(lambda: events.LINK_STATS in {e["event"] for e in _central_node_events(stack, since)},
+                      12 * HOUR + 120, "the node's link stats at the central server")
                 counts = spool.ledger.counts()
                 acked = {b for b in waiting if spool.is_acked(b)}
                 assert not spool.pending()

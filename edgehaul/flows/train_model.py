@@ -25,6 +25,7 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Completed
 from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore, TeamQuota
@@ -115,9 +116,12 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
     uri, plan = plan_training(store, p.dataset_kind, p.dataset_version, model_name, p.catch_up, run_id)
     logger.info("train_model: %s", plan.reason)
     if plan.version is None:  # a newer run already trained the newest version: this one is covered
-        return {"run_id": run_id, "skipped": True, "reason": plan.reason, "model_id": plan.covered_by,
-                "dataset_uri": uri, "dataset_version": plan.latest, "requested_version": plan.requested,
-                "work_pool": where, "history": []}
+        out = {"run_id": run_id, "skipped": True, "reason": plan.reason, "model_id": plan.covered_by,
+               "dataset_uri": uri, "dataset_version": plan.latest, "requested_version": plan.requested,
+               "work_pool": where, "history": []}
+        # The reason is the run's final state message too: the UI's run list shows it, and a run this short
+        # can exit before its last log lines are shipped. Callers still get the dict (the state's data).
+        return Completed(message=f"nothing to train: {plan.reason}", data=out)  # type: ignore[return-value]
     version = plan.version
     cfg = TrainConfig(
         run_id=run_id, dataset_uri=uri, dataset_version=version, team=p.team, model_name=model_name,
