@@ -103,6 +103,7 @@ class Result:
     run_lag: list[float] = field(default_factory=list)  # each started run: created (by the trigger) -> started
     failed_runs: int = 0  # runs that failed or crashed before the phase ended (not those its shutdown stopped)
     covered_runs: int = 0  # completed without starting: an earlier run took their bundles (core_ingest catch_up)
+    stopped_runs: int = 0  # cancelled by the phase's own shutdown, after every bundle was committed
     task_runs: list[float] = field(default_factory=list)
     api_errors: dict[str, int] = field(default_factory=dict)
     hook_errors: int = 0
@@ -497,6 +498,11 @@ def _db_runs(pg_url: str, dep_id: str, res: Result) -> tuple[list[tuple[float, s
                 res.run_seconds.append(float(dur))
             if state in ("FAILED", "CRASHED") and ended is not None and float(ended) < res.end:
                 res.failed_runs += 1
+        # A run's process outlives its final state (it flushes logs and events): stopping the runner then
+        # marks it Cancelled. That is the bench's shutdown, not a failure of the run.
+        cur.execute("SELECT count(*) FROM flow_run WHERE deployment_id = %s AND state_type = 'CANCELLED' "
+                    "AND extract(epoch from state_timestamp) >= %s", (dep_id, res.end))
+        res.stopped_runs = int(cur.fetchone()[0])  # type: ignore[index]
         cur.execute("SELECT count(*) FROM flow_run WHERE deployment_id = %s AND start_time IS NULL "
                     "AND state_type = 'COMPLETED'", (dep_id,))
         res.covered_runs = int(cur.fetchone()[0])  # type: ignore[index]
@@ -576,7 +582,7 @@ def run_phase(c: Central, phase: Phase, factory: BundleFactory, work: Path, *, l
         sampler.sample()
         # Runs still queued or running when the last bundle is committed (a trigger's batch that a
         # catching-up run took after the run itself had started) end with nothing to do: let them, so the
-        # runs' states are final ones and not what stopping the runner makes of them.
+        # runs' states are final ones and not what stopping the runner makes of them (`stopped_runs`).
         settle = time.time() + phase.settle_s
         while (still := _open_runs(c.pg_url, dep_id)) and time.time() < settle:
             time.sleep(2)

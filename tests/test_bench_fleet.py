@@ -31,8 +31,11 @@ def test_small_fleet_is_committed_exactly_once_with_no_api_errors(tmp_path: Path
     # coalesced: far fewer core_ingest runs than bundles, each one a dataset version at most
     assert 1 <= s["flow_runs"] <= s["landed"] // 2, s["flow_runs"]
     assert 1 <= s["commits"] <= s["flow_runs"]
+    # every run completed; a run whose process was still flushing when the bench stopped the runner (after
+    # the last commit) is cancelled by that shutdown, and counted as such
     states = [state for _, state in res.flow_runs]
-    assert all(state == "COMPLETED" for state in states), {st: states.count(st) for st in set(states)}
+    assert states.count("CANCELLED") == res.stopped_runs, (res.stopped_runs, states)
+    assert states.count("COMPLETED") + res.stopped_runs == len(states), {st: states.count(st) for st in set(states)}
     # the latencies are real measurements: a commit never precedes its landing
     assert min(res.committed[b] - t for b, t in res.landed.items()) > 0
     assert s["task_runs"] >= s["landed"]  # one validation task run per bundle at least, recorded (warm: flushed on stop)
