@@ -30,6 +30,7 @@ from uuid import UUID
 
 from edgehaul import events
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock, node_store
+from edgehaul.training.catch_up import NOTHING_TO_TRAIN
 from edgehaul_dev import configure, localstack
 from edgehaul_dev.settings import dev_settings
 
@@ -255,7 +256,7 @@ def deployment_summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
                      f"{r['seconds']:>6.1f} s  {r['by'] or 'API':<10} {what}")
     bad = [r for r in out["runs"] if not run_ok(r)]
     skipped = sum(1 for r in out["runs"] if r["state"] == "Cancelled" and run_ok(r))
-    covered = sum(1 for r in out["runs"] if r["state"] == "Completed" and (r["message"] or "").startswith("nothing to"))
+    covered = sum(1 for r in out["runs"] if r["state"] == "Completed" and r["message"].startswith(NOTHING_TO_TRAIN))
     lines.append(f"{len(out['runs'])} flow runs, {len(bad)} failed, {covered} with nothing left to do (a run before "
                  f"them covered it), {skipped} skipped by a concurrency limit; "
                  f"{out['bundles_landed']} bundles landed; "

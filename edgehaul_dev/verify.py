@@ -110,6 +110,16 @@ def _events(api: str, names: list[str], since: datetime, auth: str | None, max_p
     return out
 
 
+def product_pools(client: Any) -> list[str]:
+    """The product's work pools (deployments/prefect.yaml) that exist on the server: a pool someone else
+    made there (another stack's, a test's) is not this product's control plane, and its idle workers are
+    no fault of this deployment."""
+    from edgehaul_dev.deploy import load_spec, pools_of
+
+    product = set(pools_of(load_spec()))
+    return sorted(p.name for p in client.read_work_pools() if p.name in product)
+
+
 def check_control_plane(state: localstack.StackState, window_h: float = 24.0) -> tuple[bool, str]:
     import httpx
     from prefect.client.orchestration import get_client
@@ -120,13 +130,8 @@ def check_control_plane(state: localstack.StackState, window_h: float = 24.0) ->
     if h.status_code != 200:
         problems.append(f"API health {h.status_code}")
     now = datetime.now(UTC)
-    from edgehaul_dev.deploy import load_spec, pools_of
-
-    # The product's pools (deployments/prefect.yaml): a pool someone else made on this server (another
-    # stack's, a test's) is not this product's control plane and its idle workers are not a fault here.
-    product = set(pools_of(load_spec()))
     with get_client(sync_client=True) as c:
-        pools = sorted(p.name for p in c.read_work_pools() if p.name in product)
+        pools = product_pools(c)
         edge = [p for p in pools if p.startswith("edge")]
         if not edge or not {"central", TRAINING_POOL, "ops"} <= set(pools):
             problems.append(f"pools {pools}: want edge-*, central, {TRAINING_POOL}, ops (run `make deploy`)")
@@ -481,7 +486,7 @@ def prerequisites(state: localstack.StackState, window_h: float = 24.0) -> list[
             deployed = c.read_deployment_by_name(TRAIN_DEPLOYMENT) is not None
         except Exception:  # ObjectNotFound
             deployed = False
-        pools = sorted(p.name for p in c.read_work_pools())
+        pools = product_pools(c)
     if not deployed:
         return ["nothing deployed: run `make deploy` first (control_plane and placement need its workers; "
                 "quota then runs through the training deployment), then `python -m edgehaul_dev.demo --via-deployments` "

@@ -34,6 +34,7 @@ from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_TEAM, StoreBlock
 from edgehaul.tasks.train import check_team_quota, plan_training, publish, report_training, train_run
+from edgehaul.training.catch_up import NOTHING_TO_TRAIN
 from edgehaul.training.model import arch_for, estimate_storage_bytes
 from edgehaul.training.placement import check_placement
 from edgehaul.training.trainer import TrainConfig
@@ -121,7 +122,7 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
                "work_pool": where, "history": []}
         # The reason is the run's final state message too: the UI's run list shows it, and a run this short
         # can exit before its last log lines are shipped. Callers still get the dict (the state's data).
-        return Completed(message=f"nothing to train: {plan.reason}", data=out)  # type: ignore[return-value]
+        return Completed(message=f"{NOTHING_TO_TRAIN}: {plan.reason}", data=out)  # type: ignore[return-value]
     version = plan.version
     cfg = TrainConfig(
         run_id=run_id, dataset_uri=uri, dataset_version=version, team=p.team, model_name=model_name,

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+NOTHING_TO_TRAIN = "nothing to train"  # how a covered run's final state message begins (the UI's run list)
+
 
 @dataclass(frozen=True)
 class TrainingPlan:
