@@ -105,6 +105,7 @@ class Result:
     covered_runs: int = 0  # completed without starting: an earlier run took their bundles (core_ingest catch_up)
     stopped_runs: int = 0  # cancelled by the phase's own shutdown, after every bundle was committed
     task_runs: list[float] = field(default_factory=list)
+    validation_tasks: int = 0  # core-validate task runs (a chunk of up to validate_batch bundles each)
     api_errors: dict[str, int] = field(default_factory=dict)
     hook_errors: int = 0
     landing_failures: int = 0
@@ -512,6 +513,9 @@ def _db_runs(pg_url: str, dep_id: str, res: Result) -> tuple[list[tuple[float, s
         cur.execute("SELECT extract(epoch from tr.start_time) FROM task_run tr JOIN flow_run fr ON tr.flow_run_id = fr.id "
                     "WHERE fr.deployment_id = %s AND tr.start_time IS NOT NULL", (dep_id,))
         tasks = [float(t) for (t,) in cur.fetchall()]
+        cur.execute("SELECT count(*) FROM task_run tr JOIN flow_run fr ON tr.flow_run_id = fr.id "
+                    "WHERE fr.deployment_id = %s AND tr.task_key LIKE 'validate_bundles_task%%'", (dep_id,))
+        res.validation_tasks = int(cur.fetchone()[0])  # type: ignore[index]
     return flows, tasks
 
 
@@ -642,7 +646,7 @@ def summary(res: Result) -> dict[str, Any]:
         "flow_runs": len(res.flow_runs), "flow_runs_per_min": flows_mean, "flow_runs_peak_min": flows_peak,
         "run_s_p50": _pct(sorted(res.run_seconds), 0.5), "run_lag_p50": _pct(sorted(res.run_lag), 0.5),
         "runs_unstarted": sum(1 for _, st in res.flow_runs if st in ("SCHEDULED", "PENDING")),
-        "runs_covered": res.covered_runs,
+        "runs_covered": res.covered_runs, "runs_started": len(res.run_lag), "validation_tasks": res.validation_tasks,
         "task_runs": len(res.task_runs), "task_runs_per_min": tasks_mean, "task_runs_peak_min": tasks_peak,
         "api_errors": sum(res.api_errors.values()), "api_error_sources": res.api_errors,
         "hook_errors": res.hook_errors, "landing_failures": res.landing_failures,
@@ -674,6 +678,7 @@ _ROWS = [
      f" / {s['runs_unstarted']}"),
     ("task runs (per min mean / peak)", lambda s: f"{s['task_runs']} ({s['task_runs_per_min']:.0f} / "
      f"{s['task_runs_peak_min']})"),
+    ("  of which validation chunks", lambda s: f"{s.get('validation_tasks', 0)}"),
     ("Prefect API errors", lambda s: f"{s['api_errors']} {s['api_error_sources']}"),
     ("gateway hook retries / landing failures", lambda s: f"{s['hook_errors']} / {s['landing_failures']}"),
     ("S3 requests/s steady / burst", lambda s: f"{s['s3_rps_steady']:.1f} / {s['s3_rps_burst']:.1f}"),

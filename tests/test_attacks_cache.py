@@ -29,11 +29,11 @@ from edgehaul.blocks import ObjectStore
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.core.validation import ExpectationRow, ValidationResult
+from edgehaul.core.validation_cache import landed_etag, validation_key
 from edgehaul.flows.compact_dataset import CompactDatasetParams, compact_dataset
 from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
 from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
 from edgehaul.platform.caching import CORE_RESULTS_FOLDER, EDGE_RESULTS_DIR, core_result_storage_block
-from edgehaul.tasks.core import landed_etag, validation_key
 from edgehaul_dev import localstack
 from tests.builders import bundle, land, processed_rows
 from tests.conftest import api_auth, store_for

@@ -461,7 +461,8 @@ def test_a_manifest_rewritten_after_validation_is_not_committed(stack: localstac
     node_a, ingest_store = store_for(stack, "node-a"), store_for(stack, "ingest")
     d, m = bundle(8, "node-a", start_seq=_seq())
     key = ingest_store.key("landing", _land(node_a, d, m))
-    result = ingest.validate_landed(ingest_store, key, ingest.read_manifests(ingest_store, [key]).manifests[key])
+    result = ingest.validate_landed_many(ingest_store, list(ingest.read_manifests(ingest_store, [key]).manifests.items())
+                                         ).passed[key]
     _land(node_a, d, m, node="node-a", manifest=replace(m, node_id="node-b").to_json())
     c = ingest.commit_validated(ingest_store, CONTRACT.id, [(key, result)], "run-rewrite", 60)
     assert c.version is None and not c.bundles and m.bundle_id not in c.already_committed
@@ -480,7 +481,8 @@ def test_a_landed_bundle_rewritten_by_its_node_is_never_taken_twice(stack: local
     d_b, m_b = bundle(5, "node-b", start_seq=_seq())
     key_b = ingest_store.key("landing", _land(node_b, d_b, m_b))
     scan = ingest.read_manifests(ingest_store, [key, key_b])
-    validated = [(k, ingest.validate_landed(ingest_store, k, scan.manifests[k])) for k in (key, key_b)]
+    passed = ingest.validate_landed_many(ingest_store, [(k, scan.manifests[k]) for k in (key, key_b)]).passed
+    validated = [(k, passed[k]) for k in (key, key_b)]
     other, _ = bundle(8, "node-a", start_seq=_seq())
     s3a = node_a.client()
     s3a.put_object(Bucket=node_a.bucket("landing"), Key=key, Body=other)  # rewritten after validation

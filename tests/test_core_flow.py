@@ -25,7 +25,6 @@ from edgehaul.bundles import write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.core.datasets import content_sha256, lineage, open_table, read_version
 from edgehaul.core.quarantine import read_record
-from edgehaul.core.validation import batching_stats
 from edgehaul.flows.compact_dataset import CompactDatasetParams, compact_dataset
 from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
 from tests.builders import bundle, land, processed_rows
@@ -89,15 +88,12 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     d, partial_m = bundle(10, "node-a", seed=7, start_seq=500)
     store.client().put_object(Bucket=store.bucket("landing"), Key=store.key("landing", partial_m.object_key), Body=d)
 
-    runs0, bundles0 = batching_stats()
-    summary, run1 = _run(CoreIngestParams(store_block=block), core_ingest)
+    summary, run1 = _run(CoreIngestParams(store_block=block, validate_batch=4), core_ingest)
     assert summary["bundles"] == 7 and summary["valid"] == 3 and not summary["errors"]
     # the data without its manifest is reported as waiting, and left in landing (see below)
     assert summary["waiting"] == [store.key("landing", partial_m.object_key)]
-    # every validate task run went through the process's batcher (concurrent ones share a GE run)
-    runs, bundles = batching_stats()
-    assert bundles - bundles0 == 6 and 1 <= runs - runs0 <= 6
-    print(f"validation: {bundles - bundles0} bundles in {runs - runs0} batched runs")
+    # the 6 bundles with a manifest were validated in chunks of 4: two task runs, not one per bundle
+    assert summary["validation_tasks"] == 2 and summary["cached"] == 0
     reasons = {q["bundle_id"]: q["reason"] for q in summary["quarantined"]}
     assert reasons == {scaled_m.bundle_id: "expectations", corrupt_m.bundle_id: "checksum",
                        unknown_m.bundle_id: "unknown_contract"}
@@ -131,7 +127,7 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     assert len(arts) == 1 and arts[0].type == "table"
     rows = json.loads(arts[0].data) if isinstance(arts[0].data, str) else arts[0].data
     assert sorted(r["reason"] for r in rows) == ["checksum", "expectations", "ok", "ok", "ok", "unknown_contract"]
-    assert _task_states(run1, "validate-", 5).count("Completed") == 3
+    assert _task_states(run1, "validate-", 2) == ["Completed", "Completed"]  # rejections are results, not failures
 
     # rerun on the same bundles: they are in the dataset, so nothing is validated again (issue 23: a run
     # behind one that caught up ends at once), no new version, no new object anywhere
@@ -149,25 +145,24 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     store.client().put_object(Bucket=store.bucket("curated"),
                               Key=store.key("curated", f"_claims/landsat_patch/{late_m.bundle_id}.json"),
                               Body=json.dumps({"run": "another-live-run", "at": time.time()}).encode())
-    summary3, run3 = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key]), core_ingest)
-    assert summary3["deferred"] == [late_m.bundle_id] and _task_states(run3, "validate-", 1) == ["Completed"]
-    summary3, run3 = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key]), core_ingest)
-    assert summary3["deferred"] == [late_m.bundle_id] and _task_states(run3, "validate-", 1) == ["Cached"]
+    summary3, _ = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key]), core_ingest)
+    assert summary3["deferred"] == [late_m.bundle_id] and summary3["cached"] == 0
+    summary3, _ = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key]), core_ingest)
+    assert summary3["deferred"] == [late_m.bundle_id] and summary3["cached"] == 1
 
     # another worker process hits the cache this one wrote
     code = ("import json,sys; from flows.core_ingest import core_ingest, CoreIngestParams; "
             "s = core_ingest(CoreIngestParams(**json.loads(sys.argv[1])), return_state=True); "
-            "print('RUN', s.state_details.flow_run_id)")
+            "print('CACHED', s.result()['cached'])")
     out = subprocess.run([sys.executable, "-c", code, json.dumps({"store_block": block, "bundle_keys": [late_key]})],
                          cwd=Path(__file__).parent.parent, env=os.environ.copy(), capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    run4 = uuid.UUID(out.stdout.split("RUN", 1)[1].split()[0])
-    assert _task_states(run4, "validate-", 1) == ["Cached"]
+    assert out.stdout.split("CACHED", 1)[1].split()[0] == "1"
 
     # refresh recomputes
-    _, run5 = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key], refresh_cache=True), core_ingest)
-    assert _task_states(run5, "validate-", 1) == ["Completed"]
+    summary5, _ = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key], refresh_cache=True), core_ingest)
+    assert summary5["cached"] == 0 and summary5["deferred"] == [late_m.bundle_id]
 
 
 def test_compact_dataset_flow_keeps_versions_and_caches_on_its_file_set(store: ObjectStore, block: str) -> None:

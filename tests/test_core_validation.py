@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import threading
 from dataclasses import replace
 
 import pyarrow as pa
@@ -20,11 +19,7 @@ from hypothesis import strategies as st
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.core.validation import (
-    batching_stats,
-    expecting_validation,
     run_expectations,
-    validate_bundle,
-    validate_bundle_batched,
     validate_bundles,
 )
 from tests.builders import processed_rows
@@ -105,36 +100,6 @@ def test_property_batched_verdicts_equal_one_run_per_bundle(
         head = lean_res.error.split(" (")[0], full_res.error.split(" (")[0]
         assert replace(lean_res, error=head[0]) == replace(full_res, error=head[1])
     assert all(t is None or "pixels" not in t.column_names for t, _ in lean)
-
-
-def test_concurrent_callers_share_one_ge_run() -> None:
-    made = [_make(d, 40, 70 + i, None) for i, d in enumerate(("none", "x255", "none", "dup_ids"))]
-    barrier = threading.Barrier(len(made))
-    out: dict[int, object] = {}
-
-    def worker(i: int) -> None:
-        with expecting_validation():
-            barrier.wait()  # every caller has announced itself before any submits
-            out[i] = validate_bundle_batched(made[i][0], made[i][1])
-
-    runs0, bundles0 = batching_stats()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(made))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    runs, bundles = batching_stats()
-    assert (runs - runs0, bundles - bundles0) == (1, len(made))
-    for i, (data, m, _) in enumerate(made):
-        _, want = validate_bundle(data, m)
-        got = out[i]
-        assert isinstance(got, tuple)
-        assert got[1].reason == want.reason and got[1].success == want.success
-        assert [e.success for e in got[1].expectations] == [e.success for e in want.expectations]
-    # a lone caller does not wait for anyone
-    runs0, _ = batching_stats()
-    _, res = validate_bundle_batched(made[0][0], made[0][1])
-    assert res.success and batching_stats()[0] == runs0 + 1
 
 
 def test_a_one_row_bundle_passes_and_its_spread_check_is_recorded_not_applicable() -> None:

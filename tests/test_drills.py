@@ -29,7 +29,7 @@ ENTRY_POINTS = {
     "RetryQueue": "edgehaul.uplink.retry_queue",
     "ingest.read_manifests": "edgehaul.core.ingest",
     "ingest.unreadable": "edgehaul.core.ingest",
-    "ingest.validate_landed": "edgehaul.core.ingest",
+    "ingest.validate_landed_many": "edgehaul.core.ingest",
     "ingest.quarantine_rejected": "edgehaul.core.ingest",
     "ingest.commit_validated": "edgehaul.core.ingest",
     "launch.run": "edgehaul.training.launch",
@@ -125,7 +125,7 @@ def test_the_core_tasks_and_the_drills_share_one_implementation() -> None:
     bodies = {n.name: _calls(n) for n in ast.walk(_parse(PRODUCT / "tasks" / "core.py"))
               if isinstance(n, ast.FunctionDef)}
     assert "ingest.read_manifests" in bodies["read_manifests_task"]
-    assert "ingest.validate_landed" in bodies["validate_bundle_task"]
+    assert "ingest.validate_landed_many" in bodies["validate_bundles_task"]
     assert "ingest.quarantine_rejected" in bodies["quarantine_task"]
     assert "ingest.commit_validated" in bodies["commit_task"]
     edge = _parse(PRODUCT / "tasks" / "edge.py")
@@ -133,8 +133,8 @@ def test_the_core_tasks_and_the_drills_share_one_implementation() -> None:
     train = _parse(PRODUCT / "tasks" / "train.py")
     assert _imports(train).get("run") == "edgehaul.training.launch" and "run" in _calls(train)
     # the drills' validator delegates to the product's (memoised), it does not check anything itself
-    assert "validate_bundle_batched" in _calls(next(n for n in ast.walk(_parse(Path(pipeline.__file__)))
-                                                     if isinstance(n, ast.FunctionDef) and n.name == "validate_memo"))
+    assert "validate_bundles" in _calls(next(n for n in ast.walk(_parse(Path(pipeline.__file__)))
+                                              if isinstance(n, ast.FunctionDef) and n.name == "validate_many"))
 
 
 def test_the_ast_checks_catch_a_copy(tmp_path: Path) -> None:
@@ -164,9 +164,8 @@ def test_validation_memo_revalidates_changed_bytes(tmp_path: Path) -> None:
     first, again, flipped = drills.validate_many([(data, m), (data, m), (bad, m)])
     assert first.success and again == first
     assert not flipped.success and flipped.reason == "checksum", flipped
-    # the validator core ingest's step gets in the drills: the same verdicts, from the same memo
-    assert pipeline.validate_memo(data, m)[1] == first
-    assert pipeline.validate_memo(bad[:-1], m)[1].reason == "checksum"
+    # a truncated copy is another key again, with its own verdict
+    assert pipeline.validate_many([(bad[:-1], m)])[0].reason == "checksum"
 
 
 SUITE_TRIALS = 4

@@ -94,7 +94,7 @@ def test_deployed_core_ingest_run_with_dask_env_runs_its_tasks_on_the_cluster(st
     deployment_id = cast(UUID, deployment.apply())
     with get_client(sync_client=True) as client:
         run = client.create_flow_run_from_deployment(
-            deployment_id, parameters={"params": {"store_block": block, "refresh_cache": True}}
+            deployment_id, parameters={"params": {"store_block": block, "refresh_cache": True, "validate_batch": 1}}
         )
 
     # one worker process: every worker pays the imports and Great Expectations' start-up, and CI has 2 cores
@@ -113,8 +113,9 @@ def test_deployed_core_ingest_run_with_dask_env_runs_its_tasks_on_the_cluster(st
         state = client.read_flow_run(run.id).state
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     assert state is not None and state.is_completed(), state
-    # submitted task runs (one validation per bundle, one quarantine) went to Dask; the rest ran inline
-    submitted = [t for t in task_runs if t.task_key.startswith(("validate_bundle_task", "quarantine_task"))]
+    # submitted task runs (a validation chunk per bundle at validate_batch=1, one quarantine) went to Dask;
+    # the rest ran inline
+    submitted = [t for t in task_runs if t.task_key.startswith(("validate_bundles_task", "quarantine_task"))]
     assert len(submitted) == 3, sorted(t.name for t in task_runs)
     assert len(task_runs) > len(submitted)  # discover / read manifests / commit ran in the flow's process
     assert len(stream.data) == len(submitted), [r["key"] for r in stream.data]

@@ -11,18 +11,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from edgehaul.bundles import DAY_PATTERN, BundleError, BundleManifest, id_problem, read_bundle
 from edgehaul.contracts import ContractError, ContractInvalid, contract_by_id, max_manifest_bytes
 from edgehaul.core import datasets, landed, quarantine
-from edgehaul.core.validation import ValidationResult, expecting_validation, suite_for, validate_bundle_batched
+from edgehaul.core.validation import ValidationResult, suite_for, validate_bundles
+from edgehaul.core.validation_cache import ValidationCache, entry_for
+from edgehaul.platform.io_pool import IO_WORKERS, io_map
 from edgehaul.platform.s3_errors import error_code
 
 if TYPE_CHECKING:
@@ -36,7 +37,13 @@ log = logging.getLogger(__name__)
 # quarantined as `manifest_missing` (an uplink resumes for days at worst; a hook may come early).
 MANIFEST_WAIT_S = 24 * 3600.0
 
-Validator = Callable[[bytes, BundleManifest], tuple[pa.Table | None, ValidationResult]]
+# The check itself over (bytes, manifest) pairs, one verdict each: one GE run per contract for all of them.
+Validator = Callable[[Sequence[tuple[bytes, BundleManifest]]], list[ValidationResult]]
+
+
+def validate_fresh(items: Sequence[tuple[bytes, BundleManifest]]) -> list[ValidationResult]:
+    """The product's validator: `validate_bundles`, decoding only the columns validation reads."""
+    return [res for _, res in validate_bundles(items, full_tables=False)]
 
 
 class BundleRejected(Exception):
@@ -120,53 +127,50 @@ def read_manifests(
     than its key, or exceeds its contract's limits is rejected. A bundle with a quarantine record is done
     (`quarantined`), or skipped as `landing_changed` when landing was rewritten after its quarantine.
     Raises ContractInvalid when a manifest names a broken contract, before anything has moved."""
-    s3 = s3 or store.client()
+    s3 = s3 or store.client(max_pool_connections=IO_WORKERS)
     bucket = store.bucket("landing")
     now = now or datetime.now(UTC)
-    out = LandedScan()
     limit = max_manifest_bytes()
-    for key in keys:
+
+    def scan(key: str) -> tuple[str, Any]:
+        """(field of LandedScan, value) for one key."""
         owner = landing_owner(store, key)
         if isinstance(owner, str):
-            out.skipped[key] = owner
-            continue
+            return "skipped", owner
         done = quarantine.landing_state(store, key, s3=s3)
         if done is not None:
-            if done[0] == "quarantined":
-                out.quarantined[key] = done[1]
-            else:
-                out.skipped[key] = f"{done[0]}: {done[1]}"
-            continue
+            return ("quarantined", done[1]) if done[0] == "quarantined" else ("skipped", f"{done[0]}: {done[1]}")
         mkey = quarantine.manifest_key_for(key)
         try:
             raw = landed.read_limited(s3, bucket, mkey, limit)
         except landed.TooLarge:
-            out.rejected[key] = ("too_large", f"manifest {mkey} is larger than {limit} bytes")
-            continue
+            return "rejected", ("too_large", f"manifest {mkey} is larger than {limit} bytes")
         except ClientError as e:
             if error_code(e) not in ("NoSuchKey", "404", "NotFound"):
                 raise
             age = _age_s(s3, bucket, key, now)
             if age is None:
-                out.skipped[key] = f"no object {key} (nor its manifest) in landing"
-            elif age < manifest_wait_s:
-                out.waiting.append(key)
-            else:
-                out.rejected[key] = ("manifest_missing", f"manifest {mkey} missing {age / 3600:.1f} h after the data "
-                                                         f"(limit {manifest_wait_s / 3600:.1f} h)")
-            continue
+                return "skipped", f"no object {key} (nor its manifest) in landing"
+            if age < manifest_wait_s:
+                return "waiting", None
+            return "rejected", ("manifest_missing", f"manifest {mkey} missing {age / 3600:.1f} h after the data "
+                                                    f"(limit {manifest_wait_s / 3600:.1f} h)")
         try:
             m = BundleManifest.from_json(raw)
         except BundleError as e:
-            out.rejected[key] = ("unreadable", f"{mkey}: {e}")
-            continue
+            return "rejected", ("unreadable", f"{mkey}: {e}")
         reason, error = manifest_problem(owner, m)
         if not reason:
-            reason, error = limits_problem(m, len(raw))
-        if reason:
-            out.rejected[key] = (reason, error)
+            reason, error = limits_problem(m, len(raw))  # raises ContractInvalid for a broken contract
+        return ("rejected", (reason, error)) if reason else ("manifests", asdict(m))
+
+    out = LandedScan()
+    keys = list(dict.fromkeys(keys))
+    for key, (where, value) in zip(keys, io_map(scan, keys), strict=True):  # reads in parallel, verdicts in order
+        if where == "waiting":
+            out.waiting.append(key)
         else:
-            out.manifests[key] = asdict(m)
+            getattr(out, where)[key] = value
     return out
 
 
@@ -188,32 +192,89 @@ def unreadable(key: str, error: str, reason: str = "unreadable") -> ValidationRe
                             success=False, reason=reason, error=error)
 
 
-def validate_landed(
-    store: ObjectStore, key: str, manifest: dict[str, Any], *, s3: S3Client | None = None,
-    validate: Validator = validate_bundle_batched,
-) -> ValidationResult:
-    """Validate one landed bundle: returns the result on success, raises BundleRejected otherwise.
-    `validate` is the check itself (default: the GE run shared with concurrent callers)."""
+def _manifest_rejection(key: str, manifest: dict[str, Any]) -> tuple[BundleManifest, BundleRejected | None]:
+    """The manifest as a task input, checked again against its landing key (`read_manifests` sorted these out)."""
     m = BundleManifest(**manifest)
     m.check_types()
-    owner = quarantine.ids_from_key(key)
-    reason, error = manifest_problem(owner, m)
-    if reason:  # `read_manifests` sorted these out; checked again because the manifest is a task input
-        raise BundleRejected(unreadable(key, error, reason).to_dict())
-    # Announced before the fetch: concurrent validations in this process wait for this one, and
-    # one Great Expectations run checks them all.
-    with expecting_validation():
-        lb = landed.fetch(store, key, s3=s3)
-        if lb.data is None:
-            raise BundleRejected(ValidationResult(
-                bundle_id=m.bundle_id, node_id=m.node_id, contract=m.contract, contract_sha256="",
-                bundle_sha256="", rows=m.row_count, success=False, reason="too_large" if lb.too_large else "unreadable",
-                error=lb.error,
-            ).to_dict())
-        _, result = validate(lb.data, m)
-    if not result.success:
-        raise BundleRejected(result.to_dict())
-    return result
+    reason, error = manifest_problem(quarantine.ids_from_key(key), m)
+    return m, BundleRejected(unreadable(key, error, reason).to_dict()) if reason else None
+
+
+def _fetch_rejection(m: BundleManifest, lb: landed.LandedBundle) -> BundleRejected:
+    return BundleRejected(ValidationResult(
+        bundle_id=m.bundle_id, node_id=m.node_id, contract=m.contract, contract_sha256="", bundle_sha256="",
+        rows=m.row_count, success=False, reason="too_large" if lb.too_large else "unreadable", error=lb.error,
+    ).to_dict())
+
+
+@dataclass
+class ValidatedBatch:
+    """What `validate_landed_many` made of each key; every key is in exactly one of passed, rejected, errors."""
+
+    passed: dict[str, ValidationResult] = field(default_factory=dict)
+    rejected: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> the rejection (a ValidationResult dict)
+    errors: dict[str, str] = field(default_factory=dict)  # transport trouble after the client's retries: left in landing
+    cached: list[str] = field(default_factory=list)  # the passed keys served from the cache
+
+
+def validate_landed_many(
+    store: ObjectStore, items: Sequence[tuple[str, dict[str, Any]]], *, cache: ValidationCache | None = None,
+    refresh: bool = False, s3: S3Client | None = None, workers: int = IO_WORKERS, validate: Validator = validate_fresh,
+) -> ValidatedBatch:
+    """Validate landed bundles: each manifest against its landing key, then the bytes (checksum, manifest
+    row count and sample ids, schema, rows, the contract's expectation suite) with one Great Expectations
+    run for all of them (`validate`) and their reads `workers` at a time. A bundle with a usable cached
+    success (`cache`, unless `refresh`) is not fetched; each new success is cached. Bad data is a
+    rejection, never an exception; a broken contract raises ContractInvalid; a bundle whose reads keep
+    failing (transport, after the client's retries) is in `errors`, left in landing for the next run."""
+    s3 = s3 or store.client(max_pool_connections=workers)
+    out = ValidatedBatch()
+    todo: list[tuple[str, dict[str, Any], BundleManifest]] = []
+    for key, manifest in items:
+        m, rejection = _manifest_rejection(key, manifest)
+        if rejection:
+            out.rejected[key] = rejection.result
+        else:
+            todo.append((key, manifest, m))
+
+    def look(item: tuple[str, dict[str, Any], BundleManifest]) -> tuple[str, ValidationResult | landed.LandedBundle | str]:
+        key, manifest, _ = item
+        try:
+            entry = ""
+            if cache is not None:
+                entry = entry_for(store, key, manifest, s3=s3)
+                hit = None if refresh else cache.get(entry, manifest)
+                if hit is not None:
+                    return entry, hit
+            return entry, landed.fetch(store, key, s3=s3)
+        except (ClientError, BotoCoreError) as e:
+            return "", f"{type(e).__name__}: {str(e)[:300]}"
+
+    looked = io_map(look, todo, workers)
+    fresh: list[tuple[str, str, BundleManifest, bytes]] = []
+    for (key, _, m), (entry, got) in zip(todo, looked, strict=True):
+        if isinstance(got, ValidationResult):
+            out.passed[key] = got
+            out.cached.append(key)
+        elif isinstance(got, str):
+            out.errors[key] = got
+        elif got.data is None:
+            out.rejected[key] = _fetch_rejection(m, got).result
+        else:
+            fresh.append((key, entry, m, got.data))
+    # one GE run per contract for all of them; a ContractInvalid (the contract is broken) propagates
+    verdicts = validate([(data, m) for _, _, m, data in fresh]) if fresh else []
+    to_cache: list[tuple[str, ValidationResult]] = []
+    for (key, entry, _, _), result in zip(fresh, verdicts, strict=True):
+        if result.success:
+            out.passed[key] = result
+            if cache is not None:
+                to_cache.append((entry, result))
+        else:
+            out.rejected[key] = result.to_dict()
+    if cache is not None and to_cache:
+        io_map(lambda er: cache.put(*er), to_cache, workers)
+    return out
 
 
 def quarantine_rejected(
@@ -239,9 +300,10 @@ def fetch_validated(
     store: ObjectStore, validated: list[tuple[str, ValidationResult]], *, s3: S3Client | None = None,
 ) -> list[datasets.ValidatedBundle]:
     """Fetch the validated bundles again (by reference) and check they are the bytes that were validated."""
-    s3 = s3 or store.client()
-    items = []
-    for key, result in validated:
+    s3 = s3 or store.client(max_pool_connections=IO_WORKERS)
+
+    def check(item: tuple[str, ValidationResult]) -> datasets.ValidatedBundle | None:
+        key, result = item
         lb = landed.fetch(store, key, s3=s3)
         # A store may let a node rewrite or delete its landed objects (see docs/SECURITY.md): what changed
         # since validation is not committed, and not this run's to fail on. Left to the next run, which
@@ -249,27 +311,28 @@ def fetch_validated(
         if lb.data is None or lb.manifest is None:  # gone (the janitor, or a store that let its node delete) or garbled
             log.warning("bundle %s: %s since validation (%s); not committed", key,
                         "landing_vanished" if "missing" in lb.error else "landing_changed", lb.error[:200])
-            continue
+            return None
         # read_bundle re-checks the checksum against the manifest; the manifest must be the validated one
         if lb.manifest.sha256 != result.bundle_sha256:
             log.warning("bundle %s: landing_changed since validation (sha256 %s -> %s); not committed, left for the "
                         "next run", key, result.bundle_sha256[:12], lb.manifest.sha256[:12])
-            continue
+            return None
         try:
             table = read_bundle(lb.data, lb.manifest)
         except BundleError as e:  # the data object was rewritten under the validated manifest
             log.warning("bundle %s: landing_changed since validation (%s); not committed, left for the next run",
                         key, str(e)[:200])
-            continue
+            return None
         reason, error = manifest_problem(quarantine.ids_from_key(key), lb.manifest)
         if reason or lb.manifest.node_id != result.node_id:
             # the manifest was rewritten since validation (same bytes, other owner or id): not this run's to
             # commit; left in landing, the next run validates it again (and quarantines it)
             log.warning("bundle %s: manifest changed since validation (%s); left for the next run", key,
                         error or f"node {result.node_id} -> {lb.manifest.node_id}")
-            continue
-        items.append(datasets.ValidatedBundle(lb.manifest, table, result))
-    return items
+            return None
+        return datasets.ValidatedBundle(lb.manifest, table, result)
+
+    return [b for b in io_map(check, validated) if b is not None]
 
 
 def commit_validated(
@@ -278,7 +341,7 @@ def commit_validated(
 ) -> datasets.CommitResult:
     """Append the validated bundles of one contract to its dataset in one commit (see `fetch_validated`)."""
     contract = contract_by_id(contract_id)
-    s3 = s3 or store.client()
+    s3 = s3 or store.client(max_pool_connections=IO_WORKERS)
     items = fetch_validated(store, validated, s3=s3)
     return datasets.commit_bundles(store, contract, items, run_id=run_id, lease_s=lease_s, s3=s3)
 

@@ -13,16 +13,14 @@ bundle or shown as a Prefect table artifact.
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import io
 import logging
 import math
 import os
 import threading
-import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -572,93 +570,4 @@ def validate_bundles(
             table = out[i][0]
             assert table is not None  # `todo` holds only bundles whose table was read
             out[i] = (table, _finish(out[i][1], not_applicable_to_small(rows, table)))
-    return out
-
-
-# ---------------------------------------------------------------- batching concurrent callers
-
-
-class _Batcher:
-    """Groups `validate_bundle` calls from concurrent threads (e.g. one Prefect task per bundle on a
-    thread pool) into one `validate_bundles` call: callers that announced themselves with `expecting()`
-    (before fetching their bundle) are waited for, up to `max_wait_s`, so one GE run serves them all.
-    A lone caller runs at once."""
-
-    def __init__(self, max_wait_s: float = 2.0) -> None:
-        self.cond = threading.Condition()
-        self.expected = 0  # announced callers that have not submitted yet
-        self.queue: list[tuple[bytes, BundleManifest, dict[str, Any]]] = []
-        self.running = False
-        self.max_wait_s = max_wait_s
-        self.local = threading.local()
-        self.runs = 0  # validate_bundles calls made, and the bundles they covered (for logs and tests)
-        self.bundles = 0
-
-    def _owed(self) -> int:
-        return int(getattr(self.local, "owed", 0))
-
-    def _settle(self) -> None:
-        """This thread's announcement is used up (submitted, or left without submitting)."""
-        if self._owed() > 0:
-            self.local.owed = self._owed() - 1
-            self.expected -= 1
-            self.cond.notify_all()
-
-    @contextlib.contextmanager
-    def expecting(self) -> Iterator[None]:
-        with self.cond:
-            self.expected += 1
-            self.local.owed = self._owed() + 1
-        try:
-            yield
-        finally:
-            with self.cond:
-                self._settle()
-
-    def validate(self, data: bytes, manifest: BundleManifest) -> Any:
-        slot: dict[str, Any] = {}
-        with self.cond:
-            self.queue.append((data, manifest, slot))
-            self._settle()
-            deadline = time.monotonic() + self.max_wait_s
-            while "out" not in slot and (self.running or (self.expected > 0 and time.monotonic() < deadline)):
-                self.cond.wait(timeout=max(0.001, min(0.05, deadline - time.monotonic())))
-            if "out" in slot:
-                return slot["out"]
-            batch, self.queue, self.running = self.queue, [], True  # this caller runs GE for everyone queued
-            self.runs += 1
-            self.bundles += len(batch)
-        if len(batch) > 1:
-            log.info("validating %d bundles in one run", len(batch))
-        try:
-            results: list[Any] = list(validate_bundles([(d, m) for d, m, _ in batch], full_tables=False))
-        except BaseException as e:
-            results = [e] * len(batch)
-        with self.cond:
-            for (_, _, sl), r in zip(batch, results, strict=True):
-                sl["out"] = r
-            self.running = False
-            self.cond.notify_all()
-        return slot["out"]
-
-
-_BATCHER = _Batcher()
-
-
-def batching_stats() -> tuple[int, int]:
-    """(validation runs, bundles validated) by `validate_bundle_batched` in this process."""
-    return _BATCHER.runs, _BATCHER.bundles
-
-
-def expecting_validation() -> contextlib.AbstractContextManager[None]:
-    """Announce a coming `validate_bundle_batched` call (enter before fetching the bundle)."""
-    return _BATCHER.expecting()
-
-
-def validate_bundle_batched(data: bytes, manifest: BundleManifest) -> tuple[pa.Table | None, ValidationResult]:
-    """`validate_bundle`, sharing one GE run with concurrent callers inside `expecting_validation()`.
-    The returned table holds only the columns validation reads (see `validate_bundles(full_tables=False)`)."""
-    out = _BATCHER.validate(data, manifest)
-    if isinstance(out, BaseException):
-        raise out
     return out

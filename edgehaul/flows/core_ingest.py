@@ -14,9 +14,9 @@ What it does, in order:
    runs of its deployment still queued with the same parameters (whole batches, up to `max_bundles`),
    and marks those runs Completed ("covered by ...") once all their bundles are settled, so a run that
    starts late commits everything queued behind it and the queue does not outgrow the runs' start-up cost;
-2. validates each bundle (one task run per bundle: checksum, manifest row count and sample ids,
-   schema, the contract's Great Expectations suite); the task runs running at once in a worker
-   process share one GE run (`edgehaul.core.validation.validate_bundle_batched`), verdicts per bundle;
+2. validates the bundles in chunks of `validate_batch` (one task run per chunk: checksum, manifest row count
+   and sample ids, schema, the contract's Great Expectations suite in one GE run, verdicts per bundle; the
+   chunk's reads in parallel), so a run's Prefect cost does not grow with its bundles;
 3. copies each failing bundle to `quarantine/<node>/<bundle>/` with `validation.json` (reason, every
    check, every sample id, the landing ETags) and emits `edgehaul.bundle.quarantined`; landing is
    write-once, so nothing is deleted there (the janitor, lifecycle_moves, moves landing to cold);
@@ -29,7 +29,8 @@ What it does, in order:
 Blocks: `ObjectStore` (`store_block`, the core ingest identity: reads landing, never writes it; writes curated,
 quarantine and ops); the S3Bucket `result_storage` block (deployments: `edgehaul-core-results`, saved by
 `edgehaul blocks apply`; this flow never saves a block). Cache policy: validation is cached on bundle
-SHA-256 + the landed object's ETag + contract SHA-256 (see tasks/core.py), as JSON records in
+SHA-256 + the landed object's ETag + contract SHA-256, per bundle, by hand (`edgehaul.core.validation_cache`:
+a chunk is one task run, the cache stays per bundle), as JSON records in
 `result_storage`, which must be writable by central identities only (`prefect-results/core/`); left
 empty, results go to Prefect's default result storage of the worker process (its local disk, or
 PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK): correct, but a cache no other worker shares.
@@ -45,13 +46,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.utilities.annotations import NotSet
 from pydantic import BaseModel, Field
 
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import ContractInvalid, contract_by_id
-from edgehaul.core.ingest import LandedScan, QueuedBatch, settled_batches, take_queued
+from edgehaul.core.ingest import LandedScan, QueuedBatch, ValidatedBatch, settled_batches, take_queued
 from edgehaul.core.validation import ValidationResult
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
@@ -59,7 +59,6 @@ from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.platform.runners import from_environment
 from edgehaul.tasks.core import (
-    BundleRejected,
     claim_batches_task,
     commit_task,
     committed_task,
@@ -67,7 +66,7 @@ from edgehaul.tasks.core import (
     quarantine_task,
     read_manifests_task,
     release_batch_claims_task,
-    validate_bundle_task,
+    validate_bundles_task,
 )
 
 
@@ -83,6 +82,9 @@ class CoreIngestParams(BaseModel):
     manifest_wait_s: float = Field(default=24 * 3600.0, ge=0, le=30 * 86_400,
                                    description="A bundle without its manifest waits this long, then is quarantined.")
     refresh_cache: bool = Field(default=False, description="Re-validate even bundles with a cached result.")
+    validate_batch: int = Field(default=100, ge=1, le=1_000,
+                                description="Bundles per validation task run (one GE run; a task runner spreads "
+                                "the chunks: Dask across its workers).")
     result_storage: str = Field(default="", description="Result storage block slug (central identities only, e.g. "
                                 "'s3-bucket/edgehaul-core-results'); empty: the worker's default (local) storage.")
     catch_up: bool = Field(default=True, description="Also take the bundle keys of this deployment's runs still "
@@ -206,9 +208,6 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "put-if-match-quoted|put-if-match-unquoted": "core_ingest (taking over a dead run's claims)",
     })
     run_id = str(flow_run.get_id() or uuid.uuid4())
-    # named, never saved here (issue 17): a flow that saved it would hand its keys to every reader of the block
-    validate = validate_bundle_task.with_options(refresh_cache=p.refresh_cache, result_storage=p.result_storage or NotSet)
-
     keys = [_full_key(store, k) for k in dict.fromkeys(p.bundle_keys)][: p.max_bundles] if p.bundle_keys else \
         discover_task(store, p.prefix, p.max_bundles)
     own = set(keys)
@@ -242,24 +241,33 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
                          "node_id": m["node_id"]},
                         **{"edgehaul.node.id": m["node_id"]})
 
-    futures = {k: validate.submit(store, k, m) for k, m in todo.items()}
+    # result_storage is named, never saved here (issue 17): a flow that saved it would hand its keys to every
+    # reader of the block
+    pending = list(todo.items())
+    chunks = [pending[i:i + p.validate_batch] for i in range(0, len(pending), p.validate_batch)]
+    futures = [validate_bundles_task.submit(store, chunk, p.result_storage, p.refresh_cache,
+                                            f"{len(chunk)}-bundles-{n + 1}-of-{len(chunks)}")
+               for n, chunk in enumerate(chunks)]
     rejected: dict[str, dict[str, Any]] = {k: _rejection(k, r, e) for k, (r, e) in scan.rejected.items()}
     passed: dict[str, ValidationResult] = {}
     errors: dict[str, str] = {}
+    cached: list[str] = []
     broken: list[BaseException] = []
-    for key, fut in futures.items():
+    for chunk, fut in zip(chunks, futures, strict=True):
         fut.wait()
         state = fut.state
         if state.is_completed():
-            passed[key] = fut.result()
+            batch: ValidatedBatch = fut.result()
+            passed.update(batch.passed)
+            rejected.update(batch.rejected)
+            errors.update(batch.errors)
+            cached += batch.cached
             continue
         exc = state.result(raise_on_failure=False)
-        if isinstance(exc, BundleRejected):
-            rejected[key] = exc.result
-        elif isinstance(exc, ContractInvalid):
+        if isinstance(exc, ContractInvalid):
             broken.append(exc)
-        else:  # transport trouble after retries: leave it in landing for the next run
-            errors[key] = str(exc)[:300]
+        else:  # transport trouble after retries: the chunk stays in landing for the next run
+            errors.update({k: str(exc)[:300] for k, _ in chunk})
     if broken:  # the contract changed under the run: fail before quarantining anything
         raise broken[0]
 
@@ -304,6 +312,8 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "queued_runs_completed": covered,
         "already_committed": sorted(done_before.values()),
         "valid": len(passed),
+        "cached": len(cached),  # of the valid: served from the validation cache, not fetched again
+        "validation_tasks": len(chunks),
         "waiting": scan.waiting,
         "skipped": scan.skipped,
         "already_quarantined": sorted(scan.quarantined),
@@ -314,9 +324,9 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "versions": {c.kind: c.version for c in commits},
     }
     summary["deferred"] = deferred
-    logger.info("core_ingest: %d bundles (%d of %d queued runs, %d completed), %d already committed, %d valid, "
-                "%d quarantined, %d waiting, %d skipped, %d errors, %d deferred; versions %s", len(keys),
-                len(keys) - len(own), len(taken), covered, len(done_before), len(passed), len(quarantined),
+    logger.info("core_ingest: %d bundles (%d of %d queued runs, %d completed), %d already committed, %d valid "
+                "(%d cached), %d quarantined, %d waiting, %d skipped, %d errors, %d deferred; versions %s", len(keys),
+                len(keys) - len(own), len(taken), covered, len(done_before), len(passed), len(cached), len(quarantined),
                 len(scan.waiting), len(scan.skipped), len(errors), len(deferred), summary["versions"])
     if deferred:
         # Left in landing for the next run (another live run holds their claims); said, never silent.

@@ -14,7 +14,7 @@ central worker reads as a cached result may be writable by an edge identity.
 - Every cached task writes JSON (`RESULT_SERIALIZER`): values are small references (ids, keys,
   checksums, counts) that round-trip as data, never pickle.
 
-    validate_bundle_task.with_options(result_storage=f"s3-bucket/{CORE_RESULTS_BLOCK}")
+    CoreIngestParams(result_storage=f"s3-bucket/{CORE_RESULTS_BLOCK}")  # the validation cache (core_ingest)
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 compact a dataset. The ingest steps' bodies are the plain functions of `edgehaul.core.ingest` (which
 the fault drills call too); these tasks add retries and caching.
 
-Caching (issues 11, 17), results persisted as JSON (never pickle) to the central result storage the
+Caching (issues 11, 17, 23), results persisted as JSON (never pickle) to the central result storage the
 flow names (`result_storage`; `edgehaul.platform.caching`: a prefix no edge identity can write):
-- `validate_bundle_task` is keyed on the bundle's SHA-256 (from its manifest) + the landed object (bucket,
-  key) and its ETag and size as the store reports them to the core (a HEAD by the core's identity: the
-  store's own digest of the bytes it holds, not a claim of the node) + the contract file's SHA-256 +
-  `VALIDATION_VERSION` + `CORE_CACHE_VERSION`. Its value is the `ValidationResult`, a small
-  reference (bundle id, checksum, one row per check); the bytes stay in landing. A failing bundle
-  raises `BundleRejected` instead of returning: Prefect caches only Completed states, so a failed or
-  quarantined result is never cached as success. The commit re-checks the bytes against the
-  validated checksum, so a cached success can never admit altered bytes.
+- `validate_bundles_task` validates a chunk of bundles in one task run (issue 23: a task run per bundle
+  set the core's pace at fleet scale) and keeps the cache per bundle by hand
+  (`edgehaul.core.validation_cache`): keyed on the bundle's SHA-256 + the landed object and its ETag and
+  size as the store reports them to the core + the contract file's SHA-256 + the validation and cache
+  versions; only successes are written, and a record is read only as JSON holding this bundle's success.
+  The commit re-checks the bytes against the validated checksum, so a cached success can never admit
+  altered bytes.
 - `compact_task` is keyed on the input file set's fingerprint + target size: a rerun over the same
   files is Cached and rewrites nothing.
 - discovery, quarantine and commit are not cached (they depend on the store's current state); the
@@ -25,22 +24,19 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from botocore.exceptions import ClientError
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from edgehaul.blocks import ObjectStore
-from edgehaul.contracts import ContractError, contract_by_id
 from edgehaul.core import compaction, datasets, ingest, landed
 from edgehaul.core.ingest import BundleRejected as BundleRejected  # the flow and persisted results name it here
-from edgehaul.core.validation import VALIDATION_VERSION, ValidationResult
+from edgehaul.core.validation import ValidationResult
+from edgehaul.core.validation_cache import CORE_CACHE_VERSION, ValidationCache
 from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
-from edgehaul.platform.s3_errors import IO_RETRY, error_code
+from edgehaul.platform.s3_errors import IO_RETRY
 
 log = logging.getLogger(__name__)
-
-CORE_CACHE_VERSION = "core-2"  # bump to invalidate every cached validation / compaction result
 
 
 # ---------------------------------------------------------------- discovery
@@ -86,44 +82,14 @@ def committed_task(store: ObjectStore, manifests: dict[str, dict[str, Any]]) -> 
 # ---------------------------------------------------------------- validation
 
 
-def validation_key(bundle_sha256: str, landed_object: str, landed_etag: str, contract_sha256: str) -> str:
-    return cache_key("core-validate", CORE_CACHE_VERSION, VALIDATION_VERSION, bundle_sha256, landed_object, landed_etag,
-                     contract_sha256)
-
-
-def landed_etag(store: ObjectStore, key: str) -> str:
-    """`<ETag>:<size>` of the landed object as the store reports it to the core; 'missing' when it is not there
-    (validation then rejects it, and rejections are never cached)."""
-    try:
-        head = store.client().head_object(Bucket=store.bucket("landing"), Key=key)
-    except ClientError as e:
-        if error_code(e) in ("404", "NoSuchKey", "NotFound"):
-            return "missing"
-        raise
-    return f"{head['ETag'].strip(chr(34))}:{head['ContentLength']}"
-
-
-def _validate_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
-    manifest: dict[str, Any] = params["manifest"]
-    try:
-        contract_sha = contract_by_id(manifest["contract"]).sha256
-    except ContractError:
-        contract_sha = f"unknown:{manifest['contract']}"  # the run fails; nothing is cached under it
-    # The manifest's checksum alone is the node's claim: the store's digest of the landed bytes binds the entry
-    # to what is actually there (validation then re-hashes the bytes it fetches; the commit does again).
-    store: ObjectStore = params["store"]
-    return validation_key(manifest["sha256"], f"{store.bucket('landing')}/{params['key']}",
-                          landed_etag(store, params["key"]), contract_sha)
-
-
-@task(
-    name="core-validate", cache_key_fn=_validate_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
-    result_serializer=RESULT_SERIALIZER, **IO_RETRY,
-    task_run_name="validate-{manifest[bundle_id]}",
-)
-def validate_bundle_task(store: ObjectStore, key: str, manifest: dict[str, Any]) -> ValidationResult:
-    """Validate one landed bundle. Success returns the result (cached); failure raises BundleRejected."""
-    return ingest.validate_landed(store, key, manifest)
+@task(name="core-validate", **IO_RETRY, cache_policy=NO_CACHE, task_run_name="validate-{label}")
+def validate_bundles_task(
+    store: ObjectStore, items: list[tuple[str, dict[str, Any]]], result_storage: str, refresh: bool, label: str,
+) -> ingest.ValidatedBatch:
+    """Validate a chunk of landed bundles (one GE run, reads in parallel), each bundle's success cached by
+    hand in `result_storage` (see `edgehaul.core.validation_cache`); rejections are results, not errors."""
+    cache = ValidationCache.named(result_storage)
+    return ingest.validate_landed_many(store, items, cache=cache, refresh=refresh)
 
 
 # ---------------------------------------------------------------- quarantine

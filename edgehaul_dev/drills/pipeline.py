@@ -3,7 +3,7 @@ spool (`Spool`), the uplink (`Drainer`, `Uplink`, `RetryQueue`) and core ingest'
 (`edgehaul.core.ingest`, the plain functions that `edgehaul.tasks.core` wraps), ordered as
 `flows/core_ingest.py` orders its tasks. Nothing here validates, quarantines or commits by itself.
 
-The one drill-only piece is `validate_memo`, the validator handed to `ingest.validate_landed`: the
+The one drill-only piece is `validate_many`, the validator handed to `ingest.validate_landed_many`: the
 product's own GE validation, memoised on the exact bytes and manifest.
 """
 
@@ -13,16 +13,13 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-import pyarrow as pa
 
 from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import BundleManifest
 from edgehaul.core import datasets, ingest, landed
-from edgehaul.core.validation import ValidationResult, validate_bundle_batched, validate_bundles
+from edgehaul.core.validation import ValidationResult, validate_bundles
 from edgehaul.edge.spool import Spool
 from edgehaul.uplink.link import Link
 from edgehaul.uplink.retry_queue import RetryQueue
@@ -61,20 +58,6 @@ def validate_many(items: Sequence[tuple[bytes, BundleManifest]]) -> list[Validat
                 _VALIDATED[keys[i]] = res
     with _VALIDATED_LOCK:
         return [_VALIDATED[k] for k in keys]
-
-
-def validate_memo(data: bytes, manifest: BundleManifest) -> tuple[pa.Table | None, ValidationResult]:
-    """`ingest.validate_landed`'s validator in the drills: the product's default one
-    (`validate_bundle_batched`, which shares a GE run with concurrent callers), memoised as above."""
-    key = _memo_key(data, manifest)
-    with _VALIDATED_LOCK:
-        hit = _VALIDATED.get(key)
-    if hit is not None:
-        return None, hit
-    _, res = validate_bundle_batched(data, manifest)
-    with _VALIDATED_LOCK:
-        _VALIDATED[key] = res
-    return None, res
 
 
 def memo_size() -> int:
@@ -123,21 +106,12 @@ def validate_landed(store: ObjectStore, s3: Any, keys: Sequence[str] | None = No
     scan = ingest.read_manifests(store, keys, s3=s3) if keys else ingest.LandedScan()
     usable = scan.manifests  # waiting and skipped keys stay in landing, as the flow leaves them
     rejected = {k: ingest.unreadable(k, e, r).to_dict() for k, (r, e) in scan.rejected.items()}
-    passed: dict[str, ValidationResult] = {}
-    # One thread per bundle, like the flow's submitted task runs: misses share one GE run.
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(usable)))) as pool:
-        futures = {k: pool.submit(ingest.validate_landed, store, k, m, s3=s3, validate=validate_memo)
-                   for k, m in usable.items()}
-    for key, fut in futures.items():
-        try:
-            passed[key] = fut.result()
-        except ingest.BundleRejected as e:
-            rejected[key] = e.result
-        except Exception:  # transport trouble: left in landing, as the flow leaves it
-            continue
+    # the validation task's body, with the drills' memoised validator and no cache across trials
+    batch = ingest.validate_landed_many(store, list(usable.items()), s3=s3, validate=validate_many)
+    rejected.update(batch.rejected)  # transport trouble (batch.errors): left in landing, as the flow leaves it
     for key, res in rejected.items():
         ingest.quarantine_rejected(store, key, res, usable.get(key), s3=s3, emit_event=False)
-    return passed
+    return batch.passed
 
 
 def by_contract(passed: dict[str, ValidationResult]) -> dict[str, list[tuple[str, ValidationResult]]]:
