@@ -291,7 +291,7 @@ def serve(mode: Mode, limit: int, name: str, serving: Serving = "process") -> No
     dep_id = cast(RunnerDeployment, core_ingest.to_deployment(name=name, triggers=[trig])).apply()  # sync here
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop_core: finish the runs, flush their events
-    serve_warm(core_ingest, str(dep_id), limit=limit, poll_s=1.0, stop=stop, grace_s=15)
+    serve_warm(core_ingest, str(dep_id), limit=limit, poll_s=0.5, stop=stop, grace_s=15)
 
 
 def start_core(c: Central, mode: Mode, limit: int, name: str, log: Path,

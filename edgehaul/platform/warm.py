@@ -27,7 +27,7 @@ from prefect.logging import get_logger
 log = get_logger("edgehaul.platform.warm")
 
 
-def serve_warm(flow: Any, deployment_id: str, *, limit: int = 4, poll_s: float = 1.0,
+def serve_warm(flow: Any, deployment_id: str, *, limit: int = 4, poll_s: float = 0.5,
                stop: threading.Event | None = None, grace_s: float = 120.0) -> int:
     """Run `deployment_id`'s due flow runs in this process until `stop` is set; returns how many ran.
     On stop, runs already taken finish (up to `grace_s`); no new one is taken."""
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edgehaul.platform.warm", description=main.__doc__)
     ap.add_argument("deployment", help="<flow>/<deployment>, e.g. core_ingest/on-bundle-landed")
     ap.add_argument("--limit", type=int, default=4, help="runs at once in this process (default 4)")
-    ap.add_argument("--poll", type=float, default=1.0, help="seconds between polls (default 1)")
+    ap.add_argument("--poll", type=float, default=0.5, help="seconds between polls (default 0.5)")
     args = ap.parse_args(argv)
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name(args.deployment)
