@@ -102,3 +102,24 @@ def test_property_only_this_bundles_success_comes_back_equal(
     else:
         assert cache.put(ENTRY, v)
     assert cache.get(ENTRY, MANIFEST) == (v if success else None)
+
+
+def test_storage_it_cannot_use_is_a_miss_said_once_not_a_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A result storage block whose profile is not on this host (a shell without the workers'
+    credentials file): every read and write fails. Validation goes on without the cache, and the log says
+    so once per cache, with the reason (on this path each bundle once landed in `errors` and stayed in landing)."""
+    from botocore.exceptions import ProfileNotFound
+
+    cache = _cache(tmp_path)
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise ProfileNotFound(profile="ingest")
+
+    monkeypatch.setattr(cache, "_call", broken)
+    for _ in range(3):
+        assert cache.get(ENTRY, MANIFEST) is None
+        assert cache.put(ENTRY, OK) is False
+    said = [r.getMessage() for r in caplog.records if "validation cache: cannot" in r.getMessage()]
+    assert len(said) == 2 and all("ProfileNotFound" in m and "(ingest)" in m for m in said), said

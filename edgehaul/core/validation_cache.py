@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 
@@ -78,6 +79,8 @@ class ValidationCache:
     def __init__(self, storage: WritableFileSystem, ttl: timedelta = VALIDATION_TTL) -> None:
         self.storage = storage
         self.ttl = ttl
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
 
     @classmethod
     def named(cls, result_storage: str) -> ValidationCache:
@@ -102,11 +105,12 @@ class ValidationCache:
         except (FileNotFoundError, ValueError):
             return None  # LocalFileSystem: no such record
         except ClientError as e:
-            if error_code(e) not in ("404", "NoSuchKey", "NotFound"):
-                log.warning("validation cache: %s not read (%s); validating", entry, error_code(e))
+            if error_code(e) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            self._unusable("read", e)
             return None
-        except OSError as e:  # a cache is a saving: any trouble reading it means validating
-            log.warning("validation cache: %s not read (%s); validating", entry, e)
+        except Exception as e:  # a cache is a saving: storage trouble (credentials, network) means validating
+            self._unusable("read", e)
             return None
         return self._decode(entry, raw, manifest)
 
@@ -145,7 +149,17 @@ class ValidationCache:
                                     expiration=cast("DateTime", now("UTC") + self.ttl))
         try:
             self._call("write_path", entry, content=ResultRecord(metadata=meta, result=result).serialize())
-        except (ClientError, OSError) as e:
-            log.warning("validation cache: %s not written (%s)", entry, e)
+        except Exception as e:  # only a saving lost: the bundle was validated
+            self._unusable("write", e)
             return False
         return True
+
+    def _unusable(self, what: str, e: Exception) -> None:
+        """Say once per cache (a run's chunk) that its storage failed, with the reason: a cache that never
+        hits costs every run a full validation, which an operator must be able to see."""
+        with self._lock:
+            if what in self._warned:
+                return
+            self._warned.add(what)
+        log.warning("validation cache: cannot %s %s (%s: %s); validating without it", what,
+                    type(self.storage).__name__, type(e).__name__, str(e)[:200])

@@ -328,6 +328,9 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
                 "(%d cached), %d quarantined, %d waiting, %d skipped, %d errors, %d deferred; versions %s", len(keys),
                 len(keys) - len(own), len(taken), covered, len(done_before), len(passed), len(cached), len(quarantined),
                 len(scan.waiting), len(scan.skipped), len(errors), len(deferred), summary["versions"])
+    if errors:  # left in landing for the next run; said with the reason, never silent
+        logger.warning("core_ingest: %d bundles not validated (left in landing for the next run): %s", len(errors),
+                       "; ".join(f"{k}: {e}" for k, e in list(errors.items())[:5]) + (" ..." if len(errors) > 5 else ""))
     if deferred:
         # Left in landing for the next run (another live run holds their claims); said, never silent.
         logger.warning("core_ingest: %d bundles deferred (claimed by another live run, retried by the next run): %s",
