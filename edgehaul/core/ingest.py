@@ -46,17 +46,6 @@ def validate_fresh(items: Sequence[tuple[bytes, BundleManifest]]) -> list[Valida
     return [res for _, res in validate_bundles(items, full_tables=False)]
 
 
-class BundleRejected(Exception):
-    """A bundle failed validation; carries the result (as a dict) for quarantine. Never retried."""
-
-    def __init__(self, result: dict[str, Any]) -> None:
-        super().__init__(f"bundle {result.get('bundle_id')}: {result.get('reason')}: {str(result.get('error'))[:300]}")
-        self.result = result
-
-    def __reduce__(self) -> tuple[Any, ...]:  # results are persisted: keep the dict through pickling
-        return (BundleRejected, (self.result,))
-
-
 def landing_owner(store: ObjectStore, key: str) -> tuple[str, str] | str:
     """(node, bundle) of a landing key `<landing base><node>/<day>/<bundle>.parquet`, or why the key is
     not one. The node is the one whose landing prefix holds the object (a node's identity can write only
@@ -192,19 +181,21 @@ def unreadable(key: str, error: str, reason: str = "unreadable") -> ValidationRe
                             success=False, reason=reason, error=error)
 
 
-def _manifest_rejection(key: str, manifest: dict[str, Any]) -> tuple[BundleManifest, BundleRejected | None]:
-    """The manifest as a task input, checked again against its landing key (`read_manifests` sorted these out)."""
+def _manifest_rejection(key: str, manifest: dict[str, Any]) -> tuple[BundleManifest, dict[str, Any] | None]:
+    """The manifest as a task input, checked again against its landing key (`read_manifests` sorted these out):
+    the manifest, and the rejection (a ValidationResult dict) when its ids disagree with the key."""
     m = BundleManifest(**manifest)
     m.check_types()
     reason, error = manifest_problem(quarantine.ids_from_key(key), m)
-    return m, BundleRejected(unreadable(key, error, reason).to_dict()) if reason else None
+    return m, unreadable(key, error, reason).to_dict() if reason else None
 
 
-def _fetch_rejection(m: BundleManifest, lb: landed.LandedBundle) -> BundleRejected:
-    return BundleRejected(ValidationResult(
+def _fetch_rejection(m: BundleManifest, lb: landed.LandedBundle) -> dict[str, Any]:
+    """The rejection of a bundle whose bytes could not be read (missing, over its limit)."""
+    return ValidationResult(
         bundle_id=m.bundle_id, node_id=m.node_id, contract=m.contract, contract_sha256="", bundle_sha256="",
         rows=m.row_count, success=False, reason="too_large" if lb.too_large else "unreadable", error=lb.error,
-    ).to_dict())
+    ).to_dict()
 
 
 @dataclass
@@ -233,7 +224,7 @@ def validate_landed_many(
     for key, manifest in items:
         m, rejection = _manifest_rejection(key, manifest)
         if rejection:
-            out.rejected[key] = rejection.result
+            out.rejected[key] = rejection
         else:
             todo.append((key, manifest, m))
 
@@ -259,7 +250,7 @@ def validate_landed_many(
         elif isinstance(got, str):
             out.errors[key] = got
         elif got.data is None:
-            out.rejected[key] = _fetch_rejection(m, got).result
+            out.rejected[key] = _fetch_rejection(m, got)
         else:
             fresh.append((key, entry, m, got.data))
     # one GE run per contract for all of them; a ContractInvalid (the contract is broken) propagates

@@ -30,7 +30,6 @@ from prefect.context import TaskRunContext
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.core import compaction, datasets, ingest, landed
-from edgehaul.core.ingest import BundleRejected as BundleRejected  # the flow and persisted results name it here
 from edgehaul.core.validation import ValidationResult
 from edgehaul.core.validation_cache import CORE_CACHE_VERSION, ValidationCache
 from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
