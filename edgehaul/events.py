@@ -37,7 +37,8 @@ LEDGER_COUNTS = "edgehaul.ledger.counts"  # payload: drops per stage and reason 
 # statistics and summaries, never an event that starts work centrally (e.g. LANDING_BATCH).
 DOWNLINK_APPLIED = "edgehaul.node.downlink.applied"  # payload: generation, previous, items
 DOWNLINK_REFUSED = "edgehaul.node.downlink.refused"  # payload: generation, in_force, why
-NODE_FORWARDED = frozenset({SPOOL_WATERMARK, LINK_STATS, CHECKPOINT_FAILED, CONTACT_OPENED, RETRY_EXPIRED,
+# CHECKPOINT_FAILED is the core's own (training runs centrally): a node's copy would be a forged page.
+NODE_FORWARDED = frozenset({SPOOL_WATERMARK, LINK_STATS, CONTACT_OPENED, RETRY_EXPIRED,
                             NODE_RUN_SUMMARY, LEDGER_COUNTS, DOWNLINK_APPLIED, DOWNLINK_REFUSED})
 
 log = logging.getLogger(__name__)

@@ -94,7 +94,7 @@ def _raise_node_history(box: Outbox, node: str, now: list[float]) -> list[int]:
         for i in range(7):
             level = (i % 3) + 1
             assert events.emit(events.SPOOL_WATERMARK if level == 2 else events.LINK_STATS if level == 1
-                               else events.CHECKPOINT_FAILED, f"edgehaul.spool.{node}",
+                               else events.RETRY_EXPIRED, f"edgehaul.spool.{node}",
                                {"level": level, "alert_id": i, "used_fraction": 0.9, "retransmission_rate": 0.2},
                                **{"edgehaul.node": node})
             ids.append(i)
@@ -139,7 +139,7 @@ def test_forwarded_history_reaches_prefect_in_order_once_across_retry_cut_and_re
     got = _node_events(stack.prefect_api_url, node, len(ids))
     assert [e["payload"]["alert_id"] for e in got] == ids  # in seq order, each exactly once
     assert [e["payload"]["seq"] for e in got] == list(range(1, 9))
-    assert [e["event"] for e in got][:3] == [events.LINK_STATS, events.SPOOL_WATERMARK, events.CHECKPOINT_FAILED]
+    assert [e["event"] for e in got][:3] == [events.LINK_STATS, events.SPOOL_WATERMARK, events.RETRY_EXPIRED]
     assert all(e["resource"]["prefect.resource.id"] == f"edgehaul.node.{node}" for e in got)
     assert [e["payload"].get("level") for e in got[:3]] == [1, 2, 3]
     # alert labels re-derived, so the level 1 and 2 automations still match
@@ -304,7 +304,7 @@ def test_an_event_the_gateway_refuses_is_set_aside_and_the_history_goes_on(tmp_p
     assert rep.ok and rep.set_aside == [bad] and rep.events == 9 and len(box) == 0, rep
     assert rec.names == [events.LINK_STATS] * 9  # every good event, in order, once
     ((seq, name, why),) = box.set_aside_events()
-    assert (seq, name) == (bad, "edgehaul.not.a.node.event") and why == "422 invalid node-events payload"
+    assert (seq, name) == (bad, "edgehaul.not.a.node.event") and why.startswith("422 invalid node-events payload: events.")
     # a refused sender is not "content": it stops the forwarder and keeps everything
     box.append(events.LINK_STATS, {"i": 10})
     with _gateway(tmp_path, senders, rec) as gw, pytest.raises(ForwardError, match=r"401|403"):

@@ -1,10 +1,12 @@
 """Flow `fleet_report` (ops pool, scheduled every 5 minutes): the operations guide's metrics as one picture.
 
-Per node: link utilisation, retransmission rate, landing-latency percentiles (each node's latest
-LINK_STATS event), spool fill, uplink queue length, accelerator utilisation (as the node reports it)
-and silence. For the core: core_ingest queue time (Prefect flow runs), checkpoint success rate
-(COMMIT.json markers vs CHECKPOINT_FAILED events), curated-zone write throughput, and the published
-model's dataset version vs the dataset's latest. Window: the last `window_s`.
+Per node: link utilisation, retransmission rate, spool fill, uplink queue length, accelerator
+utilisation (each node's latest LINK_STATS event, as the node reports it), landed-to-committed latency
+percentiles (the core's own records: landing announcements and commit receipts) and silence. A node's
+malformed event costs one warning line and NaN figures for that node, never the report. For the core:
+core_ingest queue time (Prefect flow runs), checkpoint success rate (COMMIT.json markers vs the core's
+CHECKPOINT_FAILED events), curated-zone write throughput, and the published model's dataset version vs
+the dataset's latest. Window: the last `window_s`.
 
 Outputs: a keyed table artifact `fleet-view` and a markdown artifact `fleet-view-chart` with the chart
 inline (the UI keeps each key's history), `reports/fleet/latest.json` in the ops bucket (what
@@ -69,8 +71,12 @@ def fleet_report(params: FleetReportParams | None = None) -> dict[str, Any]:
     facts = read_facts(since, now)
     figures = read_store_figures(store, p.model_name, since, now)
 
-    nodes = {n: fleet.node_figures(n, facts["link"].get(n), facts["spool"].get(n), now)
-             for n in sorted(set(facts["nodes"]) | set(facts["link"]))}
+    problems: list[str] = []  # a node's malformed event costs a line here, never the view
+    nodes = {n: fleet.node_figures(n, facts["link"].get(n), facts["spool"].get(n), now, facts["latency"].get(n),
+                                   problems)
+             for n in sorted(set(facts["nodes"]) | set(facts["link"]) | set(facts["latency"]))}
+    for line in problems:
+        logger.warning("fleet view: %s", line)
     model: fleet.ModelStatus | None = figures["model"]
     core = fleet.CoreFigures(
         queue_s=fleet.queue_times(facts["core_runs"]),

@@ -2,8 +2,13 @@
 
 Inputs are plain data, gathered by `edgehaul.tasks.fleet`: each node's latest LINK_STATS and
 SPOOL_WATERMARK events (Prefect's event store), the EdgeNode blocks (node ids, contact plans),
-core_ingest flow runs (queue time), checkpoint events, the curated zone's objects (write throughput)
-and the published model's pointer vs its dataset's latest version.
+core_ingest flow runs (queue time), checkpoint events, the curated zone's objects (write throughput),
+the published model's pointer vs its dataset's latest version, and the latency from a bundle's
+landing (its LANDING_BATCH announcement) to its commit (core_ingest's receipt): the core's own records,
+not what a node claims.
+
+A node's events are its data, not the report's: a payload that does not hold what it should (a word
+where a number belongs) makes that figure NaN and costs one line in the run's log, never the view.
 
 One `FleetView` is the artifact (table + chart), the JSON at `reports/fleet/latest.json` in the ops
 bucket, and the OpenMetrics text the metrics endpoint serves: the same figures in all three.
@@ -45,8 +50,8 @@ METRICS: tuple[Metric, ...] = (
            "link_utilisation"),
     Metric("edgehaul_link_retransmission_ratio", "Retransmitted fraction of link traffic (last drain).", "node",
            "retransmission_rate"),
-    Metric("edgehaul_landing_latency_seconds", "Capture-to-landed latency percentiles, worst tier (last drain).",
-           "node", "latency_s", ("0.5", "0.99")),
+    Metric("edgehaul_landing_latency_seconds", "Landed-to-committed latency percentiles over the window, from the "
+           "core's records (landing announcement to commit receipt).", "node", "latency_s", ("0.5", "0.99")),
     Metric("edgehaul_spool_used_ratio", "Edge spool fill as a fraction of its cap (the watermark figure).", "node",
            "spool_used"),
     Metric("edgehaul_uplink_queue_length", "Bundles waiting to uplink: spool queue plus retry queue.", "node",
@@ -135,35 +140,77 @@ class FleetView:
 
 
 # -- node figures -------------------------------------------------------------------------------------
-def _num(v: Any) -> float:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else NAN
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _worst(per_tier: Any) -> float:
-    """Worst (largest) latency over tiers; NaN when no tier reported one."""
-    vals = [float(v) for v in (per_tier or {}).values() if isinstance(v, int | float)]
-    return max(vals) if vals else NAN
+def _num(p: dict[str, Any], key: str, bad: list[str]) -> float:
+    v = p.get(key)
+    if v is None:
+        return NAN
+    if not _is_num(v):
+        bad.append(f"{key}={str(v)[:40]!r}")
+        return NAN
+    return float(v)
+
+
+def _queue(p: dict[str, Any], bad: list[str]) -> float:
+    queued, retry = p.get("queue_lengths"), p.get("retry_queue", 0) or 0
+    if queued is None:
+        return NAN
+    if not isinstance(queued, dict) or not all(_is_num(v) for v in [*queued.values(), retry]):
+        bad.append(f"queue_lengths={str(queued)[:60]!r} retry_queue={str(retry)[:20]!r}")
+        return NAN
+    return float(sum(queued.values()) + retry)
 
 
 def node_figures(node_id: str, link_stats: tuple[datetime, dict[str, Any]] | None,
-                 spool_alert: tuple[datetime, dict[str, Any]] | None, now: datetime) -> NodeFigures:
-    """A node's figures from its latest LINK_STATS payload (and a later spool alert, if any)."""
+                 spool_alert: tuple[datetime, dict[str, Any]] | None, now: datetime,
+                 latency_s: dict[str, float] | None = None, problems: list[str] | None = None) -> NodeFigures:
+    """A node's figures from its latest LINK_STATS payload (and a later spool alert, if any), with the
+    core-measured `latency_s`. A field that is not a finite number is NaN and named in `problems`."""
     f = NodeFigures(node_id)
+    bad: list[str] = []
+    if latency_s is not None:
+        f.latency_s = dict(latency_s)
     if link_stats is not None:
         at, p = link_stats
+        p = p if isinstance(p, dict) else {}
         f.last_seen = at
-        f.link_utilisation = _num(p.get("rate_cap_use"))
-        f.retransmission_rate = _num(p.get("retransmission_rate"))
-        f.latency_s = {"0.5": _worst(p.get("capture_to_landed_p50_s")), "0.99": _worst(p.get("capture_to_landed_p99_s"))}
-        f.spool_used = _num(p.get("spool_used_fraction"))
-        queued = p.get("queue_lengths")
-        if isinstance(queued, dict):
-            f.uplink_queue = float(sum(int(v) for v in queued.values()) + int(p.get("retry_queue", 0) or 0))
-        f.accelerator_utilisation = _num(p.get("accelerator_utilisation"))
+        f.link_utilisation = _num(p, "rate_cap_use", bad)
+        f.retransmission_rate = _num(p, "retransmission_rate", bad)
+        f.spool_used = _num(p, "spool_used_fraction", bad)
+        f.uplink_queue = _queue(p, bad)
+        f.accelerator_utilisation = _num(p, "accelerator_utilisation", bad)
     if spool_alert is not None and (link_stats is None or spool_alert[0] > link_stats[0]):
-        f.spool_used = _num(spool_alert[1].get("used_fraction"))  # the newer reading wins
+        p = spool_alert[1] if isinstance(spool_alert[1], dict) else {}
+        f.spool_used = _num(p, "used_fraction", bad)  # the newer reading wins
     f.silence_s = (now - f.last_seen).total_seconds() if f.last_seen else NAN
+    if bad and problems is not None:
+        problems.append(f"node {node_id}: unusable figures in its latest events: {', '.join(bad)}")
     return f
+
+
+def commit_latencies(batches: Iterable[tuple[datetime, dict[str, Any]]],
+                     receipts: Iterable[tuple[datetime, str, str]]) -> dict[str, dict[str, float]]:
+    """Per node, p50/p99 seconds from a bundle's first landing announcement (LANDING_BATCH: occurred,
+    payload) to its commit receipt (occurred, node, bundle id): both are the core's records. A payload
+    that is not the expected shape is skipped (it is not a node's to write)."""
+    landed: dict[tuple[str, str], datetime] = {}
+    for at, p in batches:
+        keys, ids = p.get("bundle_keys"), p.get("bundle_ids")
+        if not isinstance(keys, list) or not isinstance(ids, list) or len(keys) != len(ids):
+            continue
+        for key, bundle in zip(keys, ids, strict=True):
+            if isinstance(key, str) and isinstance(bundle, str):
+                k = (key.split("/", 1)[0], bundle)
+                landed[k] = min(at, landed.get(k, at))
+    waits: dict[str, list[float]] = {}
+    for at, node, bundle in receipts:
+        t0 = landed.get((node, bundle))
+        if t0 is not None:
+            waits.setdefault(node, []).append(max(0.0, (at - t0).total_seconds()))
+    return {n: {"0.5": percentile(w, 0.5), "0.99": percentile(w, 0.99)} for n, w in waits.items()}
 
 
 # -- silence against the contact plan ------------------------------------------------------------------

@@ -81,15 +81,28 @@ def read_facts(since: datetime, now: datetime) -> dict[str, Any]:
     for name, at, payload, resource in latest_events(
             [events.LINK_STATS, events.SPOOL_WATERMARK, events.CHECKPOINT_FAILED], since, now):
         if name == events.CHECKPOINT_FAILED:
-            failed += 1
+            # the core's own event: a copy forwarded in a node's name (refused by the gateway today,
+            # perhaps stored before) is not a checkpoint attempt
+            failed += resource.get("edgehaul.forwarded") != "true"
             continue
         latest, prefix = (link, "edgehaul.link.") if name == events.LINK_STATS else (spool, "edgehaul.spool.")
         node = _node_of(resource, prefix)
         if node and (node not in latest or at > latest[node][0]):
             latest[node] = (at, payload)
-    log.info("fleet facts: %d nodes, %d with link stats, %d spool alerts, %d checkpoint failures, %d core runs",
-             len(nodes), len(link), len(spool), failed, len(runs))
-    return {"nodes": nodes, "link": link, "spool": spool, "checkpoint_failed": failed,
+    batches: list[tuple[datetime, dict[str, Any]]] = []
+    receipts: list[tuple[datetime, str, str]] = []
+    # a bundle announced up to a window before `since` and committed in the window still counts
+    for name, at, payload, resource in latest_events([events.LANDING_BATCH, events.BUNDLE_RECEIPT],
+                                                     since - (now - since), now):
+        if name == events.LANDING_BATCH:
+            batches.append((at, payload))
+        elif payload.get("status") == "committed" and at >= since:
+            rid = resource.get("prefect.resource.id", "")
+            receipts.append((at, resource.get("edgehaul.node.id", ""), rid.removeprefix("edgehaul.bundle.")))
+    latency = fleet.commit_latencies(batches, receipts)
+    log.info("fleet facts: %d nodes, %d with link stats, %d spool alerts, %d checkpoint failures, %d core runs, "
+             "%d commit receipts", len(nodes), len(link), len(spool), failed, len(runs), len(receipts))
+    return {"nodes": nodes, "link": link, "spool": spool, "checkpoint_failed": failed, "latency": latency,
             "core_runs": [(r.expected_start_time, r.start_time) for r in runs]}
 
 

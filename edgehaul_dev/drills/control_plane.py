@@ -39,7 +39,7 @@ from edgehaul_dev.drills.report import TrialResult
 HOUR = 3600.0
 NODE = "node-a"  # the pool bundles' node
 STALE_AFTER_S = 600.0
-ALERTS = {1: events.LINK_STATS, 2: events.SPOOL_WATERMARK, 3: events.CHECKPOINT_FAILED}
+ALERTS = {1: events.LINK_STATS, 2: events.SPOOL_WATERMARK, 3: events.RETRY_EXPIRED}  # a node's level 3: samples lost
 RECOVERY_FAULTS = ("prefect-cut-midway", "gateway-restart", "answer-lost")
 
 
