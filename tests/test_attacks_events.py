@@ -49,17 +49,9 @@ class Clock:
         return self.t
 
 
-class Central(Recorder):
-    """The Prefect stand-in, taking `occurred` as the gateway's node-event fan-out passes it."""
-
-    async def __call__(self, name: str, resource: dict[str, str], payload: dict[str, Any],  # type: ignore[override]
-                       event_id: uuid.UUID, occurred: datetime | None = None) -> None:
-        await super().__call__(name, resource, payload, event_id)
-
-
-def _app(tmp_path: Path, senders: dict[str, dict[str, Any]], clock: Clock, **kw: Any) -> tuple[TestClient, Central]:
+def _app(tmp_path: Path, senders: dict[str, dict[str, Any]], clock: Clock, **kw: Any) -> tuple[TestClient, Recorder]:
     write_senders(tmp_path / "senders.json", senders)
-    central = Central()
+    central = Recorder()
     app = create_app(GatewayConfig(SenderRegistry(tmp_path / "senders.json"), tmp_path / "gw", clock=clock, **kw),
                      central)
     return TestClient(app), central
@@ -229,7 +221,7 @@ def fuzz_gw(tmp_path_factory: pytest.TempPathFactory) -> Any:
     hooks = ["node-events", "bundle-uploaded", "contact-window-opened"]
     write_senders(root / "senders.json", {"node-a": {"keys": [key], "nodes": ["node-a"], "hooks": hooks}})
     with TestClient(create_app(GatewayConfig(SenderRegistry(root / "senders.json"), root / "gw", max_body_bytes=256 * 1024,
-                                             rate_per_s=1e6, rate_burst=1e6, replay_capacity=10**6), Central())) as gw:
+                                             rate_per_s=1e6, rate_burst=1e6, replay_capacity=10**6), Recorder())) as gw:
         yield gw, key
 
 

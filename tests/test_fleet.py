@@ -175,8 +175,8 @@ def test_a_scrape_of_the_endpoint_has_every_guide_metric_for_every_node(
     assert one["edgehaul_spool_used_ratio"] == 0.4375
     assert one["edgehaul_uplink_queue_length"] == 8  # 5 waiting in the spool + 3 in the retry queue
     assert 0 <= one["edgehaul_node_silence_seconds"] < 120
-    assert got["edgehaul_landing_latency_seconds"][(("node", talking), ("quantile", "0.5"))] == 40.0  # worst tier
-    assert got["edgehaul_landing_latency_seconds"][(("node", talking), ("quantile", "0.99"))] == 95.0
+    # latency is the core's own landed -> committed (none of talking's bundles committed): not the node's claim
+    assert math.isnan(got["edgehaul_landing_latency_seconds"][(("node", talking), ("quantile", "0.99"))])
     # never heard from: no figure is made up
     assert math.isnan(got["edgehaul_link_utilisation_ratio"][(("node", quiet),)])
     assert math.isnan(got["edgehaul_node_silence_seconds"][(("node", quiet),)])
@@ -201,6 +201,42 @@ def _artifacts(run_id: Any) -> dict[str, Any]:
         arts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
     return {a.key: json.loads(a.data) if a.type == "table" and isinstance(a.data, str) else a.data
             for a in arts if a.key}
+
+
+@given(st.dictionaries(st.sampled_from(["rate_cap_use", "retransmission_rate", "spool_used_fraction", "queue_lengths",
+                                        "retry_queue", "accelerator_utilisation", "used_fraction"]),
+                       st.one_of(st.none(), st.text(max_size=5), st.floats(), st.integers(), st.booleans(),
+                                 st.lists(st.integers(), max_size=3),
+                                 st.dictionaries(st.text(max_size=3), st.one_of(st.integers(), st.text(max_size=3),
+                                                                                st.floats()), max_size=3))))
+def test_any_event_payload_gives_figures_or_nan_and_a_named_problem_never_an_error(payload: dict[str, Any]) -> None:
+    problems: list[str] = []
+    f = fleet.node_figures("n", (T0, payload), (T0 + timedelta(seconds=1), payload), T0, None, problems)
+    for v in (f.link_utilisation, f.retransmission_rate, f.spool_used, f.uplink_queue, f.accelerator_utilisation):
+        assert isinstance(v, float) and (math.isnan(v) or math.isfinite(v))
+    assert len(problems) <= 1 and all(p.startswith("node n: ") for p in problems)
+    bad = [k for k in ("rate_cap_use", "retransmission_rate", "spool_used_fraction", "accelerator_utilisation",
+                       "used_fraction") if payload.get(k) is not None and not fleet._is_num(payload[k])]
+    assert all(f"{k}=" in problems[0] for k in bad)  # each unusable figure named (an IndexError if none is)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["b1", "b2", "b3"]), st.integers(0, 100),
+                          st.integers(0, 100)), max_size=12))
+def test_commit_latency_is_receipt_minus_first_announcement_per_node_and_bundle(
+        rows: list[tuple[str, str, int, int]]) -> None:
+    batches = [(T0 + timedelta(seconds=t), {"bundle_keys": [f"{n}/d/{b}.parquet"], "bundle_ids": [b]})
+               for n, b, t, _ in rows]
+    batches.append((T0, {"bundle_keys": "not a list", "bundle_ids": []}))  # skipped, not an error
+    first: dict[tuple[str, str], int] = {}
+    for n, b, t, _ in rows:
+        first[(n, b)] = min(t, first.get((n, b), t))
+    receipts = [(T0 + timedelta(seconds=200 + d), n, b) for n, b, _, d in rows]
+    got = fleet.commit_latencies(batches, receipts)
+    for node in {"a", "b"}:
+        waits = [200 + d - first[(n, b)] for n, b, _, d in rows if n == node]
+        assert (node in got) == bool(waits)
+        if waits:
+            assert got[node] == {"0.5": fleet.percentile(waits, 0.5), "0.99": fleet.percentile(waits, 0.99)}
 
 
 def test_dashboard_and_scrape_config_cover_every_guide_metric() -> None:

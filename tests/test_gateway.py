@@ -46,7 +46,8 @@ class Recorder:
         self.tried: list[uuid.UUID] = []
         self.fail = False
 
-    async def __call__(self, name: str, resource: dict[str, str], payload: dict[str, Any], event_id: uuid.UUID) -> None:
+    async def __call__(self, name: str, resource: dict[str, str], payload: dict[str, Any], event_id: uuid.UUID,
+                       occurred: datetime | None = None) -> None:
         self.tried.append(event_id)
         if self.fail:
             raise ConnectionError("Prefect unreachable")
