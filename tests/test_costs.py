@@ -109,7 +109,7 @@ def test_report_totals_match_metered_inputs(stack: object) -> None:
     seed = _seed(store, now)
     month = f"{now:%Y-%m}"
     prices = PriceSheet()
-    rep = costs.build_report(store, prices, month, now=now)
+    rep = costs.build_report(store, prices, month, now=now, node_teams={"node-a": "geo", "node-b": "ice"})
     by = lambda meter: [x for x in rep.lines if x["meter"] == meter]  # noqa: E731
     assert {(x["node"], x["team"]): x["quantity"] for x in by("uplink")} == seed["uplink"]
     # the usage log lives in the ops bucket too: take the report's ops rows out, then compare exactly

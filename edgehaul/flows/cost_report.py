@@ -1,13 +1,14 @@
 """Flow `cost_report` (ops pool, scheduled monthly, e.g. cron `0 6 1 * *`): meter and price a month.
 
-Meters uplink bytes per node and team (landing manifests), storage bytes per class and team (a
+Meters uplink bytes per node and team (landing manifests counted, sizes as the store lists them,
+node from the landing key, team from the node's EdgeNode block), storage bytes per class and team (a
 listing, priced as one month at this snapshot, on billable bytes), accelerator hours per team (model
 lineage) and S3 requests (the metering log, `edgehaul.ops.costs.record_usage`); prices from a PriceSheet.
 Outputs: a Prefect table artifact and markdown summary, `reports/costs/<yyyy-mm>/report.parquet` and
 `chart.png` (bytes per tier over time from the snapshots, cost per team) in the ops bucket, and a
 storage snapshot under `metering/storage/`.
 
-Blocks: `ObjectStore` (`store_block`), `PriceSheet` (`prices_block`).
+Blocks: `ObjectStore` (`store_block`), `PriceSheet` (`prices_block`), EdgeNode blocks (node -> team).
 Cache policy: none (storage is metered as of the run; the metering log grows). A rerun for a month
 overwrites that month's report and adds a snapshot.
 """
@@ -26,7 +27,7 @@ from edgehaul.ops.costs import RequestMeter, UsageRecord, markdown_summary, reco
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
-from edgehaul.tasks.costs import build_report_task, write_outputs_task
+from edgehaul.tasks.costs import build_report_task, node_teams_task, write_outputs_task
 
 
 class CostReportParams(BaseModel):
@@ -54,7 +55,7 @@ def cost_report(params: CostReportParams = CostReportParams()) -> dict[str, Any]
     store = load_block(ObjectStore, params.store_block, param="store_block")
     prices = load_block(PriceSheet, params.prices_block, param="prices_block")
     with RequestMeter.process() as meter:
-        report = build_report_task(store, prices, month, now)
+        report = build_report_task(store, prices, month, now, node_teams_task())
         out = write_outputs_task(store, report)
     inline = out.pop("chart_inline")  # the artifact shows the chart itself; the run's result stays small
     # this run's own requests go to the metering log (they show in the report of `now`'s month)
@@ -65,7 +66,9 @@ def cost_report(params: CostReportParams = CostReportParams()) -> dict[str, Any]
     create_markdown_artifact(markdown_summary(report, out["chart"], out["chart_url"], out["report"], inline),
                              key=f"{key}-summary", description=f"Cost summary {month}")
     totals = report.totals()
-    logger.info("cost report %s: %d lines, total %.4f %s", month, len(report.lines), totals.get("cost", 0.0),
-                report.currency)
+    for line in report.problems:  # one line each, never the report
+        logger.warning("cost report %s: not used: %s", month, line)
+    logger.info("cost report %s: %d lines, total %.4f %s, %d inputs not used", month, len(report.lines),
+                totals.get("cost", 0.0), report.currency, len(report.problems))
     return {"month": month, "total": round(totals.get("cost", 0.0), 6), "currency": report.currency, "totals": totals,
             "by_team": report.cost_by_team(), "requests": meter.count, **out}

@@ -1,19 +1,26 @@
 """Metering and pricing: uplink, storage, accelerator hours and requests, per team.
 
-Meters (one source each, so nothing is counted twice):
-- uplink bytes per node and team: landing manifests (`nbytes`, `node_id`, `team`) whose object arrived
-  (LastModified) in the month; the lifecycle never moves manifests, so they stay countable. Bytes
-  whose manifest object says `link: backup` (metadata written by the uplink) are billed as `uplink_backup`
-  at the backup link's price, the rest as `uplink`;
+Meters (one source each, so nothing is counted twice). What a node wrote is never believed about
+its bill: node, team and bytes come from what the core measured, not from a manifest's claims.
+- uplink bytes per node and team: each landing manifest whose object arrived (LastModified) in the
+  month is one bundle; the lifecycle never moves manifests, so they stay countable. Node: the first
+  segment of its landing key (a node's S3 identity writes only under its own prefix); team: the
+  operator's EdgeNode block of that node (`node_teams`; a node without one is `unassigned`); bytes: the
+  size the store lists for the bundle's data object (`<bundle>.parquet`, in landing or moved to cold;
+  manifests are billed as storage). Bytes whose manifest object says `link: backup` (metadata the uplink
+  writes) are billed as `uplink_backup` at the backup link's price, the rest as `uplink`;
 - storage bytes per class and team: a listing of every zone bucket under the store prefix (Size,
-  StorageClass). Team: landing and quarantine objects by their node (node -> team from its latest
-  manifest), `models/<name>/<id>/` by that model's lineage, cold copies like their source; anything
-  else (datasets, checkpoints, ops) is `shared`. Priced as one month at the snapshot taken by the
-  report, on billable bytes (the class's minimum billable size and per-object overhead);
+  StorageClass). Team: landing and quarantine objects by their node (its EdgeNode block), `models/<name>/<id>/`
+  by that model's lineage, cold copies like their source; anything else (datasets, checkpoints, ops)
+  is `shared`. Priced as one month at the snapshot taken by the report, on billable bytes (the class's
+  minimum billable size and per-object overhead);
 - accelerator hours per team: `lineage.json` of models (`team`, `accelerator_hours`) finished in the month;
 - requests: the metering log below. Flows count their own S3 calls with `RequestMeter` and append them
   (boto3 calls only: reads deltalake/pyarrow make through their own S3 clients are not counted, and
   flows that record nothing are not metered; the meter is as complete as its callers).
+
+An input the report cannot use (a metering record that does not parse, a manifest object gone between
+list and HEAD) costs one line in `CostReport.problems` (shown in the summary), never the report.
 
 Metering log (append-only; anyone may write): `record_usage(store, UsageRecord(...))` writes one
 JSON-lines object at `<ops prefix>metering/usage/<yyyy-mm>/<yyyymmddTHHMMSS>-<uuid>.jsonl` with
@@ -54,6 +61,8 @@ USAGE = "metering/usage/"
 SNAPSHOTS = "metering/storage/"
 REPORTS = "reports/costs/"
 SHARED = "shared"
+UNASSIGNED = "unassigned"  # the team of a node no EdgeNode block names: billed to nobody until an operator says
+MANIFEST = ".manifest.json"
 
 
 class MeteringError(ValueError):
@@ -132,7 +141,9 @@ class RequestMeter:
             session.events.unregister("before-call.s3", unique_id=uid)
 
 
-def usage_records(s3: S3Client, store: ObjectStore, start: datetime, end: datetime) -> list[UsageRecord]:
+def usage_records(s3: S3Client, store: ObjectStore, start: datetime, end: datetime,
+                  problems: list[str] | None = None) -> list[UsageRecord]:
+    """The month's records; a malformed one is a line in `problems` (raised without it)."""
     out = []
     months = sorted({f"{start:%Y-%m}", f"{end:%Y-%m}"})
     for m in months:
@@ -144,8 +155,14 @@ def usage_records(s3: S3Client, store: ObjectStore, start: datetime, end: dateti
                     d = json.loads(line)
                     d["at"] = datetime.fromisoformat(d["at"])
                     rec = UsageRecord(**d)
-                except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
-                    raise MeteringError(f"s3://{o.bucket}/{o.key}: malformed usage record {line[:120]!r} ({e})") from e
+                    if not isinstance(rec.quantity, int | float) or rec.quantity < 0 or rec.quantity > 1e15:
+                        raise ValueError(f"quantity {rec.quantity!r}")
+                except (json.JSONDecodeError, TypeError, KeyError, ValueError, AttributeError) as e:
+                    err = MeteringError(f"s3://{o.bucket}/{o.key}: malformed usage record {line[:120]!r} ({e})")
+                    if problems is None:
+                        raise err from e
+                    problems.append(str(err))
+                    continue
                 if start <= rec.at < end:
                     out.append(rec)
     return out
@@ -163,37 +180,52 @@ def month_bounds(month: str) -> tuple[datetime, datetime]:
 def _manifests(s3: S3Client, store: ObjectStore) -> list[tuple[datetime, str]]:
     """(arrival time, key) of every landing manifest."""
     return [(o.last_modified, o.key) for o in list_objects(s3, store.bucket("landing"), store.key("landing"))
-            if o.key.endswith(".manifest.json")]
+            if o.key.endswith(MANIFEST)]
 
 
-def _read_json(s3: S3Client, bucket: str, key: str) -> dict[str, Any]:
-    return _read_json_and_metadata(s3, bucket, key)[0]
+def landed_sizes(s3: S3Client, store: ObjectStore) -> dict[str, int]:
+    """Landing key -> size as the store lists it, for objects still in landing or moved to cold (the
+    cold copy stands for its source; one that is in both counts once)."""
+    landing = store.bucket("landing")
+    sizes = {o.key: o.size for o in list_objects(s3, landing, store.key("landing"))}
+    for o in list_objects(s3, store.bucket("cold"), store.key("cold")):
+        try:
+            bucket, key = origin_of(store, o.key)
+        except ValueError:
+            continue
+        if bucket == landing:
+            sizes.setdefault(key, o.size)
+    return sizes
 
 
-def _read_json_and_metadata(s3: S3Client, bucket: str, key: str) -> tuple[dict[str, Any], dict[str, str]]:
-    resp = s3.get_object(Bucket=bucket, Key=key)
-    body = resp["Body"].read()
-    try:
-        doc = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise MeteringError(f"s3://{bucket}/{key}: not JSON ({e})") from e
-    if not isinstance(doc, dict):
-        raise MeteringError(f"s3://{bucket}/{key}: expected a JSON object")
-    return doc, dict(resp.get("Metadata") or {})
+def node_of_key(store: ObjectStore, key: str) -> str:
+    """The node a landing key belongs to: its first segment under the landing prefix."""
+    return key[len(store.key("landing")):].split("/", 1)[0]
 
 
-def meter_uplink(s3: S3Client, store: ObjectStore, start: datetime, end: datetime) -> list[dict[str, Any]]:
+def meter_uplink(s3: S3Client, store: ObjectStore, start: datetime, end: datetime,
+                 node_teams: dict[str, str] | None = None, problems: list[str] | None = None,
+                 sizes: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """Per node and team: bundles and bytes that arrived in [start, end), and of those bytes how many the
-    backup link carried (the `link` metadata the uplink writes on each manifest object)."""
+    backup link carried (the `link` metadata the uplink writes on each manifest object). Node from the
+    key, team from `node_teams`, bytes from `sizes` (`landed_sizes`): never from the manifest's body."""
+    teams = node_teams or {}
+    sizes = landed_sizes(s3, store) if sizes is None else sizes
     acc: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     for at, key in _manifests(s3, store):
         if not start <= at < end:
             continue
-        m, meta = _read_json_and_metadata(s3, store.bucket("landing"), key)
+        node = node_of_key(store, key)
+        stem = key.removesuffix(MANIFEST)
+        nbytes = sizes.get(stem + ".parquet", 0)
         try:
-            node, team, nbytes = str(m["node_id"]), str(m.get("team") or SHARED), int(m["nbytes"])
-        except (KeyError, ValueError) as e:
-            raise MeteringError(f"s3://{store.bucket('landing')}/{key}: manifest lacks {e}") from e
+            meta = dict(s3.head_object(Bucket=store.bucket("landing"), Key=key).get("Metadata") or {})
+        except Exception as e:  # gone between list and HEAD, or unreadable: billed as primary, said once
+            meta = {}
+            if problems is not None:
+                problems.append(f"s3://{store.bucket('landing')}/{key}: no link metadata ({type(e).__name__}): "
+                                "billed at the primary link's price")
+        team = teams.get(node, UNASSIGNED)
         acc[(node, team)][0] += 1
         acc[(node, team)][1] += nbytes
         if meta.get("link") == "backup":
@@ -207,6 +239,9 @@ class TeamMap:
     node_team: dict[str, str] = field(default_factory=dict)
     model_team: dict[str, str] = field(default_factory=dict)  # "<base>models/<name>/<id>/" -> team
 
+    def node(self, node_id: str) -> str:
+        return self.node_team.get(node_id, UNASSIGNED)
+
     def team_of(self, store: ObjectStore, bucket: str, key: str) -> str:
         if bucket == store.bucket("cold"):
             try:
@@ -216,9 +251,9 @@ class TeamMap:
         base = store.key("landing")
         rel = key[len(base):]
         if bucket == store.bucket("landing"):
-            return self.node_team.get(rel.split("/", 1)[0], SHARED)
+            return self.node(rel.split("/", 1)[0])
         if bucket == store.bucket("curated") and rel.startswith("quarantine/"):
-            return self.node_team.get(rel.split("/")[1] if rel.count("/") >= 2 else "", SHARED)
+            return self.node(rel.split("/")[1]) if rel.count("/") >= 2 else SHARED
         if bucket == store.bucket("models") and rel.startswith("models/"):
             parts = rel.split("/")
             if len(parts) >= 4:
@@ -226,16 +261,9 @@ class TeamMap:
         return SHARED
 
 
-def team_map(s3: S3Client, store: ObjectStore, lineages: list[dict[str, Any]]) -> TeamMap:
-    tm = TeamMap()
-    latest: dict[str, tuple[datetime, str]] = {}
-    base = store.key("landing")
-    for at, key in _manifests(s3, store):
-        node = key[len(base):].split("/", 1)[0]
-        if node not in latest or at > latest[node][0]:
-            latest[node] = (at, key)
-    for node, (_, key) in latest.items():
-        tm.node_team[node] = str(_read_json(s3, store.bucket("landing"), key).get("team") or SHARED)
+def team_map(lineages: list[dict[str, Any]], node_teams: dict[str, str] | None = None) -> TeamMap:
+    """Node -> team from the operator's EdgeNode blocks (never a manifest), model -> team from lineage."""
+    tm = TeamMap(node_team=dict(node_teams or {}))
     for lin in lineages:
         tm.model_team[lin["_key"].removesuffix("lineage.json")] = str(lin.get("team") or SHARED)
     return tm
@@ -296,6 +324,7 @@ class CostReport:
     lines: list[dict[str, Any]]  # meter, team, node, storage_class, quantity, unit, unit_price, cost
     storage: list[dict[str, Any]]
     taken_at: datetime
+    problems: list[str] = field(default_factory=list)  # inputs not used, one line each
 
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -357,19 +386,24 @@ def price(
 
 
 def build_report(
-    store: ObjectStore, prices: PriceSheet, month: str, *, now: datetime, s3: S3Client | None = None
+    store: ObjectStore, prices: PriceSheet, month: str, *, now: datetime, s3: S3Client | None = None,
+    node_teams: dict[str, str] | None = None,
 ) -> CostReport:
-    """Meter every input of `month` (storage: as of now) and price it."""
+    """Meter every input of `month` (storage: as of now) and price it. `node_teams`: node -> team from the
+    operator's EdgeNode blocks (a node without one is billed to `unassigned`)."""
     s3 = s3 or store.client()
     start, end = month_bounds(month)
+    problems: list[str] = []
     lineages = model_lineages(s3, store)
-    teams = team_map(s3, store, lineages)
-    records = usage_records(s3, store, start, end)
-    uplink = meter_uplink(s3, store, start, end)
-    return price(
+    teams = team_map(lineages, node_teams)
+    records = usage_records(s3, store, start, end, problems)
+    uplink = meter_uplink(s3, store, start, end, teams.node_team, problems)
+    rep = price(
         month, prices, uplink, meter_storage(s3, store, teams),
         meter_accelerators(lineages, start, end), meter_requests(records), now, meter_backup_uplink(uplink),
     )
+    rep.problems = problems
+    return rep
 
 
 # --------------------------------------------------------------------------------- outputs
@@ -438,6 +472,8 @@ def markdown_summary(report: CostReport, chart_uri: str, chart_url: str, report_
         "",
         "Cost per team: " + ", ".join(f"{k} {v:.4f}" for k, v in report.cost_by_team().items()),
         "",
+        *([f"{len(report.problems)} inputs not used:", *(f"- {p}" for p in report.problems[:50]), ""]
+          if report.problems else []),
         f"![bytes per tier and cost per team]({chart_inline or chart_url})",
         "",
         f"Chart: [`{chart_uri}`]({chart_url}); report: `{report_uri}`",
