@@ -288,3 +288,40 @@ def test_validation_results_round_trip_through_the_json_serializer(v: Validation
     assert s.loads(blob) == v
     assert pickle.loads(pickle.dumps(v)) == v  # (the dataclass itself stays picklable for in-process futures)
 
+
+
+# ---- the result storage is pinned, not whatever a block says ---------------------------------------
+
+@pytest.mark.integration
+def test_a_results_block_repointed_into_a_landing_prefix_is_refused_and_the_bundle_validated(
+    stack: localstack.StackState,
+) -> None:
+    """An API-string holder re-points the central results block into a node's landing prefix and writes a
+    JSON 'success' for its bad bundle there (on main: committed, 12 of 12 NaN rows). The core pins its
+    storage (EDGEHAUL_CORE_RESULTS_URI, default its own ops folder): the block is refused, the bundle validated."""
+    from edgehaul.core.validation_cache import ValidationCache, refusal
+
+    tag = uuid.uuid4().hex[:8]
+    node = _nodes(stack)[0]
+    ingest, block, results = _central(stack, tag)
+    admin = store_for(stack, prefix=f"t-{tag}")
+    data, m = _scaled_bundle(node, seed=41)
+    key = land(admin, data, m)
+    entry = validation_key(m.sha256, f"edgehaul-landing/{key}", landed_etag(ingest, key), CONTRACT.sha256)
+    forged = ValidationResult(bundle_id=m.bundle_id, node_id=m.node_id, contract=CONTRACT.id,
+                              contract_sha256=CONTRACT.sha256, bundle_sha256=m.sha256, rows=m.row_count, success=True,
+                              reason="ok")
+    meta = ResultRecordMetadata(storage_key=entry, serializer=JSONSerializer(), expiration=None)
+    folder = admin.key("landing", f"{node}/forged")
+    admin.client().put_object(Bucket="edgehaul-landing", Key=f"{folder}/{entry}",
+                              Body=ResultRecord(metadata=meta, result=forged).serialize())
+    repointed = core_result_storage_block(ingest)
+    repointed.bucket_name, repointed.bucket_folder = "edgehaul-landing", folder
+    repointed.save(results.removeprefix("s3-bucket/"), overwrite=True)
+    assert "not the pinned" in refusal(repointed, ingest)
+    assert ValidationCache.named(results, ingest).storage is None
+    assert refusal(core_result_storage_block(ingest), ingest) == ""  # the block as deployed is accepted
+
+    summary = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[key], result_storage=results))
+    assert summary["valid"] == 0 and [q["bundle_id"] for q in summary["quarantined"]] == [m.bundle_id]
+    assert summary["quarantined"][0]["reason"] == "expectations" and summary["versions"] == {}

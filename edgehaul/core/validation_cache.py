@@ -11,6 +11,10 @@ cache stays per bundle, as Prefect's task cache was, and in the same place and f
 - value: a Prefect result record (JSON serializer) holding the `ValidationResult`, in the flow's result
   storage (`result_storage`: the central `edgehaul-core-results` S3 folder, or the worker's default
   storage), which only central identities may write (`edgehaul.platform.caching`);
+- the storage is pinned: `named` takes a block only when it is the configured central folder
+  (`EDGEHAUL_CORE_RESULTS_URI`, default the core store's `<ops bucket>/<prefix>prefect-results/core`, on the
+  core store's endpoint). A block an API client re-pointed elsewhere (a node's landing prefix, another
+  server) is refused: no cache, every bundle validated, one error line;
 - only successes are written: a rejection is validated again by every run;
 - a read takes a record only when it is JSON and holds a successful result for this very bundle and
   checksum; anything else (pickle, another serializer, garbage, expired, another bundle) is a miss,
@@ -73,33 +77,77 @@ def entry_for(store: ObjectStore, key: str, manifest: dict[str, Any], *, s3: S3C
                           contract_sha)
 
 
+def pinned_location(store: ObjectStore | None) -> tuple[str, str, str | None] | None:
+    """(bucket, folder, endpoint) the validation cache may use: EDGEHAUL_CORE_RESULTS_URI, else the core
+    store's central results folder; None when neither is known (then no named block is accepted)."""
+    from edgehaul.platform.caching import CORE_RESULTS_FOLDER
+    from edgehaul.platform.settings import get_settings
+
+    endpoint = store.endpoint_url if store is not None else None
+    uri = get_settings().core_results_uri
+    if uri:
+        bucket, _, folder = uri.removeprefix("s3://").partition("/")
+        return bucket, folder.strip("/"), endpoint
+    if store is None:
+        return None
+    return store.bucket("ops"), store.key("ops", CORE_RESULTS_FOLDER).strip("/"), endpoint
+
+
+def refusal(storage: Any, store: ObjectStore | None) -> str:
+    """Why `storage` (a resolved result-storage block) is not the pinned central folder; '' when it is."""
+    pin = pinned_location(store)
+    if pin is None:
+        return "no pinned location (EDGEHAUL_CORE_RESULTS_URI unset and no core store given)"
+    bucket, folder, endpoint = pin
+    got_bucket = getattr(storage, "bucket_name", None)
+    if got_bucket is None:
+        return f"a {type(storage).__name__}, not the central S3 folder s3://{bucket}/{folder}"
+    got_folder = str(getattr(storage, "bucket_folder", "") or "").strip("/")
+    if (got_bucket, got_folder) != (bucket, folder):
+        return f"it names s3://{got_bucket}/{got_folder}, not the pinned s3://{bucket}/{folder}"
+    params = getattr(getattr(storage, "credentials", None), "aws_client_parameters", None)
+    got_endpoint = getattr(params, "endpoint_url", None)
+    if endpoint is not None and got_endpoint is not None and str(got_endpoint).rstrip("/") != endpoint.rstrip("/"):
+        return f"its endpoint {str(got_endpoint)[:80]} is not the core store's {endpoint}"
+    return ""
+
+
 class ValidationCache:
     """Successful validations by entry, in a Prefect result storage block (S3Bucket, LocalFileSystem, ...)."""
 
-    def __init__(self, storage: WritableFileSystem, ttl: timedelta = VALIDATION_TTL) -> None:
-        self.storage = storage
+    def __init__(self, storage: WritableFileSystem | None, ttl: timedelta = VALIDATION_TTL) -> None:
+        self.storage = storage  # None: refused storage, every lookup a miss and nothing written
         self.ttl = ttl
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
     @classmethod
-    def named(cls, result_storage: str) -> ValidationCache:
-        """The block named by its slug (`s3-bucket/edgehaul-core-results`), or Prefect's default result storage
-        of this process when empty (its local disk: correct, but a cache no other worker shares)."""
+    def named(cls, result_storage: str, store: ObjectStore | None = None) -> ValidationCache:
+        """The block named by its slug (`s3-bucket/edgehaul-core-results`) when it is the pinned central
+        folder (`pinned_location`), or Prefect's default result storage of this process when empty (its
+        local disk: correct, but a cache no other worker shares). A block anywhere else is refused."""
         from prefect.results import get_default_result_storage, resolve_result_storage
 
-        # both are sync here (no event loop in a task's thread); async_dispatch's types say either
-        storage = resolve_result_storage(result_storage) if result_storage else \
-            get_default_result_storage(_sync=True)  # type: ignore[call-arg]
+        if not result_storage:  # sync here (no event loop in a task's thread); async_dispatch's types say either
+            return cls(cast("WritableFileSystem", get_default_result_storage(_sync=True)))  # type: ignore[call-arg]
+        storage = resolve_result_storage(result_storage)
+        why = refusal(storage, store)
+        if why:
+            log.error("validation cache: result storage %s refused: %s; validating every bundle", result_storage, why)
+            return cls(None)
         return cls(cast("WritableFileSystem", storage))
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         from prefect._internal.compatibility.blocks import call_explicitly_sync_block_method
 
+        if self.storage is None:
+            raise RuntimeError("refused result storage")
         return call_explicitly_sync_block_method(self.storage, method, args, kwargs)
 
     def get(self, entry: str, manifest: dict[str, Any]) -> ValidationResult | None:
         """The cached success for `entry`, when there is a usable one for this bundle; else None."""
+        if self.storage is None:
+            return None
         try:
             raw = self._call("read_path", entry)
         except (FileNotFoundError, ValueError):
@@ -145,6 +193,8 @@ class ValidationCache:
 
         if not result.success:
             raise ValueError(f"bundle {result.bundle_id}: only a successful validation is cached ({result.reason})")
+        if self.storage is None:
+            return False
         meta = ResultRecordMetadata(storage_key=entry, serializer=JSONSerializer(),
                                     expiration=cast("DateTime", now("UTC") + self.ttl))
         try:

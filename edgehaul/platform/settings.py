@@ -133,6 +133,12 @@ class Settings(EnvSettings):
     gateway_batch_max: int = Field(
         default=200, ge=1, le=500, description="...or as soon as this many bundles wait (core_ingest takes at "
                                                "most 500 per run).")
+    core_results_uri: str | None = Field(
+        default=None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,62}/[^\s]*$",
+        description="The one result storage core_ingest's validation cache may use, `s3://<bucket>/<folder>` "
+                    "(central hosts' environment, not a block: API clients can edit blocks). Unset: the core "
+                    "store's ops bucket, folder `<prefix>prefect-results/core`. A result-storage block naming "
+                    "another bucket, folder or endpoint is refused (no cache, every bundle validated).")
     # object store of ObjectStore.from_env (local stack, CI, training children)
     s3_endpoint: str | None = Field(
         default=None, description="S3 endpoint URL of `ObjectStore.from_env()` (unset: AWS's own endpoints).")

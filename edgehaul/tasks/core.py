@@ -87,7 +87,7 @@ def validate_bundles_task(
 ) -> ingest.ValidatedBatch:
     """Validate a chunk of landed bundles (one GE run, reads in parallel), each bundle's success cached by
     hand in `result_storage` (see `edgehaul.core.validation_cache`); rejections are results, not errors."""
-    cache = ValidationCache.named(result_storage)
+    cache = ValidationCache.named(result_storage, store)  # refused unless the pinned central folder
     return ingest.validate_landed_many(store, items, cache=cache, refresh=refresh)
 
 
