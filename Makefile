@@ -37,7 +37,7 @@ demo: up
 
 # blocks, work pools, deployments/prefect.yaml (schedules, triggers), alert automations, workers
 deploy: up
-	source $(STACK_DIR).env && $(DEV) deploy
+	source $(STACK_DIR).env && $(DEV) deploy $(DEPLOY_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
@@ -69,7 +69,7 @@ verify: install
 # on failure). VERIFY_DEMO_SAMPLES per node; the Prefect API asks for the stack's auth string (docs/SECURITY.md).
 VERIFY_DEMO_SAMPLES ?= 1000
 verify-demo: install
-	@rc=0; $(MAKE) --no-print-directory deploy || rc=$$?; \
+	@rc=0; $(MAKE) --no-print-directory deploy DEPLOY_ARGS=--edge-workers || rc=$$?; \
 	if [ $$rc -eq 0 ]; then \
 	  source $(STACK_DIR).env && $(DEV) demo --via-deployments --samples $(VERIFY_DEMO_SAMPLES) || rc=$$?; \
 	  $(DEV) verify --root $(STACK_DIR) || rc=$$?; \

@@ -9,10 +9,12 @@ Against $PREFECT_API_URL (the local stack of $EDGEHAUL_STACK_DIR by default), in
    (`apply_triggers`: `prefect deploy` would recreate them, blanking the trigger of past runs);
 4. the alert automations (`edgehaul.platform.automations`), notifying the gateway's /alerts sink of the
    local stack, or $EDGEHAUL_ALERT_WEBHOOK_URL;
-5. one `prefect worker start` per pool, under one supervisor process recorded as the stack's
-   `workers` PID (`make down` stops them with the rest of the stack).
+5. one `prefect worker start` per central pool, under one supervisor process recorded as the stack's
+   `workers` PID (`make down` stops them with the rest of the stack). No edge pool's worker: it would
+   hold the central API string; nodes run node-local (`edgehaul node run`). `--edge-workers` adds them
+   as simulated nodes on this host, for the deployment-path demo (`make verify-demo`) only.
 
-    python -m edgehaul_dev.deploy [--no-workers] [--no-automations] [--overlay FILE | --no-overlay]
+    python -m edgehaul_dev.deploy [--no-workers] [--edge-workers] [--no-automations] [--overlay FILE | --no-overlay]
     python -m edgehaul_dev.deploy workers --pool central --pool ops     # the supervisor itself
 """
 
@@ -278,8 +280,16 @@ def supervise(pools: list[str]) -> int:
     return 0
 
 
+def worker_pools(pools: list[str], *, edge_workers: bool = False) -> list[str]:
+    """The pools this host runs workers for: the central ones. An edge pool's worker would hold the central
+    API string (which lets its holder change any block, deployment or automation): nodes run node-local
+    (`edgehaul node run`). `edge_workers` runs them here anyway: simulated nodes on the operator's own
+    machine, for the deployment-path demo (`make verify-demo`) only, never on an edge host."""
+    return [p for p in pools if edge_workers or not p.startswith("edge-")]
+
+
 def deploy(*, workers: bool = True, automations: bool = True, prefect_file: Path = PREFECT_FILE,
-           overlay: Path | None = DEMO_OVERLAY) -> dict[str, Any]:
+           overlay: Path | None = DEMO_OVERLAY, edge_workers: bool = False) -> dict[str, Any]:
     spec = load_spec(prefect_file, overlay)
     register_blocks()
     pools = pools_of(spec)
@@ -292,7 +302,7 @@ def deploy(*, workers: bool = True, automations: bool = True, prefect_file: Path
         url, token = default_alert_target()
         out["automations"] = [a.name for a in apply_automations(webhook_url=url, token=token)]
     if workers:
-        out["workers_pid"] = start_workers(pools)
+        out["workers_pid"] = start_workers(worker_pools(pools, edge_workers=edge_workers))
     return out
 
 
@@ -301,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", nargs="?", default="deploy", choices=["deploy", "workers"])
     ap.add_argument("--pool", action="append", default=[], help="(workers) pool to serve; repeatable")
     ap.add_argument("--no-workers", action="store_true")
+    ap.add_argument("--edge-workers", action="store_true",
+                    help="also run the edge pools' workers on this host (simulated nodes, demo of the deployment "
+                         "path): they hold the central API string, so never on an edge host")
     ap.add_argument("--no-automations", action="store_true")
     ap.add_argument("--prefect-file", type=Path, default=PREFECT_FILE)
     ap.add_argument("--overlay", type=Path, default=DEMO_OVERLAY, help="settings merged over the file (the demo's)")
@@ -310,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "workers":
         return supervise(args.pool or pools_of(load_spec(args.prefect_file)))
-    out = deploy(workers=not args.no_workers, automations=not args.no_automations,
+    out = deploy(workers=not args.no_workers, automations=not args.no_automations, edge_workers=args.edge_workers,
                  prefect_file=args.prefect_file.resolve(), overlay=None if args.no_overlay else args.overlay.resolve())
     print(f"pools: {', '.join(out['pools'])}")
     print(f"deployments ({len(out['deployments'])}): {', '.join(out['deployments'])}")
