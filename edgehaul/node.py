@@ -178,11 +178,25 @@ def node_blocks(cfg: NodeConfig, layout: NodeLayout) -> dict[str, Any]:
             f"edgehaul-tiering-policy/{DEFAULT_POLICY}": TieringPolicy(**cfg.tiering)}
 
 
+def owner_only(root: Path, *, umask: bool = False) -> None:
+    """The node's files are its owner's alone: what an earlier version left readable under `root` is made
+    0700/0600, and with `umask` everything this process (and its children: the local server, flow runs)
+    creates from now on is too (umask 077: the node process's own setting, for its lifetime)."""
+    if umask:
+        os.umask(0o077)
+    if not root.exists():
+        return
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(0o700 if p.is_dir() else p.stat().st_mode & 0o700)
+
+
 def init(cfg: NodeConfig) -> NodeLayout:
     """Write the node's state dir, start its server long enough to save its blocks, and stop it."""
     layout = NodeLayout(cfg.root())
+    owner_only(layout.root)
     for d in (layout.root, layout.spool, layout.contracts, layout.drop, layout.done, layout.logs):
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)  # inside a 0700 root: what init writes is the owner's
     layout.prefect_home.mkdir(mode=0o700, exist_ok=True)
     try:
         blocks = node_blocks(cfg, layout)  # validated before anything is written
@@ -330,6 +344,7 @@ def run(layout: NodeLayout) -> None:
     """Start the node's server and serve its deployments until SIGTERM / Ctrl-C."""
     from prefect import serve
 
+    owner_only(layout.root, umask=True)
     cfg = layout.load()
     signal.signal(signal.SIGTERM, _interrupt)  # the server is stopped on the way out, not orphaned
     with local_server(layout) as api, node_settings(layout):
