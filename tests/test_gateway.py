@@ -156,22 +156,23 @@ def test_replays_are_refused_across_a_restart_and_forgotten_after_the_window(tmp
     key = new_secret()
     senders = {"gs-1": {"keys": [key], "nodes": ["*"], "hooks": sorted(HOOKS)}}
     body = _contact("node-a")
-    h = signed_headers(key, body)
-    with _gateway(tmp_path, senders, Recorder(), tolerance_s=2) as gw:
+    now = [1_800_000_000.0]  # the gateway's injected clock: the window passes without sleeping
+    h = signed_headers(key, body, now=now[0])
+    with _gateway(tmp_path, senders, Recorder(), tolerance_s=2, clock=lambda: now[0]) as gw:
         assert gw.post("/hooks/gs-1/contact-window-opened", content=body, headers=h).status_code == 202
         r = gw.post("/hooks/gs-1/contact-window-opened", content=body, headers=h)
         assert r.status_code == 409 and "already accepted" in r.json()["error"]
     rec = Recorder()
-    with _gateway(tmp_path, senders, rec, tolerance_s=2) as gw:  # a new process, the same state dir
+    with _gateway(tmp_path, senders, rec, tolerance_s=2, clock=lambda: now[0]) as gw:  # a new process, same state
         r = gw.post("/hooks/gs-1/contact-window-opened", content=body, headers=h)
         assert r.status_code == 409, r.text
         # the same id with a new signature (a new timestamp) is still the same message
-        h2 = signed_headers(key, body, msg_id=h["webhook-id"])
+        h2 = signed_headers(key, body, msg_id=h["webhook-id"], now=now[0] + 1)
         assert gw.post("/hooks/gs-1/contact-window-opened", content=body, headers=h2).status_code == 409
-        time.sleep(3.5)  # past timestamp + tolerance: the request is stale, its id no longer needed
+        now[0] += 3.5  # past timestamp + tolerance: the request is stale, its id no longer needed
         r = gw.post("/hooks/gs-1/contact-window-opened", content=body, headers=h)
         assert r.status_code == 401 and "stale" in r.json()["error"]
-        r = gw.post("/hooks/gs-1/contact-window-opened", content=body, headers=signed_headers(key, body))
+        r = gw.post("/hooks/gs-1/contact-window-opened", content=body, headers=signed_headers(key, body, now=now[0]))
         assert r.status_code == 202
         assert gw.get("/healthz").json()["replay_entries"] == 1  # the expired ones were pruned
     assert rec.events and all(e[0] == events.CONTACT_OPENED for e in rec.events)
