@@ -323,3 +323,30 @@ def test_a_malformed_stored_event_costs_one_line_not_the_fleet_report(stack: Any
     assert view.core.checkpoints_failed == 0
     lines = [r.getMessage() for r in caplog.records if bad in r.getMessage() and "unusable" in r.getMessage()]
     assert len(lines) == 1 and "queue_lengths" in lines[0] and "rate_cap_use" in lines[0], lines
+
+
+def test_what_the_product_itself_forwards_passes_the_schemas(tmp_path: Path) -> None:
+    """The honest side of the schemas: the node's own emitters (link stats of a drain, a run summary and
+    ledger totals, a retry expiry, downlink results) are all accepted, nothing set aside."""
+    from edgehaul.edge.outbox import record_run
+    from edgehaul.tasks.uplink import publish_link_stats
+
+    key, clock = new_secret(), Clock(time.time())
+    gw, central = _app(tmp_path, _node("node-a", key), clock)
+    box = Outbox(tmp_path / "outbox.sqlite", "node-a")
+    with events.routed(box.sink()):
+        publish_link_stats.fn("node-a", {"retransmission_rate": 0.01, "goodput_bps": 3e5, "rate_cap_use": 0.4,
+                                         "queue_lengths": {"high": 0, "normal": 3}, "retry_queue": 1,
+                                         "capture_to_landed_p50_s": {"high": None, "normal": -1.5},
+                                         "capture_to_landed_p99_s": {"normal": 80.0}, "spool_used_fraction": None})
+        events.emit(events.RETRY_EXPIRED, "edgehaul.uplink.node-a",
+                    {"bundle_id": "b-1", "samples": 40, "reason": "retry-expired", "detail": "x" * 300})
+        events.emit(events.CONTACT_OPENED, "edgehaul.link.node-a", {"waited_s": 12.5})
+    record_run(box, "edge_ingest", {"batches": 2, "samples_in": 900, "rejected": {"decode": 3}, "bundles": 4,
+                                    "spool_used_fraction": 0.2}, {"ingest/accepted": 897, "ingest/decode": 3})
+    box.append(events.DOWNLINK_APPLIED, {"generation": 3, "previous": 2, "items": ["model/landcover@7"]})
+    box.append(events.DOWNLINK_REFUSED, {"generation": 4, "in_force": 3, "why": "sha256 mismatch"})
+    with gw:
+        rep = Forwarder(box, gw, "node-a", key).forward()
+    assert rep.ok and rep.set_aside == [] and len(box) == 0, (rep, box.set_aside_events())
+    assert len(central.events) == 7

@@ -188,6 +188,7 @@ Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e15, le=1e15)]
 Fraction = Annotated[float, Field(allow_inf_nan=False, ge=0, le=100)]
 Count = Annotated[int, Field(ge=0, le=MAX_SEQ)]
 Seconds = Annotated[float, Field(allow_inf_nan=False, ge=0, le=1e9)]
+Lag = Annotated[float, Field(allow_inf_nan=False, ge=-1e9, le=1e9)]
 Label = Annotated[str, Field(max_length=128)]
 Text = Annotated[str, Field(max_length=_MAX_STR)]
 
@@ -259,8 +260,9 @@ class LinkStatsPayload(_Payload):
     queue_lengths: dict[Label, Count] = Field(default_factory=dict, max_length=32)
     retry_queue: Count | None = None
     bundles_landed: Count | None = None
-    capture_to_landed_p50_s: dict[Label, Seconds] = Field(default_factory=dict, max_length=32)
-    capture_to_landed_p99_s: dict[Label, Seconds] = Field(default_factory=dict, max_length=32)
+    # a tier without samples reports None; a node's clock may put capture after landing (negative)
+    capture_to_landed_p50_s: dict[Label, Lag | None] = Field(default_factory=dict, max_length=32)
+    capture_to_landed_p99_s: dict[Label, Lag | None] = Field(default_factory=dict, max_length=32)
     spool_used_fraction: Fraction | None = None
     accelerator_utilisation: Fraction | None = None
 
