@@ -224,8 +224,8 @@ def test_any_event_payload_gives_figures_or_nan_and_a_named_problem_never_an_err
                           st.integers(0, 100)), max_size=12))
 def test_commit_latency_is_receipt_minus_first_announcement_per_node_and_bundle(
         rows: list[tuple[str, str, int, int]]) -> None:
-    batches = [(T0 + timedelta(seconds=t), {"bundle_keys": [f"{n}/d/{b}.parquet"], "bundle_ids": [b]})
-               for n, b, t, _ in rows]
+    batches: list[tuple[datetime, dict[str, Any]]] = [
+        (T0 + timedelta(seconds=t), {"bundle_keys": [f"{n}/d/{b}.parquet"], "bundle_ids": [b]}) for n, b, t, _ in rows]
     batches.append((T0, {"bundle_keys": "not a list", "bundle_ids": []}))  # skipped, not an error
     first: dict[tuple[str, str], int] = {}
     for n, b, t, _ in rows:
