@@ -71,11 +71,12 @@ def test_every_pool_the_deployments_use_has_a_template_and_workers() -> None:
            if d.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/name") == "prefect-worker"}
     services = yaml.safe_load((INFRA / "compose" / "compose.yaml").read_text())["services"]
     compose = {_served(s["command"]) for name, s in services.items() if name.startswith("worker-")}
-    # on Kubernetes an edge site runs the node-local runtime (`edgehaul node run`), no central-pool worker
-    assert pools - {"edge-default"} == {p for p, _ in k8s}, k8s
-    for served in (compose,):
-        assert pools == {p for p, _ in served}, served
-        assert ("edge-default", "node-a") in served and ("edge-default", None) not in served, served
+    # an edge site runs the node-local runtime (`edgehaul node run`), never a worker of a central pool
+    for served in (k8s, compose):
+        assert pools - {"edge-default"} == {p for p, _ in served}, served
+    node = services["node-a"]
+    assert "edgehaul node run" in " ".join(node["command"]), node["command"]
+    assert not any(k.startswith("PREFECT_") for k in node.get("environment") or {}), "an edge host holds no API string"
     edge_tpl = load_pool(INFRA / created["edge-default"].removeprefix("infra/"))
     for d in spec["deployments"]:
         pool = d["work_pool"]
@@ -217,7 +218,7 @@ def test_compose_file_is_complete_and_keeps_secrets_out() -> None:
     doc = yaml.safe_load(text)
     services = doc["services"]
     want = {"postgres", "prefect-server", "minio", "minio-init", "worker-central", "worker-central-gpu", "worker-ops",
-            "worker-edge-node-a", "gateway"}
+            "node-a", "gateway"}
     assert want <= set(services)
     for name, svc in services.items():
         assert PINNED.match(svc["image"]), f"{name}: image {svc['image']} not pinned"

@@ -248,11 +248,11 @@ def test_central_pool_runs_tasks_on_the_cluster_dask_yaml_defines() -> None:
     assert RunnerConfig.from_env({k: v or "" for k, v in training.items()}).kind == "thread"
 
 
-def test_edge_pool_and_edge_worker_keep_tasks_on_the_node() -> None:
+def test_edge_pool_and_edge_node_keep_tasks_on_the_node() -> None:
     _, manifest_env = _job_env("edge", {})
     assert RunnerConfig.from_env({k: v or "" for k, v in manifest_env.items()}).kind == "thread"
     services = yaml.safe_load((INFRA / "compose" / "compose.yaml").read_text())["services"]
-    edge_env = {k: str(v) for k, v in services["worker-edge-node-a"]["environment"].items()}
+    edge_env = {k: str(v) for k, v in services["node-a"]["environment"].items()}
     assert RunnerConfig.from_env(edge_env).kind == "thread"
 
 
