@@ -271,16 +271,27 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     if broken:  # the contract changed under the run: fail before quarantining anything
         raise broken[0]
 
+    errors.update(scan.errors)
     usable = scan.manifests
-    q_futures = [quarantine_task.submit(store, k, r, usable.get(k)) for k, r in rejected.items()]
-    quarantined = [f.result() for f in q_futures]
+    q_futures = {k: quarantine_task.submit(store, k, r, usable.get(k)) for k, r in rejected.items()}
+    quarantined = []
+    for key, q_fut in q_futures.items():  # one bundle's quarantine that fails is that bundle's, left in landing
+        q_fut.wait()
+        if q_fut.state.is_completed():
+            quarantined.append(q_fut.result())
+        else:
+            errors[key] = f"quarantine failed: {str(q_fut.state.result(raise_on_failure=False))[:300]}"
 
     by_contract: dict[str, list[tuple[str, ValidationResult]]] = {}
     for key, res in passed.items():
         by_contract.setdefault(res.contract, []).append((key, res))
     commits = []
     for contract_id, items in sorted(by_contract.items()):
-        c = commit_task(store, contract_id, items, run_id, p.lease_s)
+        c_state = commit_task(store, contract_id, items, run_id, p.lease_s, return_state=True)
+        if not c_state.is_completed():  # left in landing for the next run; the other contracts still commit
+            errors.update({k: f"commit failed: {str(c_state.result(raise_on_failure=False))[:300]}" for k, _ in items})
+            continue
+        c = c_state.result()
         commits.append(c)
         node_of = {r.bundle_id: r.node_id for _, r in items}
         if c.version is not None:
