@@ -453,7 +453,7 @@ def read_bounded(data: bytes, columns: list[str] | None, budget: int, *, what: s
         if declared > budget:
             raise Unpacked(f"{what}: its pages unpack to {declared} bytes, over its budget of {budget} "
                            f"({len(data)} bytes as sent)")
-        rows = max(1, min(8192, _BATCH_BYTES // max(max_dict, 1)))
+        rows = max(1, min(8192, min(_BATCH_BYTES, budget) // max(max_dict, 1)))  # a batch overshoots by <= budget
         batches, built = [], 0
         for b in pf.iter_batches(batch_size=rows, columns=names, use_threads=False):
             built += b.nbytes

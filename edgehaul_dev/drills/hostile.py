@@ -76,7 +76,7 @@ def _manifest_for(data: bytes, t: pa.Table | None, template: BundleManifest, bun
 def _written(t: pa.Table, dictionary: list[str] | None = None) -> bytes:
     """Parquet as a hostile writer makes it: the bundle's columns, the contract named, any dictionary it likes."""
     sink = io.BytesIO()
-    pq.write_table(t, sink, compression="zstd", compression_level=19, use_dictionary=dictionary or False,
+    pq.write_table(t, sink, compression="zstd", compression_level=3, use_dictionary=dictionary or False,
                    store_schema=False)
     return sink.getvalue()
 
@@ -129,9 +129,9 @@ def make_attack(name: str, rng: random.Random, template: bytes, template_manifes
         return data, json.dumps(asdict(m)).encode()
     t = _as_hostile(_template_rows(template, rng.randint(3, 20)), rng, node)
     contract = load_contract(KIND)
-    if name == "page_bomb":  # plain pages of 200 KB pixels each: honest page headers, far over the rows' budget
+    if name == "page_bomb":  # plain pages of 1 MiB pixels each: honest page headers, far over the rows' budget
         t = t.set_column(t.schema.get_field_index("pixels"), "pixels",
-                         pa.array([bytes(200_000)] * t.num_rows, pa.binary()))
+                         pa.array([bytes(2**20)] * t.num_rows, pa.binary()))
         data = _written(t.replace_schema_metadata({b"edgehaul.contract": contract.id.encode()}))
     elif name == "inclusion_p":
         p = t.column("inclusion_p").to_pylist()
