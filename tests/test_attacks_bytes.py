@@ -97,7 +97,7 @@ def test_hostile_manifests_fail_no_run_and_are_quarantined_with_their_reason(
     more = bundle(9, "node-b", seed=7, start_seq=_seq())
     land(node_b, *more)
     sweep, state = _run(store_block=ingest_block, prefix="node-b/")  # a discovery sweep beside the attacks
-    assert state.is_completed(), state.message
+    assert state.is_completed() and not sweep["errors"], state.message
     everything, state = _run(store_block=ingest_block, prefix="node-a/")  # and over the attacker's own prefix
     assert state.is_completed(), state.message
     assert {str(k) for k in attacks} <= set(everything["already_quarantined"])
@@ -174,7 +174,7 @@ def test_a_bomb_landed_by_a_node_is_quarantined_by_core_ingest(
     d_ok, m_ok = bundle(14, "node-a", seed=4, start_seq=_seq())
     ok_key = land(node_a, d_ok, m_ok)
     summary, state = _run(store_block=ingest_block, bundle_keys=[*attacks, ok_key])
-    assert state.is_completed(), state.message
+    assert state.is_completed() and not summary["errors"], state.message
     ingest = store_for(stack, "ingest")
     assert attack_verdicts(ingest, ingest.client(), attacks) == []
     bomb = next(k for k, n in attacks.items() if n == "dict_bomb")
