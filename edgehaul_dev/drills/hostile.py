@@ -1,5 +1,5 @@
 """The hostile-node drill: a node holding its own landing key lands objects shaped to break the core (manifests
-nested 100,000 deep, 5,000-digit numbers, NaN, not JSON, a contract named by path; bundles that unpack a few KB
+nested 100,000 deep, 5,000-digit numbers, not JSON, a contract named by path; bundles that unpack a few KB
 to gigabytes, truncated or garbled zstd pages, wrong magic, rows weighted by inclusion_p 1e-40, rows naming
 another node) beside honest nodes' bundles. Every honest sample must reach the dataset exactly once, every
 hostile object must be quarantined with a reason, and no core ingest run may fail.
@@ -39,7 +39,7 @@ DAY = "2026-12-05"
 ATTACKS: dict[str, tuple[str, ...]] = {
     "deep_json": ("unreadable",),  # a manifest 100,000 brackets deep (200 KB)
     "huge_number": ("unreadable",),  # a 5,000-digit row count
-    "nan_manifest": ("unreadable",),  # NaN / Infinity in the manifest
+    "long_float": ("unreadable",),  # a 5,000-digit fraction
     "not_json": ("unreadable",),  # random bytes where the manifest goes
     "wrong_types": ("unreadable",),  # a list where a count goes
     "contract_path": ("bad_id",),  # the contract named by a path to a real contract file
@@ -106,7 +106,7 @@ def make_attack(name: str, rng: random.Random, template: bytes, template_manifes
     filled in by `land_attack`."""
     bid = "{bundle_id}"
     m0 = replace(template_manifest, node_id=node)
-    if name in ("deep_json", "huge_number", "nan_manifest", "not_json", "wrong_types", "contract_path"):
+    if name in ("deep_json", "huge_number", "long_float", "not_json", "wrong_types", "contract_path"):
         t = _as_hostile(_template_rows(template, rng.randint(2, 12)), rng, node)
         data = write_bundle(t, load_contract(KIND), tier="normal")[0]
         doc = asdict(_manifest_for(data, t, m0, bid))
@@ -114,7 +114,8 @@ def make_attack(name: str, rng: random.Random, template: bytes, template_manifes
             "deep_json": lambda: b"[" * 100_000 + b"]" * 100_000,
             "huge_number": lambda: json.dumps({**doc, "row_count": 0}).replace('"row_count": 0',
                                                                               '"row_count": ' + "9" * 5000).encode(),
-            "nan_manifest": lambda: json.dumps({**doc, "value_sum": float("nan")}).encode(),
+            "long_float": lambda: json.dumps({**doc, "value_sum": 0.5}).replace('"value_sum": 0.5',
+                                                                             '"value_sum": 0.' + "3" * 5000).encode(),
             "not_json": lambda: bytes(rng.randrange(256) for _ in range(rng.randint(1, 400))),
             "wrong_types": lambda: json.dumps({**doc, "row_count": [1, 2]}).encode(),
             "contract_path": lambda: json.dumps({**doc, "contract": "../data_contracts/landsat_patch.v1"}).encode(),
