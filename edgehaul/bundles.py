@@ -305,9 +305,10 @@ def check_schema(schema: pa.Schema, contract: Contract) -> None:
 # A bundle's compressed size says nothing of what it unpacks to: 66 KB of zstd can hold 1.6 GB of zeros. Before
 # any page is decompressed, `unpacked_size` walks the page headers of the columns to be read (Parquet's Thrift
 # compact encoding, a few bytes each) and sums the sizes the pages declare; the reader (Arrow) decompresses
-# each page to exactly that size or fails, so the sum bounds the decompressed bytes. Rows are then built in
-# batches and their in-memory size counted as they come (a dictionary value repeated per row, the one way a
-# page expands once decompressed, is bounded by the batch's rows x the dictionary page's size).
+# each page to exactly that size or fails, so the sum bounds the decompressed bytes. A dictionary value repeated
+# per row is the one way a page expands once decompressed: when rows x the dictionary pages could pass the
+# budget, rows are built in batches (rows x dictionary pages <= 64 MiB) and counted as they come; otherwise
+# (every honest bundle: dictionaries only on node_id and tier) the columns are read in one go.
 
 MAX_STRING_BYTES = 256  # an id, a digest, a tier: what a row's other string columns may hold, on average
 MAX_PAGES = 100_000  # pages in one bundle (pyarrow writes 1 MB / 20k-row pages: ~300 for the largest bundle)
@@ -397,13 +398,15 @@ def _thrift_struct(buf: bytes, i: int, depth: int = 0) -> tuple[dict[int, int], 
 
 
 def unpacked_size(data: bytes, pf: pq.ParquetFile, columns: list[str]) -> tuple[int, int]:
-    """(bytes the pages of `columns` declare unpacked, largest dictionary page of a variable-width column), from
-    the page headers alone. BundleError when a header is malformed, a page runs past its column chunk, or a
-    column uses an encoding refused from a node (`_REFUSED_ENCODINGS`)."""
+    """(bytes the pages of `columns` declare unpacked, the sum over variable-width columns of each one's largest
+    dictionary page: what one row may expand to beyond its pages), from the page headers alone. BundleError
+    when a header is malformed, a page runs past its column chunk, or a column uses an encoding refused from a
+    node (`_REFUSED_ENCODINGS`)."""
     md = pf.metadata
     wanted = {name: i for i, name in enumerate(pf.schema_arrow.names) if name in columns}
     leaf = {pf.schema.column(j).name: j for j in range(md.num_columns)}
-    total = max_dict = pages = 0
+    total = pages = 0
+    dict_max: dict[str, int] = {}
     for rg in range(md.num_row_groups):
         group = md.row_group(rg)
         for name in wanted:
@@ -429,9 +432,9 @@ def unpacked_size(data: bytes, pf: pq.ParquetFile, columns: list[str]) -> tuple[
                     raise BundleError(f"column {name}: a malformed page at byte {i} (or over {MAX_PAGES} pages)")
                 total += size
                 if head.get(1) == 2 and variable:  # a dictionary page
-                    max_dict = max(max_dict, size)
+                    dict_max[name] = max(dict_max.get(name, 0), size)
                 i = body + stored
-    return total, max_dict
+    return total, sum(dict_max.values())
 
 
 def read_bounded(data: bytes, columns: list[str] | None, budget: int, *, what: str = "bundle") -> pa.Table:
@@ -446,9 +449,13 @@ def read_bounded(data: bytes, columns: list[str] | None, budget: int, *, what: s
         if declared > budget:
             raise Unpacked(f"{what}: its pages unpack to {declared} bytes, over its budget of {budget} "
                            f"({len(data)} bytes as sent)")
-        rows = max(1, min(8192, min(_BATCH_BYTES, budget) // max(max_dict, 1)))  # a batch overshoots by <= budget
+        n = pf.metadata.num_rows
+        if declared + n * (max_dict + 16 * len(names)) <= budget:  # pages + offsets and levels: nothing can expand
+            return pf.read(columns=names)
+        # a dictionary value may repeat past the budget: build in batches, count as they come
+        rows = max(1, min(65_536, min(_BATCH_BYTES, budget) // max(max_dict, 1)))  # a batch overshoots by <= budget
         batches, built = [], 0
-        for b in pf.iter_batches(batch_size=rows, columns=names, use_threads=False):
+        for b in pf.iter_batches(batch_size=rows, columns=names):
             built += b.nbytes
             if built > budget:
                 raise Unpacked(f"{what}: its rows unpack to over {budget} bytes (its budget), "
@@ -458,7 +465,7 @@ def read_bounded(data: bytes, columns: list[str] | None, budget: int, *, what: s
         return pa.Table.from_batches(batches, schema=out) if batches else out.empty_table()
     except BundleError:
         raise
-    except (pa.ArrowException, OSError, ValueError, IndexError) as e:
+    except (pa.ArrowException, OSError, ValueError, IndexError, TypeError) as e:
         raise BundleError(f"{what}: not a readable Parquet file ({str(e)[:300]})") from e
 
 
