@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -53,6 +54,8 @@ class BundleError(ValueError):
 NODE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 BUNDLE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 DAY_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}")
+# A contract id as a manifest may name it: `<kind>.v<N>` (a kind is a file name in the contracts folder).
+CONTRACT_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_]{0,62}\.v[1-9][0-9]{0,5}")
 
 
 def id_problem(node_id: object, bundle_id: object) -> str:
@@ -89,11 +92,13 @@ class BundleManifest:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> BundleManifest:
+        """Parse an untrusted manifest (size bounded by the caller's ranged read): nesting and number length are
+        refused before Python builds anything from them. Raises BundleError only."""
         try:
-            doc = json.loads(data)
+            doc = loads_bounded(data)
             m = cls(**doc)
-        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
-            raise BundleError(f"malformed bundle manifest: {e}") from e
+        except (ValueError, TypeError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise BundleError(f"malformed bundle manifest: {str(e)[:300]}") from e
         m.check_types()
         return m
 
@@ -121,6 +126,39 @@ class BundleManifest:
     @property
     def manifest_key(self) -> str:
         return self.object_key.removesuffix(".parquet") + ".manifest.json"
+
+
+# A manifest is one object of scalars and one list of strings: nothing deeper than this is a manifest.
+MAX_JSON_DEPTH = 4
+# Longest number accepted (digits, sign, point, exponent): a count or a byte size has at most 19 digits; Python's
+# int() refuses past 4,300 digits with a ValueError and is quadratic below that.
+MAX_JSON_NUMBER_CHARS = 40
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest nesting of `[`/`{` in a JSON text, strings skipped; linear, no recursion."""
+    skeleton = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
+    step = np.isin(skeleton, (0x5B, 0x7B)).astype(np.int64) - np.isin(skeleton, (0x5D, 0x7D)).astype(np.int64)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _bounded_number(kind: type) -> typing.Callable[[str], object]:
+    def parse(text: str) -> object:
+        if len(text) > MAX_JSON_NUMBER_CHARS:
+            raise ValueError(f"a number of {len(text)} characters (at most {MAX_JSON_NUMBER_CHARS})")
+        return kind(text)
+    return parse
+
+
+def loads_bounded(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> typing.Any:
+    """`json.loads` for bytes from an edge node: ValueError for nesting deeper than `max_depth` or a number
+    longer than MAX_JSON_NUMBER_CHARS, before any deep or huge value is built. NaN stays accepted as `json`
+    writes it (a manifest's value_sum of NaN rows: the rows themselves are refused as non_finite)."""
+    raw = data.encode() if isinstance(data, str) else data
+    if (depth := json_depth(raw)) > max_depth:
+        raise ValueError(f"nested {depth} deep (at most {max_depth})")
+    return json.loads(raw, parse_int=_bounded_number(int), parse_float=_bounded_number(float))
 
 
 def bundle_key(node_id: str, bundle_id: str, capture_time_iso: str) -> str:
@@ -194,9 +232,12 @@ def write_bundle(
     return data, manifest
 
 
-def read_bundle(data: bytes, manifest: BundleManifest | None = None) -> pa.Table:
-    """Parse and check a bundle: checksum and row count against the manifest, schema against the
-    contract. Raises BundleError naming what is wrong."""
+def read_bundle(data: bytes, manifest: BundleManifest | None = None, *, columns: list[str] | None = None) -> pa.Table:
+    """Parse and check a bundle: checksum and row count against the manifest, contract, row limit and schema
+    from the footer, then the rows, never unpacking more than the contract allows (`read_bounded`, refused as
+    `Unpacked`). With `columns`, only those (as stored, not conformed). Raises BundleError naming what is wrong
+    (ContractError for an unknown contract)."""
+    where = f"bundle {manifest.bundle_id}" if manifest else "bundle"
     if manifest is not None:
         digest = hashlib.sha256(data).hexdigest()
         if digest != manifest.sha256:
@@ -205,22 +246,26 @@ def read_bundle(data: bytes, manifest: BundleManifest | None = None) -> pa.Table
                 f"bytes {digest[:12]}, {len(data)} of {manifest.nbytes} bytes)"
             )
     try:
-        table = pq.read_table(io.BytesIO(data))
-    except (pa.ArrowInvalid, OSError) as e:
-        where = f"bundle {manifest.bundle_id}" if manifest else "bundle"
-        raise BundleError(f"{where}: not a readable Parquet file ({e})") from e
-    contract_id = (table.schema.metadata or {}).get(b"edgehaul.contract", b"").decode()
+        pf = pq.ParquetFile(io.BytesIO(data))
+        schema, rows = pf.schema_arrow, pf.metadata.num_rows
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise BundleError(f"{where}: not a readable Parquet file ({str(e)[:300]})") from e
+    contract_id = (schema.metadata or {}).get(b"edgehaul.contract", b"").decode(errors="replace")
     if manifest is not None:
         if contract_id and contract_id != manifest.contract:
-            raise BundleError(f"bundle {manifest.bundle_id}: file says {contract_id}, manifest {manifest.contract}")
-        if table.num_rows != manifest.row_count:
-            raise BundleError(
-                f"bundle {manifest.bundle_id}: {table.num_rows} rows, manifest says {manifest.row_count}"
-            )
+            raise BundleError(f"{where}: file says {contract_id[:80]!r}, manifest {manifest.contract}")
+        if rows != manifest.row_count:
+            raise BundleError(f"{where}: {rows} rows, manifest says {manifest.row_count}")
         contract_id = manifest.contract
+    if not CONTRACT_ID_PATTERN.fullmatch(contract_id):
+        raise BundleError(f"{where}: contract id {contract_id[:80]!r} does not match {CONTRACT_ID_PATTERN.pattern}")
     contract = contract_by_id(contract_id)
-    check_schema(table.schema, contract)
-    return conform(table, contract)
+    if rows > contract.max_rows:
+        raise Unpacked(f"{where}: {rows} rows, contract {contract.id} allows {contract.max_rows}")
+    check_schema(schema, contract)
+    wanted = None if columns is None else sorted(set(columns) & set(schema.names))
+    table = read_bounded(data, wanted, unpacked_budget(contract, rows, wanted), what=where)
+    return conform(table, contract) if columns is None else table
 
 
 def conform(table: pa.Table, contract: Contract) -> pa.Table:
@@ -253,3 +298,195 @@ def check_schema(schema: pa.Schema, contract: Contract) -> None:
         problems.append(f"changed types {changed}")
     if problems:
         raise BundleError(f"schema drift against {contract.id}: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------- bounded reading of a node's Parquet bytes
+#
+# A bundle's compressed size says nothing of what it unpacks to: 66 KB of zstd can hold 1.6 GB of zeros. Before
+# any page is decompressed, `unpacked_size` walks the page headers of the columns to be read (Parquet's Thrift
+# compact encoding, a few bytes each) and sums the sizes the pages declare; the reader (Arrow) decompresses
+# each page to exactly that size or fails, so the sum bounds the decompressed bytes. A dictionary value repeated
+# per row is the one way a page expands once decompressed: when rows x the dictionary pages could pass the
+# budget, rows are built in batches (rows x dictionary pages <= 64 MiB) and counted as they come; otherwise
+# (every honest bundle: dictionaries only on node_id and tier) the columns are read in one go.
+
+MAX_STRING_BYTES = 256  # an id, a digest, a tier: what a row's other string columns may hold, on average
+MAX_PAGES = 100_000  # pages in one bundle (pyarrow writes 1 MB / 20k-row pages: ~300 for the largest bundle)
+_BATCH_BYTES = 64 * 2**20  # at most this much of dictionary-expanded values in one batch being built
+_REFUSED_ENCODINGS = frozenset({"DELTA_BYTE_ARRAY"})  # prefix sharing: a tiny page rebuilds into long values
+
+
+class Unpacked(BundleError):
+    """A bundle would unpack to more than its budget (refused before it is built in memory)."""
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    out = shift = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise BundleError("a Parquet page header is truncated or malformed")
+        b = buf[i]
+        i += 1
+        out |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return out, i
+        shift += 7
+
+
+def _thrift_skip(buf: bytes, i: int, t: int, depth: int, in_list: bool = False) -> int:
+    """Skip one Thrift compact value of type `t` at `i`; the index after it."""
+    if depth > 8:
+        raise BundleError("a Parquet page header nests too deep")
+    if t in (1, 2):  # booleans: in the field header, a byte of their own inside a list
+        return i + 1 if in_list else i
+    if t == 3:
+        return i + 1
+    if t in (4, 5, 6):
+        return _varint(buf, i)[1]
+    if t == 7:
+        return i + 8
+    if t == 8:
+        n, i = _varint(buf, i)
+        return i + n
+    if t in (9, 10):  # list, set
+        if i >= len(buf):
+            raise BundleError("a Parquet page header is truncated")
+        head, i = buf[i], i + 1
+        n, et = head >> 4, head & 0x0F
+        if n == 15:
+            n, i = _varint(buf, i)
+        for _ in range(n):
+            i = _thrift_skip(buf, i, et, depth + 1, in_list=True)
+            if i > len(buf):
+                raise BundleError("a Parquet page header is truncated")
+        return i
+    if t == 11:  # map
+        n, i = _varint(buf, i)
+        if n:
+            kv, i = buf[i], i + 1
+            for _ in range(n):
+                i = _thrift_skip(buf, i, kv >> 4, depth + 1, in_list=True)
+                i = _thrift_skip(buf, i, kv & 0x0F, depth + 1, in_list=True)
+        return i
+    if t == 12:
+        return _thrift_struct(buf, i, depth + 1)[1]
+    raise BundleError(f"a Parquet page header holds an unknown Thrift type {t}")
+
+
+def _thrift_struct(buf: bytes, i: int, depth: int = 0) -> tuple[dict[int, int], int]:
+    """The integer fields of a Thrift compact struct at `i` (others skipped) and the index after it."""
+    fields_: dict[int, int] = {}
+    last = 0
+    while True:
+        if i >= len(buf):
+            raise BundleError("a Parquet page header is truncated")
+        head, i = buf[i], i + 1
+        if head == 0:
+            return fields_, i
+        delta, t = head >> 4, head & 0x0F
+        if delta:
+            fid = last + delta
+        else:
+            raw, i = _varint(buf, i)
+            fid = (raw >> 1) ^ -(raw & 1)
+        last = fid
+        if t in (4, 5, 6):
+            raw, i = _varint(buf, i)
+            fields_[fid] = (raw >> 1) ^ -(raw & 1)
+        else:
+            i = _thrift_skip(buf, i, t, depth)
+
+
+def unpacked_size(data: bytes, pf: pq.ParquetFile, columns: list[str]) -> tuple[int, int]:
+    """(bytes the pages of `columns` declare unpacked, the sum over variable-width columns of each one's largest
+    dictionary page: what one row may expand to beyond its pages), from the page headers alone. BundleError
+    when a header is malformed, a page runs past its column chunk, or a column uses an encoding refused from a
+    node (`_REFUSED_ENCODINGS`)."""
+    md = pf.metadata
+    wanted = {name: i for i, name in enumerate(pf.schema_arrow.names) if name in columns}
+    leaf = {pf.schema.column(j).name: j for j in range(md.num_columns)}
+    total = pages = 0
+    dict_max: dict[str, int] = {}
+    for rg in range(md.num_row_groups):
+        group = md.row_group(rg)
+        for name in wanted:
+            if name not in leaf:
+                continue
+            cc = group.column(leaf[name])
+            if refused := _REFUSED_ENCODINGS.intersection(cc.encodings):
+                raise BundleError(f"column {name} uses encoding {sorted(refused)}, not accepted from a node")
+            start = cc.data_page_offset
+            if cc.has_dictionary_page and cc.dictionary_page_offset and 0 < cc.dictionary_page_offset < start:
+                start = cc.dictionary_page_offset
+            end = start + cc.total_compressed_size
+            if start < 4 or end > len(data):
+                raise BundleError(f"column {name}: its pages lie outside the file")
+            variable = pf.schema_arrow.field(name).type in (pa.binary(), pa.string(), pa.large_binary(),
+                                                             pa.large_string())
+            i = start
+            while i < end:
+                head, body = _thrift_struct(data, i)
+                size, stored = head.get(2, -1), head.get(3, -1)
+                pages += 1
+                if size < 0 or stored < 0 or body + stored > end or pages > MAX_PAGES:
+                    raise BundleError(f"column {name}: a malformed page at byte {i} (or over {MAX_PAGES} pages)")
+                total += size
+                if head.get(1) == 2 and variable:  # a dictionary page
+                    dict_max[name] = max(dict_max.get(name, 0), size)
+                i = body + stored
+    return total, sum(dict_max.values())
+
+
+def read_bounded(data: bytes, columns: list[str] | None, budget: int, *, what: str = "bundle") -> pa.Table:
+    """A node's Parquet bytes as a table of `columns` (all when None), refusing (`Unpacked`, before anything is
+    decompressed) what the page headers say unpacks to more than `budget` bytes, and stopping as soon as the
+    rows built exceed it. Other unreadable bytes are BundleError naming `what`."""
+    try:
+        pf = pq.ParquetFile(io.BytesIO(data))
+        schema = pf.schema_arrow
+        names = [n for n in (columns if columns is not None else schema.names) if n in schema.names]
+        declared, max_dict = unpacked_size(data, pf, names)
+        if declared > budget:
+            raise Unpacked(f"{what}: its pages unpack to {declared} bytes, over its budget of {budget} "
+                           f"({len(data)} bytes as sent)")
+        n = pf.metadata.num_rows
+        if declared + n * (max_dict + 16 * len(names)) <= budget:  # pages + offsets and levels: nothing can expand
+            return pf.read(columns=names)
+        # a dictionary value may repeat past the budget: build in batches, count as they come
+        rows = max(1, min(65_536, min(_BATCH_BYTES, budget) // max(max_dict, 1)))  # a batch overshoots by <= budget
+        batches, built = [], 0
+        for b in pf.iter_batches(batch_size=rows, columns=names):
+            built += b.nbytes
+            if built > budget:
+                raise Unpacked(f"{what}: its rows unpack to over {budget} bytes (its budget), "
+                               f"{len(data)} bytes as sent")
+            batches.append(b)
+        out = pa.schema([schema.field(n) for n in names], metadata=schema.metadata)
+        return pa.Table.from_batches(batches, schema=out) if batches else out.empty_table()
+    except BundleError:
+        raise
+    except (pa.ArrowException, OSError, ValueError, IndexError, TypeError) as e:
+        raise BundleError(f"{what}: not a readable Parquet file ({str(e)[:300]})") from e
+
+
+def unpacked_budget(contract: Contract, rows: int, columns: list[str] | None = None) -> int:
+    """What `rows` rows of `columns` (all when None) may unpack to: each column's largest value as the contract
+    declares it (a tensor's bytes, a file's max_bytes, a category's longest name, MAX_STRING_BYTES for ids, 4 KiB
+    for a declared string) plus 8 bytes of offsets and levels, + 1 MiB; never over `limits.max_unpacked_bytes`."""
+    declared = {c.name: c for c in contract.columns}
+    per_row = 0
+    for f in contract.bundle_schema:
+        if columns is not None and f.name not in columns:
+            continue
+        if f.name == contract.payload_column:
+            width = contract.file.max_bytes if contract.file is not None else contract.sample_nbytes
+        elif f.name in declared and declared[f.name].type == "category":
+            width = max((len(v.encode()) for v in declared[f.name].values), default=0)
+        elif f.name in declared and declared[f.name].type == "string":
+            width = 4096
+        elif pa.types.is_binary(f.type) or pa.types.is_string(f.type):
+            width = MAX_STRING_BYTES
+        else:
+            width = max(1, f.type.bit_width // 8)
+        per_row += width + 8
+    return min(contract.max_unpacked_bytes, rows * per_row + 2**20)

@@ -54,7 +54,13 @@ DEFAULT_LIMITS: dict[str, int] = {
     "max_manifest_bytes": 16 * 2**20,  # ~400k sample ids
     "max_bundle_bytes": 512 * 2**20,
     "max_rows": 250_000,
+    # what a bundle may unpack to in the core (decompressed pages, and rows as built in memory): a bomb is
+    # refused before it is built; the core also holds it to its rows x each column's largest value
+    "max_unpacked_bytes": 2**30,
 }
+# The smallest inclusion probability a full row may carry: training weights a row by 1/p, so one row at 1e-40
+# outweighs the dataset (a node setting its own weight). 1e-4: a row standing for 10,000 of its kind.
+DEFAULT_MIN_INCLUSION_P = 1e-4
 
 
 LAYOUTS = ("tensor", "file", "columns")  # what one observation is: a tensor, an opaque file, or typed columns
@@ -196,6 +202,8 @@ class Contract:
     max_manifest_bytes: int = DEFAULT_LIMITS["max_manifest_bytes"]
     max_bundle_bytes: int = DEFAULT_LIMITS["max_bundle_bytes"]
     max_rows: int = DEFAULT_LIMITS["max_rows"]
+    max_unpacked_bytes: int = DEFAULT_LIMITS["max_unpacked_bytes"]
+    min_inclusion_p: float = DEFAULT_MIN_INCLUSION_P
     allow_nonfinite: tuple[str, ...] = ()  # float columns where NaN/inf are data, not an error
 
     @property
@@ -546,10 +554,14 @@ _TOP_KEYS = {"kind", "version", "description", "tensor", "file", "columns", "lab
 
 
 def _limits(d: _Doc, doc: dict[str, Any]) -> dict[str, Any]:
-    raw = d.mapping(doc.get("limits") or {}, "limits", {*DEFAULT_LIMITS, "allow_nonfinite"})
+    raw = d.mapping(doc.get("limits") or {}, "limits", {*DEFAULT_LIMITS, "allow_nonfinite", "min_inclusion_p"})
     out: dict[str, Any] = {}
     for name, default in DEFAULT_LIMITS.items():
         out[name] = d.integer(raw.get(name, default), f"limits.{name}")
+    p = d.number(raw.get("min_inclusion_p", DEFAULT_MIN_INCLUSION_P), "limits.min_inclusion_p")
+    if not 0 < p <= 1:
+        raise d.fail("limits.min_inclusion_p", f"must be in (0, 1], got {p}")
+    out["min_inclusion_p"] = p
     out["allow_nonfinite"] = d.strings(raw.get("allow_nonfinite", []), "limits.allow_nonfinite") \
         if raw.get("allow_nonfinite") else ()
     return out

@@ -313,7 +313,7 @@ def test_validation_refuses_rows_that_break_training(stack: localstack.StackStat
     node_a = store_for(stack, "node-a")
     bad: dict[str, tuple[str, str]] = {}
     for name, col, v, reason in (("px7", "pixels", b"1234567", "tensor_length"),
-                                 ("px40m", "pixels", bytes(40 * 2**20), "tensor_length"),
+                                 ("px40m", "pixels", bytes(40 * 2**20), "too_large"),  # refused from its page headers
                                  ("nan-value", "value", math.nan, "non_finite"),
                                  ("nan-feature", "mean_b2_green", math.nan, "non_finite"),
                                  ("inf-std", "std_b5_swir1", math.inf, "non_finite")):

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.core.validation import (
+    SPREAD_MIN_VALUES,
     run_expectations,
     validate_bundles,
 )
@@ -102,24 +103,31 @@ def test_property_batched_verdicts_equal_one_run_per_bundle(
     assert all(t is None or "pixels" not in t.column_names for t, _ in lean)
 
 
-def test_a_one_row_bundle_passes_and_its_spread_check_is_recorded_not_applicable() -> None:
-    """An urgent bundle of one sample: GE's sample stdev of one value is NaN, which failed the contract's
-    dead-sensor check and quarantined every such bundle. The spread check does not apply to one value;
-    every other check still does, and a real dead sensor (two equal values) still fails."""
-    one = processed_rows(1, "node-a", seed=7, start_seq=7000)
-    data, m = write_bundle(one, CONTRACT, tier="high")
-    ((_, res),) = validate_bundles([(data, m)])
-    assert res.success and res.reason == "ok", res.error
-    (spread,) = [r for r in res.expectations if r.expectation == "expect_column_stdev_to_be_between"]
-    assert spread.success and spread.details == "not applicable: 1 value(s)"
+def test_an_urgent_bundle_of_one_to_three_rows_passes_and_its_spread_check_is_recorded_not_applicable() -> None:
+    """An urgent bundle of one to three samples: GE's sample stdev of one value is NaN, and two or three close
+    values fall under the dead-sensor floor; both quarantined such bundles, spending their bytes for nothing.
+    A spread check over fewer than SPREAD_MIN_VALUES values does not apply (recorded as such); every row-level
+    check still does, and a real dead sensor (SPREAD_MIN_VALUES equal values) still fails."""
+    for n in (1, 2, 3):
+        rows = processed_rows(n, "node-a", seed=7 + n, start_seq=7000 + 10 * n)
+        # the worst case for a spread check: every value the same
+        rows = rows.set_column(rows.schema.get_field_index("mean_b4_nir"), "mean_b4_nir",
+                               pa.array([0.3] * n, pa.float32()))
+        data, m = write_bundle(rows, CONTRACT, tier="high")
+        ((_, res),) = validate_bundles([(data, m)])
+        assert res.success and res.reason == "ok", (n, res.error)
+        (spread,) = [r for r in res.expectations if r.expectation == "expect_column_stdev_to_be_between"]
+        assert spread.success and spread.details == f"not applicable: {n} value(s), a spread needs {SPREAD_MIN_VALUES}"
 
+    one = processed_rows(1, "node-a", seed=7, start_seq=7000)
     bad_label = one.set_column(one.schema.get_field_index("label"), "label", pa.array([9], pa.int16()))
     data, m = write_bundle(bad_label, CONTRACT, tier="high")
     (_, res), = validate_bundles([(data, m)])
     assert not res.success and "expect_column_values_to_be_in_set(label)" in res.error
 
-    two = processed_rows(2, "node-a", seed=8, start_seq=8000)
-    dead = two.set_column(two.schema.get_field_index("mean_b4_nir"), "mean_b4_nir", pa.array([0.3, 0.3], pa.float32()))
+    many = processed_rows(SPREAD_MIN_VALUES, "node-a", seed=8, start_seq=8000)
+    dead = many.set_column(many.schema.get_field_index("mean_b4_nir"), "mean_b4_nir",
+                           pa.array([0.3] * SPREAD_MIN_VALUES, pa.float32()))
     data, m = write_bundle(dead, CONTRACT, tier="high")
     (_, res), = validate_bundles([(data, m), *[bundle_of(3, s) for s in (1, 2)]])[:1]
     assert not res.success and "expect_column_stdev_to_be_between(mean_b4_nir)" in res.error

@@ -163,3 +163,32 @@ def test_property_real_bundles_pass_and_one_result_row_per_expectation(n: int, s
     assert failed <= ({"expect_column_stdev_to_be_between"} if n < 3 else set())
     assert len(r.table_rows()) == len(CONTRACT.expectations)
     assert r.node_id == node and r.rows == n
+
+
+_HONEST = bundle(40, "node-a", seed=21)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edits=st.lists(st.tuples(st.integers(0, 10**9), st.binary(min_size=1, max_size=8)), min_size=1, max_size=4),
+       cut=st.none() | st.integers(0, 10**9))
+def test_property_any_bytes_get_a_verdict_never_an_exception(edits: list[tuple[int, bytes]], cut: int | None) -> None:
+    """Whatever bytes a node sends under a manifest that matches them (checksum, size), validation returns a
+    verdict (a reason and an error naming the bundle) and never raises: garbled pages, footers, page headers,
+    truncation. Read bounded, an honest bundle is exactly what Arrow reads."""
+    from edgehaul.bundles import read_bounded, unpacked_budget
+
+    data, m = _HONEST
+    assert read_bounded(data, None, unpacked_budget(CONTRACT, m.row_count)).equals(pq.read_table(io.BytesIO(data)))
+    bad = bytearray(data)
+    for at, junk in edits:
+        i = at % len(bad)
+        bad[i:i + len(junk)] = junk
+    if cut is not None:
+        bad = bad[: cut % len(bad)]
+    raw = bytes(bad)
+    m2 = replace(m, sha256=hashlib.sha256(raw).hexdigest(), nbytes=len(raw))
+    _, res = validate_bundle(raw, m2)
+    assert res.reason in ("ok", "unreadable", "too_large", "manifest_mismatch", "schema_drift", "row_count",
+                          "tensor_length", "non_finite", "inclusion_p", "expectations", "bundle_error", "wrong_node",
+                          "unknown_contract")
+    assert res.success == (res.reason == "ok") and (res.success or res.error)

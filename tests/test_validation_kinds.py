@@ -137,3 +137,17 @@ columns:
     reason, error = row_problems(_set(rows, "sky", 3, "snow"), c)
     assert reason == "column_values" and "sky not in ['clear', 'rain']" in error and "v3" in error
     assert pc.sum(rows.column("is_summary")).as_py() == 0
+
+
+def test_a_file_that_only_starts_like_a_png_is_refused_naming_the_sample() -> None:
+    """The PNG signature and junk pass the media-type check; the core decodes every full row's file as
+    training will (`edge.decode`) and refuses the bundle, naming the row; a valid file passes."""
+    rows = _rows(DIGITS)
+    assert row_problems(rows, DIGITS) == ("", "")
+    junk = b"\x89PNG\r\n\x1a\n" + np.random.default_rng(1).bytes(200)
+    reason, error = row_problems(_set(rows, "image", 20, junk), DIGITS)
+    assert reason == "file_invalid" and error.startswith("1 rows with image that do not decode to [8, 8, 1] uint8")
+    assert "v20" in error
+    big = _png(np.zeros((16, 16), dtype=np.uint8))  # a real PNG, of another shape
+    reason, error = row_problems(_set(rows, "image", 21, big), DIGITS)
+    assert reason == "file_invalid" and "v21" in error and "shape" in error

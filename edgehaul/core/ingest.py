@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from edgehaul.bundles import DAY_PATTERN, BundleError, BundleManifest, id_problem, read_bundle
+from edgehaul.bundles import CONTRACT_ID_PATTERN, DAY_PATTERN, BundleError, BundleManifest, id_problem, read_bundle
 from edgehaul.contracts import ContractError, ContractInvalid, contract_by_id, max_manifest_bytes
 from edgehaul.core import datasets, landed, quarantine
 from edgehaul.core.validation import ValidationResult, suite_for, validate_bundles
@@ -73,6 +73,8 @@ def manifest_problem(owner: tuple[str, str], m: BundleManifest) -> tuple[str, st
         return "wrong_node", f"bundle {bundle} landed under {node}/ but its manifest says node {m.node_id!r}"
     if m.bundle_id != bundle:
         return "bad_id", f"bundle {bundle} of {node}: manifest says bundle {m.bundle_id!r}"
+    if not CONTRACT_ID_PATTERN.fullmatch(m.contract):  # it names a contract file: never a path
+        return "bad_id", f"bundle {bundle} of {node}: contract {m.contract[:80]!r} is not <kind>.v<N>"
     return "", ""
 
 
@@ -103,6 +105,7 @@ class LandedScan:
     skipped: dict[str, str] = field(default_factory=dict)  # not a bundle we can name or move: left, logged
     # quarantined by an earlier run (landing is write-once, so it stays there): key -> what the record says
     quarantined: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # transport trouble reading it: left for the next run
 
 
 def read_manifests(
@@ -115,6 +118,9 @@ def read_manifests(
     (a ranged read: never downloaded whole), malformed, has unsafe ids, names another node or bundle
     than its key, or exceeds its contract's limits is rejected. A bundle with a quarantine record is done
     (`quarantined`), or skipped as `landing_changed` when landing was rewritten after its quarantine.
+    A manifest is parsed bounded (`BundleManifest.from_json`: nesting, number length); anything one object
+    holds that no check foresaw is that object's rejection, and transport trouble on one key is that key's
+    `errors` (left in landing), so no landed object fails the scan for the others.
     Raises ContractInvalid when a manifest names a broken contract, before anything has moved."""
     s3 = s3 or store.client(max_pool_connections=IO_WORKERS)
     bucket = store.bucket("landing")
@@ -122,7 +128,18 @@ def read_manifests(
     limit = max_manifest_bytes()
 
     def scan(key: str) -> tuple[str, Any]:
-        """(field of LandedScan, value) for one key."""
+        """(field of LandedScan, value) for one key; whatever one object holds is its own verdict, never the
+        run's failure (only a broken contract file, the operator's, fails the run)."""
+        try:
+            return look(key)
+        except ContractInvalid:
+            raise
+        except (ClientError, BotoCoreError) as e:
+            return "errors", f"{type(e).__name__}: {str(e)[:300]}"
+        except Exception as e:  # bytes no check foresaw: quarantined with what broke
+            return "rejected", ("unreadable", f"{quarantine.manifest_key_for(key)}: {type(e).__name__}: {str(e)[:300]}")
+
+    def look(key: str) -> tuple[str, Any]:
         owner = landing_owner(store, key)
         if isinstance(owner, str):
             return "skipped", owner
@@ -278,9 +295,9 @@ def quarantine_rejected(
     if m is None:  # no usable manifest: account for the samples from the file itself when it parses
         lb = landed.fetch(store, key, s3=s3)
         if lb.data is not None:
-            try:
-                ids = read_bundle(lb.data).column("sample_id").to_pylist()
-            except (ValueError, KeyError):
+            try:  # bounded as validation reads (the bytes may be a bomb); only the ids column
+                ids = [str(i) for i in read_bundle(lb.data, columns=["sample_id"]).column("sample_id").to_pylist()]
+            except Exception:  # unreadable in any way: the record says the ids are not known
                 ids = None
     record = quarantine.quarantine_bundle(store, key, ValidationResult.from_dict(result), m, ids, s3=s3,
                                           emit_event=emit_event)

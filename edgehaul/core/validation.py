@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import io
 import logging
 import math
 import os
@@ -27,16 +26,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from edgehaul.bundles import BundleError, BundleManifest, check_schema, read_bundle
+from edgehaul.bundles import BundleError, BundleManifest, Unpacked, read_bundle
 from edgehaul.contracts import MEDIA_MAGIC, Contract, ContractError, ContractInvalid, contract_by_id
 
 log = logging.getLogger(__name__)
 
 # Bump when the checks below change meaning: cached validation results keyed on it go stale.
-VALIDATION_VERSION = "4"  # 2: ids, owner, size limits, tensor lengths, finite floats; 3: payload per layout;
-# 4: inclusion_p in range
+VALIDATION_VERSION = "5"  # 2: ids, owner, size limits, tensor lengths, finite floats; 3: payload per layout;
+# 4: inclusion_p in range; 5: unpacked-size budget, files decoded, min_inclusion_p, spread needs 10 values
 
 # Reasons, most specific first; "ok" means the bundle may enter a dataset version.
 SLOT_COLUMN = "__bundle"  # which bundle a row of a batched GE run came from
@@ -297,6 +295,8 @@ def run_expectations_batch(tables: list[pa.Table], contract: Contract) -> list[t
 def _classify(e: Exception) -> str:
     if isinstance(e, ContractError):
         return "unknown_contract"
+    if isinstance(e, Unpacked):
+        return "too_large"
     msg = str(e)
     for needle, reason in (("checksum", "checksum"), ("not a readable Parquet", "unreadable"),
                            ("malformed bundle manifest", "unreadable"), ("rows, manifest says", "row_count"),
@@ -318,32 +318,14 @@ def check_manifest_matches(table: pa.Table, manifest: BundleManifest) -> str:
 
 
 def _read_lean(data: bytes, manifest: BundleManifest, contract: Contract) -> pa.Table:
-    """`read_bundle`'s checks (checksum, readable footer, contract, row count, schema) but decoding
-    only the columns validation reads: the payload only for the row checks (a tensor's or file's bytes are most of a
-    bundle's bytes, and GE never sees them). A commit
-    decodes the whole bundle again (and re-checks its checksum) from the validated bytes."""
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != manifest.sha256:
-        raise BundleError(f"bundle {manifest.bundle_id}: checksum mismatch (manifest {manifest.sha256[:12]}, "
-                          f"bytes {digest[:12]}, {len(data)} of {manifest.nbytes} bytes)")
-    try:
-        pf = pq.ParquetFile(io.BytesIO(data))
-        schema = pf.schema_arrow
-    except (pa.ArrowInvalid, OSError) as e:
-        raise BundleError(f"bundle {manifest.bundle_id}: not a readable Parquet file ({e})") from e
-    file_contract = (schema.metadata or {}).get(b"edgehaul.contract", b"").decode()
-    if file_contract and file_contract != manifest.contract:
-        raise BundleError(f"bundle {manifest.bundle_id}: file says {file_contract}, manifest {manifest.contract}")
-    if pf.metadata.num_rows != manifest.row_count:
-        raise BundleError(f"bundle {manifest.bundle_id}: {pf.metadata.num_rows} rows, manifest says {manifest.row_count}")
-    check_schema(schema, contract)
+    """`read_bundle`'s checks (checksum, readable footer, contract, row count, schema, the unpacked-size budget)
+    decoding only the columns validation reads: the payload only for the row checks (a tensor's or file's bytes
+    are most of a bundle's bytes, and GE never sees them). A commit decodes the whole bundle again (and re-checks
+    its checksum) from the validated bytes."""
     # + what `row_problems` reads: the payload (a tensor's or file's bytes are dropped after the check) and the floats
     wanted = sorted({*suite_for(contract).columns, "sample_id", "node_id", *contract.payload_columns, "is_summary",
-                     *_float_columns(contract)} & set(schema.names))
-    try:
-        return pf.read(columns=wanted)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise BundleError(f"bundle {manifest.bundle_id}: not a readable Parquet file ({e})") from e
+                     *_float_columns(contract)})
+    return read_bundle(data, manifest, columns=wanted)
 
 
 def _float_columns(contract: Contract) -> list[str]:
@@ -382,23 +364,25 @@ def row_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
             first = first or _examples(table, bad)
     if problems:
         return "non_finite", f"NaN/inf in {', '.join(problems)} rows, e.g. samples {first}"
-    return _inclusion_problems(table)
+    return _inclusion_problems(table, contract.min_inclusion_p)
 
 
-def _inclusion_problems(table: pa.Table) -> tuple[str, str]:
-    """A full row stands for 1/inclusion_p samples in training: p in (0, 1]. A summary may carry 0 (a tier
-    sampled at rate 0). A bundle from before the column (read lean: absent) has nothing to check."""
+def _inclusion_problems(table: pa.Table, floor: float) -> tuple[str, str]:
+    """A full row stands for 1/inclusion_p samples in training: p in [floor, 1] (`limits.min_inclusion_p`: a
+    node cannot make one row outweigh the dataset). A summary may carry 0 (a tier sampled at rate 0). A bundle
+    from before the column (read lean: absent) has nothing to check."""
     if "inclusion_p" not in table.column_names or "is_summary" not in table.column_names:
         return "", ""
     p = table.column("inclusion_p")
-    low = pc.if_else(table.column("is_summary"), pc.less(p, 0.0), pc.less_equal(p, 0.0))
+    # float32 on the wire: the floor as float32 too, so a node writing exactly the floor passes
+    low = pc.if_else(table.column("is_summary"), pc.less(p, 0.0), pc.less(p, pa.scalar(floor, p.type)))
     bad = pc.fill_null(pc.or_(low, pc.greater(p, 1.0)), True)
     n_bad = int(pc.sum(bad).as_py() or 0)
     if not n_bad:
         return "", ""
     values = sorted({str(v) for v in p.filter(bad).to_pylist()})[:5]
-    return "inclusion_p", (f"{n_bad} rows with inclusion_p outside (0, 1] (summaries [0, 1]), values {values}, "
-                           f"e.g. samples {_examples(table, bad)}")
+    return "inclusion_p", (f"{n_bad} rows with inclusion_p outside [{floor:g}, 1] (the contract's min_inclusion_p; "
+                           f"summaries [0, 1]), values {values}, e.g. samples {_examples(table, bad)}")
 
 
 def _nullable_source(feature: str, contract: Contract) -> str | None:
@@ -443,7 +427,36 @@ def _file_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
             ok = pc.or_(ok, pc.fill_null(pc.starts_with(col, m), False))
         checks.append((f"not starting like {f.media_type}", pc.and_(pc.and_(full, pc.is_valid(col)), pc.invert(ok))))
     checks.append(("a summary row with a file", _summary_payload(table, f.column)))
-    return _first_problem(table, "file_invalid", f.column, checks)
+    reason, error = _first_problem(table, "file_invalid", f.column, checks)
+    if reason or f.decode is None:
+        return reason, error
+    return _undecodable(table, contract)
+
+
+def _undecodable(table: pa.Table, contract: Contract) -> tuple[str, str]:
+    """Every full row's file decodes to the contract's tensor (`edge.decode`, what training runs): a file that
+    only starts like its media type is refused here, so training never meets it. The whole bundle is
+    refused (a bundle is committed or quarantined whole, with every sample id accounted for)."""
+    from edgehaul.edge.decode import DecodeError, decode_file
+
+    f = contract.file
+    assert f is not None and f.decode is not None
+    full = pc.invert(table.column("is_summary")).to_numpy(zero_copy_only=False)
+    ids = table.column("sample_id").to_pylist()
+    bad: list[str] = []
+    why = ""
+    for i, v in enumerate(table.column(f.column).to_pylist()):
+        if not full[i] or v is None:
+            continue
+        try:
+            decode_file(v, f.decode)
+        except DecodeError as e:
+            bad.append(str(ids[i]))
+            why = why or str(e).split(": ", 1)[-1]
+    if not bad:
+        return "", ""
+    return "file_invalid", (f"{len(bad)} rows with {f.column} that do not decode to {list(f.decode.shape)} "
+                            f"{f.decode.dtype} ({why[:200]}), e.g. samples {bad[:5]}")
 
 
 def _column_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
@@ -513,20 +526,22 @@ def _prechecks(
     return contract, table, replace(base, reason="pending")
 
 
-# A sample standard deviation needs two values: on a one-row bundle (an urgent single sample, say)
-# GE observes NaN and the expectation fails. Such a bundle is not evidence of a dead sensor: the
-# spread check does not apply to it (recorded as such), and every row-level check still does.
+# A spread is a statistic of many values: on one row GE observes NaN, and two or three rows of an urgent
+# bundle (an alert, a burst of anomalies) may well sit close together. Such a bundle is not evidence of a dead
+# or wild sensor: a spread check over fewer than SPREAD_MIN_VALUES values does not apply (recorded as such),
+# and every row-level check still does. Normal bundles carry hundreds of rows.
 SPREAD_EXPECTATIONS = frozenset({"expect_column_stdev_to_be_between"})
+SPREAD_MIN_VALUES = 10
 
 
 def not_applicable_to_small(rows: tuple[ExpectationRow, ...], table: pa.Table) -> tuple[ExpectationRow, ...]:
-    """Spread expectations on a column with fewer than two values pass as 'not applicable'."""
+    """Spread expectations on a column with fewer than SPREAD_MIN_VALUES values pass as 'not applicable'."""
     out = []
     for r in rows:
         if (r.expectation in SPREAD_EXPECTATIONS and not r.success and r.column in table.column_names
-                and len(table) - table.column(r.column).null_count < 2):
+                and (n := len(table) - table.column(r.column).null_count) < SPREAD_MIN_VALUES):
             r = replace(r, success=True, observed_value=None,
-                        details=f"not applicable: {len(table) - table.column(r.column).null_count} value(s)")
+                        details=f"not applicable: {n} value(s), a spread needs {SPREAD_MIN_VALUES}")
         out.append(r)
     return tuple(out)
 
@@ -558,16 +573,48 @@ def validate_bundles(
     out: list[tuple[pa.Table | None, ValidationResult]] = []
     todo: dict[str, tuple[Contract, list[int]]] = {}
     for data, manifest in items:
-        contract, table, res = _prechecks(data, manifest, full_tables)
+        try:
+            contract, table, res = _prechecks(data, manifest, full_tables)
+        except ContractInvalid:
+            raise
+        except Exception as e:  # bytes no check foresaw: this bundle's verdict, never the batch's failure
+            contract, table, res = None, None, _failed(data, manifest, "bundle_error", e)
         if res.reason == "pending" and contract is not None and table is not None:
             todo.setdefault(contract.sha256, (contract, []))[1].append(len(out))
         out.append((table, res))
     for contract, idx in todo.values():
         tables = [t for t in (out[i][0] for i in idx) if t is not None]
         # a ContractInvalid (bad expectation) propagates: the contract is broken, not these bundles
-        per_bundle = run_expectations_batch(tables, contract)
+        try:
+            per_bundle: list[tuple[ExpectationRow, ...] | Exception] = list(run_expectations_batch(tables, contract))
+        except ContractInvalid:
+            raise
+        except Exception as e:  # one bundle's values broke the batch run: each bundle alone, so only it fails
+            log.warning("batch validation of %d bundles raised (%s: %s): one GE run each", len(tables),
+                        type(e).__name__, str(e)[:200])
+            per_bundle = [_expectations_alone(t, contract) for t in tables]
         for i, rows in zip(idx, per_bundle, strict=True):
             table = out[i][0]
             assert table is not None  # `todo` holds only bundles whose table was read
-            out[i] = (table, _finish(out[i][1], not_applicable_to_small(rows, table)))
+            if isinstance(rows, Exception):
+                out[i] = (None, replace(out[i][1], reason="expectations",
+                                        error=f"the expectation suite raised {type(rows).__name__}: {str(rows)[:300]}"))
+            else:
+                out[i] = (table, _finish(out[i][1], not_applicable_to_small(rows, table)))
     return out
+
+
+def _expectations_alone(table: pa.Table, contract: Contract) -> tuple[ExpectationRow, ...] | Exception:
+    try:
+        return run_expectations(table, contract)
+    except ContractInvalid:
+        raise
+    except Exception as e:
+        return e
+
+
+def _failed(data: bytes, manifest: BundleManifest, reason: str, e: Exception) -> ValidationResult:
+    return ValidationResult(
+        bundle_id=manifest.bundle_id, node_id=manifest.node_id, contract=manifest.contract, contract_sha256="",
+        bundle_sha256=hashlib.sha256(data).hexdigest(), rows=manifest.row_count, success=False, reason=reason,
+        error=f"bundle {manifest.bundle_id}: {type(e).__name__}: {str(e)[:300]}")

@@ -6,7 +6,10 @@ What it does, in order:
    (`edgehaul.core.ingest.read_manifests`): a key that is not `<node>/<day>/<bundle>.parquet` with safe ids is
    skipped (logged, named); a bundle without its manifest waits (left in landing, reported) until
    `manifest_wait_s` old; a manifest over its contract's limits (ranged reads, never a whole download),
-   malformed, or naming another node or bundle than the prefix holding it is quarantined. A broken
+   malformed (parsed bounded: nesting, number length, NaN), or naming another node or bundle than the prefix
+   holding it is quarantined; no one landed object fails the run for the others (a surprise is its own
+   rejection; transport trouble, a quarantine or a commit that fails leaves only its own bundles in landing,
+   in `errors`). A broken
    contract (YAML, a field, an unknown expectation) fails the run before anything moves; a bundle an
    earlier run quarantined is done (`already_quarantined`), or skipped as `landing_changed` when its
    landing objects were rewritten since; a bundle its dataset already holds is done (`already_committed`)
@@ -15,8 +18,10 @@ What it does, in order:
    and marks those runs Completed ("covered by ...") once all their bundles are settled, so a run that
    starts late commits everything queued behind it and the queue does not outgrow the runs' start-up cost;
 2. validates the bundles in chunks of `validate_batch` (one task run per chunk: checksum, manifest row count
-   and sample ids, schema, the contract's Great Expectations suite in one GE run, verdicts per bundle; the
-   chunk's reads in parallel), so a run's Prefect cost does not grow with its bundles;
+   and sample ids, schema, what the bundle unpacks to against its contract's budget (from the page headers,
+   before anything is built), the rows (file payloads decoded, `inclusion_p` floor), the contract's Great
+   Expectations suite in one GE run, verdicts per bundle; the chunk's reads in parallel), so a run's Prefect
+   cost does not grow with its bundles;
 3. copies each failing bundle to `quarantine/<node>/<bundle>/` with `validation.json` (reason, every
    check, every sample id, the landing ETags) and emits `edgehaul.bundle.quarantined`; landing is
    write-once, so nothing is deleted there (the janitor, lifecycle_moves, moves landing to cold);
@@ -271,16 +276,27 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     if broken:  # the contract changed under the run: fail before quarantining anything
         raise broken[0]
 
+    errors.update(scan.errors)
     usable = scan.manifests
-    q_futures = [quarantine_task.submit(store, k, r, usable.get(k)) for k, r in rejected.items()]
-    quarantined = [f.result() for f in q_futures]
+    q_futures = {k: quarantine_task.submit(store, k, r, usable.get(k)) for k, r in rejected.items()}
+    quarantined = []
+    for key, q_fut in q_futures.items():  # one bundle's quarantine that fails is that bundle's, left in landing
+        q_fut.wait()
+        if q_fut.state.is_completed():
+            quarantined.append(q_fut.result())
+        else:
+            errors[key] = f"quarantine failed: {str(q_fut.state.result(raise_on_failure=False))[:300]}"
 
     by_contract: dict[str, list[tuple[str, ValidationResult]]] = {}
     for key, res in passed.items():
         by_contract.setdefault(res.contract, []).append((key, res))
     commits = []
     for contract_id, items in sorted(by_contract.items()):
-        c = commit_task(store, contract_id, items, run_id, p.lease_s)
+        c_state = commit_task(store, contract_id, items, run_id, p.lease_s, return_state=True)
+        if not c_state.is_completed():  # left in landing for the next run; the other contracts still commit
+            errors.update({k: f"commit failed: {str(c_state.result(raise_on_failure=False))[:300]}" for k, _ in items})
+            continue
+        c = c_state.result()
         commits.append(c)
         node_of = {r.bundle_id: r.node_id for _, r in items}
         if c.version is not None:

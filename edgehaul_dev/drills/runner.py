@@ -27,6 +27,7 @@ from edgehaul_dev.drills.core import (
 )
 from edgehaul_dev.drills.edge import drill_disk_full, drill_edge_kill
 from edgehaul_dev.drills.env import DrillEnv
+from edgehaul_dev.drills.hostile import drill_hostile_node
 from edgehaul_dev.drills.pipeline import memo_size
 from edgehaul_dev.drills.report import DrillResult, TrialResult, render_markdown, table_text, with_notes
 from edgehaul_dev.drills.training import drill_trainer_kill, training_dataset
@@ -49,13 +50,15 @@ DRILLS: dict[str, str] = {
     "duplicate_delivery": "the same bundle delivered twice",
     "concurrent_ingest": "two ingest runs committing at once",
     "control_plane_down": "central API and gateway unreachable for 2-48 simulated hours",
+    "hostile_node": "a node lands 2-5 objects shaped to break the core (deep or huge JSON, bombs, bad zstd, "
+                    "wrong magic, inclusion_p 1e-40) beside honest bundles",
 }
 
 
 # Rough seconds per trial on an idle 2-core machine (ordering only: the longest drills start first).
 _COST = {"store_down": 3.0, "concurrent_ingest": 3.0, "ingest_commit_kill": 2.5, "uplink_kill": 2.0,
          "trainer_checkpoint_kill": 3.0, "duplicate_delivery": 1.5, "corrupt_landed": 1.2, "edge_ingest_kill": 1.2,
-         "disk_full": 1.0, "link_outage": 0.3, "control_plane_down": 1.0}
+         "disk_full": 1.0, "link_outage": 0.3, "control_plane_down": 1.0, "hostile_node": 1.5}
 
 
 def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: int = 20261203,
@@ -77,7 +80,7 @@ def run_drills(trials: int = DEFAULT_TRIALS, *, only: Sequence[str] = (), seed: 
         "ingest_commit_kill": drill_commit_kill, "link_outage": drill_link_outage,
         "disk_full": drill_disk_full, "corrupt_landed": drill_corrupt_landed,
         "duplicate_delivery": drill_duplicate_delivery, "concurrent_ingest": drill_concurrent_ingest,
-        "control_plane_down": drill_control_plane_down,
+        "control_plane_down": drill_control_plane_down, "hostile_node": drill_hostile_node,
         "trainer_checkpoint_kill": lambda e, r: drill_trainer_kill(e, r, data),  # type: ignore[arg-type]
     }
 
