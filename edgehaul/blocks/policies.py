@@ -121,6 +121,9 @@ class TieringPolicy(Block):
         "Which scorer values samples: a name registered under the `edgehaul.scorers` entry point "
         "(shipped: novelty, anomaly, model)."))
     model_uri: str | None = Field(default=None, description="Model for the 'model' scorer (s3://... or 'latest').")
+    use_labels: bool = Field(default=False, description=(
+        "Let the novelty and anomaly scorers read a label the edge happens to have (class rarity, labelled "
+        "anomalies first). Off: value from the features alone, as on a node that sees no labels."))
     high_threshold: float = Field(default=0.8, gt=0, le=1, description="value >= this: high tier, sent at once.")
     low_threshold: float = Field(default=0.3, ge=0, lt=1, description="value < this: low tier, summary only.")
     # Without it central training sees only what scored high: the population of what nodes observe is lost.
