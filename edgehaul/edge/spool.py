@@ -414,17 +414,30 @@ class Spool:
         return out
 
     def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4) -> list[ThinResult]:
-        """Thin the normal-tier bundles until every waiting bundle fits `capacity_bytes` (urgent bundles first,
-        untouched): keep = what is left for the normal tier / its bytes, again while compression leaves it over."""
+        """Thin the waiting bundles until they fit `capacity_bytes`: the normal tier while the urgent bundles fit
+        (they are the latency path), every tier when they alone do not. keep = the bytes left for the rows / the
+        rows' bytes (a bundle's fixed Parquet overhead, measured once per contract, is not thinned away); again
+        while compression leaves it over."""
         done: list[ThinResult] = []
+        overhead: dict[str, int] = {}
         for r in range(max_rounds):
             pending = self.pending()
-            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
-            normal = sum(e.manifest.nbytes for e in pending if e.tier != "high")
-            if urgent + normal <= capacity_bytes or normal == 0:
+            total = sum(e.manifest.nbytes for e in pending)
+            if total <= capacity_bytes or not pending:
                 break
-            keep = max(0.0, capacity_bytes - urgent) / normal
-            done.append(self.thin(keep, salt=f"{salt}|{r}"))
+            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
+            tiers = ("normal",) if urgent < capacity_bytes else ("high", "normal")
+            thinned = [e for e in pending if e.tier in tiers]
+            for e in thinned:
+                if e.manifest.contract not in overhead:  # a one-row bundle: the fixed part, near enough
+                    one = read_bundle(self.read(e.bundle_id), e.manifest).slice(0, 1)
+                    c = contract_by_id(e.manifest.contract)
+                    overhead[e.manifest.contract] = len(write_bundle(one, c, tier=e.tier)[0])
+            fixed = sum(overhead[e.manifest.contract] for e in thinned)
+            room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned)) - fixed
+            rows_bytes = sum(e.manifest.nbytes for e in thinned) - fixed
+            keep = min(1.0, max(0.0, room) / rows_bytes) if rows_bytes > 0 else 0.0
+            done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers))
         return done
 
     def write_staging(self, name: str, data: bytes) -> Path:

@@ -41,7 +41,9 @@ if TYPE_CHECKING:
     from edgehaul.blocks.policies import TieringPolicy
 
 _FOOTER_ALLOWANCE = 16 * 1024  # Parquet footer + page headers of one bundle, generous
+_SCORED = ("value", "tier", "is_summary", INCLUSION_P)
 _SCORED_ROW_BYTES = 4 + 7 + 1 + 4  # value, tier (a short string + offset), is_summary, inclusion_p
+_SUMMARY_MAX_SHARE = 0.5  # of a budget (after urgent rows) that summaries may take
 
 
 def route(values: np.ndarray, policy: TieringPolicy) -> np.ndarray:
@@ -162,6 +164,25 @@ def summary_earns(full: np.ndarray, summary: np.ndarray, policy: TieringPolicy) 
     return np.asarray(full, dtype=np.float64) >= policy.summary_min_ratio * np.maximum(summary, 1)
 
 
+def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
+               contract: Contract) -> tuple[np.ndarray, np.ndarray]:
+    """(full-row bytes, summary bytes or 0 where a left row sends none) per row, the same from `assign`'s
+    preprocessed rows and the Batcher's scored ones. Under a budget, summaries that would take more than half
+    of what the urgent rows leave are not sent at all: the budget buys rows first."""
+    base = rows.select([c for c in rows.column_names if c not in _SCORED])
+    full = _row_bytes(base) + _SCORED_ROW_BYTES
+    summ = summary_bytes(base, contract, full)
+    summ = np.where(summary_earns(full, summ, policy), summ, 0)
+    if policy.budget_share is not None and summ.any():
+        v = np.asarray(values, dtype=np.float64)
+        rest = v < policy.high_threshold
+        budget = policy.budget_share * float(full.sum())
+        urgent = min(float(full[~rest].sum()), policy.urgent_max_share * budget)
+        if float(summ[rest].sum()) > _SUMMARY_MAX_SHARE * (budget - urgent):
+            summ = np.zeros_like(summ)
+    return full, summ
+
+
 def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contract: Contract) -> pa.Table:
     """Preprocessed rows + values -> bundle-schema rows with tier and inclusion_p (is_summary false everywhere;
     the Batcher sends the rows `draw`n and keeps the others on the node, with a summary where it earns its
@@ -176,9 +197,7 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
     if policy.budget_share is None:
         p = inclusion_p(tiers, policy)
     else:
-        full = _row_bytes(accepted) + _SCORED_ROW_BYTES
-        summ = summary_bytes(accepted, contract, full)
-        p = inclusion_probabilities(v, full, np.where(summary_earns(full, summ, policy), summ, 0), policy)
+        p = inclusion_probabilities(v, *plan_bytes(accepted, v, policy, contract), policy)
     t = accepted.append_column("value", pa.array(v, pa.float32()))
     t = t.append_column("tier", pa.array(tiers.tolist(), pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(len(v), dtype=bool)))
@@ -382,9 +401,8 @@ class Batcher:
         p = scored.column(INCLUSION_P).to_numpy()
         sent = draw(scored.column("sample_id"), p, self.policy)
         self.report.sampled_low += int((sent & is_low).sum())
-        full = _row_bytes(scored)
-        summ = summary_bytes(scored, self.contract, full)
-        earns = summary_earns(full, summ, self.policy)
+        full, summ = plan_bytes(scored, scored.column("value").to_numpy(), self.policy, self.contract)
+        earns = summ > 0
         group = np.where(sent, np.where(is_high, 0, 1), np.where(earns, 2, 3)).astype(np.int8)
         counts = np.bincount(group, minlength=4)
         order = np.argsort(group, kind="stable")
