@@ -25,8 +25,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -257,6 +257,34 @@ class TierReport:
     summary_rows: int = 0
     summary_row_bytes: int = 0
     bundle_rows: dict[str, int] = field(default_factory=dict)  # bundle tier -> rows written
+    kind: str = ""  # the contract id the rows are of
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON fields (a task result); `merge` adds them back up."""
+        return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v) for f in fields(self)}
+
+    @classmethod
+    def merge(cls, parts: list[dict[str, Any]]) -> TierReport:
+        """Sum of per-batch reports (`to_dict`); a field a part lacks (a result cached by older code) adds 0."""
+        total = cls()
+        kinds: list[str] = []
+        for part in parts:
+            for f in fields(cls):
+                v = part.get(f.name)
+                if v is None:
+                    continue
+                if f.name == "kind":
+                    kinds += [] if not v or v in kinds else [v]
+                elif isinstance(v, dict):
+                    cur = getattr(total, f.name)
+                    for k, x in v.items():
+                        cur[k] = cur.get(k, 0) + x
+                elif isinstance(v, bool):
+                    total.baseline_measured = total.baseline_measured or v
+                else:
+                    setattr(total, f.name, getattr(total, f.name) + v)
+        total.kind = ",".join(kinds)
+        return total
 
     def add(self, b: BuiltBundle) -> None:
         self.bundles[b.reason] = self.bundles.get(b.reason, 0) + 1
@@ -309,7 +337,8 @@ class TierReport:
         return out
 
     def summary(self) -> dict[str, object]:
-        return {"full_rows": self.full_rows, "summary_rows": self.summary_rows, "bytes_per_row": self.bytes_per_row(),
+        return {"kind": self.kind, "full_rows": self.full_rows, "summary_rows": self.summary_rows,
+                "bytes_per_row": self.bytes_per_row(),
             "samples": dict(self.samples), "sampled_low": self.sampled_low, "uplink_bytes": dict(self.uplink_bytes),
             "raw_store_bytes": self.raw_store_bytes,
             "bundles_by_reason": dict(self.bundles), "value_per_MB": round(self.value_per_mb, 3),
@@ -334,7 +363,7 @@ class Batcher:
         self._buf_rows = 0
         self._buf_bytes = 0
         self._first_at: float | None = None
-        self.report = TierReport()
+        self.report = TierReport(kind=contract.id)
 
     def _write(self, rows: pa.Table, tier: str, reason: str) -> BuiltBundle:
         level = self.policy.raw_store_zstd_level if tier == "low" else self.policy.zstd_level
