@@ -376,3 +376,14 @@ def test_planned_share_is_what_the_links_carry_of_what_the_node_observes() -> No
     backup = LinkProfile(bandwidth_bps=1e6, monthly_budget_bytes=30 * 86400 * 100)  # 100 B/s over a month
     assert planned_share(orbit, raw_bytes_per_s=5_000_000, backup=backup) == pytest.approx(
         PLAN_HEADROOM * (50_000 + 100) / 5_000_000)
+
+
+def test_capacity_until_counts_the_passes_up_to_a_deadline_only() -> None:
+    from edgehaul.uplink.pass_plan import Pass, capacity_until
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    passes = [Pass(now - timedelta(seconds=100), 400.0, 8_000), Pass(now + timedelta(hours=1), 600.0, 8_000)]
+    # the open pass's 300 s left, then the next pass cut at the deadline 1 h 5 min from now: 300 s of it
+    got = capacity_until(passes, now, now + timedelta(hours=1, minutes=5), 0.5)
+    assert got == int(300 * 1000 * 0.5) + int(300 * 1000 * 0.5)
+    assert capacity_until(passes, now, now, 0.5) == 0

@@ -366,7 +366,8 @@ class Spool:
         self._check_alert(usage)
         return entry
 
-    def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",)) -> ThinResult:
+    def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",),
+             skip: frozenset[str] = frozenset()) -> ThinResult:
         """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
         full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
         inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
@@ -378,7 +379,7 @@ class Spool:
         if keep >= 1.0:
             return out
         for e in self.pending():
-            if e.tier not in tiers:
+            if e.tier not in tiers or e.bundle_id in skip:
                 continue
             t = read_bundle(self.read(e.bundle_id), e.manifest)
             full = ~np.asarray(pc.fill_null(t.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
@@ -413,11 +414,12 @@ class Spool:
                      self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
         return out
 
-    def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4) -> list[ThinResult]:
+    def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
+                skip: frozenset[str] = frozenset()) -> list[ThinResult]:
         """Thin the waiting bundles until they fit `capacity_bytes`: the normal tier while the urgent bundles fit
         (they are the latency path), every tier when they alone do not. keep = the bytes left for the rows / the
         rows' bytes (a bundle's fixed Parquet overhead, measured once per contract, is not thinned away); again
-        while compression leaves it over."""
+        while compression leaves it over. Bundles in `skip` (part-sent, in the retry queue) stay whole."""
         done: list[ThinResult] = []
         overhead: dict[str, int] = {}
         for r in range(max_rounds):
@@ -427,7 +429,9 @@ class Spool:
                 break
             urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
             tiers = ("normal",) if urgent < capacity_bytes else ("high", "normal")
-            thinned = [e for e in pending if e.tier in tiers]
+            thinned = [e for e in pending if e.tier in tiers and e.bundle_id not in skip]
+            if not thinned:
+                break
             for e in thinned:
                 if e.manifest.contract not in overhead:  # a one-row bundle: the fixed part, near enough
                     one = read_bundle(self.read(e.bundle_id), e.manifest).slice(0, 1)
@@ -437,7 +441,7 @@ class Spool:
             room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned)) - fixed
             rows_bytes = sum(e.manifest.nbytes for e in thinned) - fixed
             keep = min(1.0, max(0.0, room) / rows_bytes) if rows_bytes > 0 else 0.0
-            done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers))
+            done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers, skip=skip))
         return done
 
     def write_staging(self, name: str, data: bytes) -> Path:

@@ -292,6 +292,17 @@ def _select(items: list[tuple[Pending, int]], capacity: int, method: Method) -> 
     return max(dp, greedy, key=lambda ix: sum(items[i][0].value for i in ix))
 
 
+def capacity_until(passes: Sequence[Pass], now: datetime, until: datetime, cap_fraction: float) -> int:
+    """Bytes the passes carry between now and `until` at the rate cap (a pass open now: its rest; a pass
+    running past `until`: up to it). What waits beyond it must be thinned, not cut by drain order."""
+    total = 0
+    for p in passes:
+        a, b = max(p.start, now), min(p.end, until)
+        if b > a:
+            total += int((b - a).total_seconds() * p.rate_bps / 8 * cap_fraction)
+    return total
+
+
 MONTH_S = 30 * 86400.0
 PLAN_HEADROOM = 0.9  # plan a tenth under the link: retries, manifests and control traffic share it
 
