@@ -109,7 +109,7 @@ def inclusion_probabilities(values: np.ndarray, full_bytes: np.ndarray, summary_
     With one, the expected bytes of the batch (full rows drawn + summaries of the rows left, where a summary
     earns its bytes: `summary_bytes` 0 otherwise) equal `budget_share` x its full-row bytes:
     - urgent (high tier) rows travel with p 1 while they take at most `urgent_max_share` of the budget; beyond
-      it they are sampled too, each with the same p;
+      it they are sampled with the other rows, by the same rule (their value still makes them the likeliest);
     - every other row gets p = min(1, c x w) with w = coverage + (1 - coverage) x value / mean value: a
       `coverage` share of the budget is spread evenly (every value stratum keeps rows: the floor), the rest in
       proportion to value (importance); c is solved so the expected bytes meet the budget exactly.
@@ -124,12 +124,14 @@ def inclusion_probabilities(values: np.ndarray, full_bytes: np.ndarray, summary_
     budget = policy.budget_share * float(b.sum())
     p = np.zeros(n, dtype=np.float64)
     hb = float(b[high].sum())
-    urgent = policy.urgent_max_share * budget
-    p[high] = 1.0 if hb <= urgent else urgent / hb
-    rest = ~high
+    if hb <= policy.urgent_max_share * budget:
+        p[high] = 1.0
+        rest = ~high
+    else:  # more urgent rows than their share: they are sampled with the rest (by value, so still likeliest)
+        rest = np.ones(n, dtype=bool)
     if rest.any():
         # A row left costs its summary; drawn it costs its full bytes: sum(s) + sum(p (b - s)) = what is left.
-        left = budget - float((p[high] * b[high]).sum()) - float((s[rest]).sum())
+        left = budget - float((p[~rest] * b[~rest]).sum()) - float((s[rest]).sum())
         vr = v[rest]
         mean = float(vr.mean())
         w = policy.coverage + (1.0 - policy.coverage) * (vr / mean if mean > 0 else np.ones_like(vr))
