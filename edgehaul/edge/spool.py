@@ -30,6 +30,9 @@ alert is kept in order while the central API is out of reach.
 When a write would still not fit: `reject-new` refuses it; `drop-lowest-value` drops waiting
 bundles of lower value (tier first, then max_value, oldest first) if that frees enough, else refuses.
 Every refused, dropped, evicted or expired sample goes to the ledger.
+When the link cannot carry what waits, `thin_to` thins the waiting bundles at random (each full row kept
+with probability keep, its inclusion_p multiplied by it, the rest moved to the raw store): the order of
+`pending()` decides only what goes first, never which rows a short link leaves out.
 """
 
 from __future__ import annotations

@@ -3,21 +3,24 @@ and raw-store bundles for the local spool.
 
 - `route(values, policy)`: value >= high_threshold -> "high", value < low_threshold -> "low", else
   "normal".
-- Tier sampling (`drawn`, `inclusion_p`): a `sample_rate` share of the low tier travels in full anyway,
-  so central training sees the population and not only what scored high. The draw is a hash of the
-  sample id and the policy version (a rerun or retry sends the same rows, so bundle ids and the caches
-  hold); each row records its inclusion probability: 1 for high and normal, sample_rate for low.
-- `Batcher`: high rows leave at once as urgent bundles (each <= urgent_max_bytes); normal rows, the
-  drawn low rows in full and the summary rows of the other low-tier samples (payload columns null,
-  is_summary true) are buffered and flushed as a normal bundle when it reaches flush_max_samples rows or
-  flush_max_bytes bytes, or when its first row is flush_max_seconds old (clock injectable), whichever
-  first. The full rows of the low-tier samples not drawn become "low" bundles that `Spool.put` keeps in
-  the local raw store, never uplinked: every sample travels in full, or in the raw store, not both.
+- Every row has an inclusion probability (`inclusion_p`, written in the row) and travels in full iff
+  `u(policy version, sample id) < inclusion_p` (`draw`: SHA-256 per sample in one native pass, so a rerun
+  or retry sends the same rows and the bundle ids and caches hold; nested in p). Without a byte budget p is
+  1 for high and normal and `sample_rate` for low; with `TieringPolicy.budget_share` it is value-proportional
+  above a coverage floor, solved per batch so the expected bytes meet the budget
+  (`inclusion_probabilities`). A cut by rank is never made: every landed row can be weighted by 1/p.
+- `Batcher`: drawn high rows leave at once as urgent bundles (each <= urgent_max_bytes); the other drawn rows
+  and the summary rows of the rows left (payload columns null, is_summary true; only where a summary is
+  `summary_min_ratio` times smaller than its row: `plan_bytes`) are buffered and flushed as a normal bundle
+  when it reaches flush_max_samples rows or flush_max_bytes bytes, or when its first row is
+  flush_max_seconds old (clock injectable), whichever first. The full rows left become "low" bundles that
+  `Spool.put` keeps in the local raw store, never uplinked: every sample travels in full, or in the raw
+  store, not both. One reordering `take` per batch, every bundle a slice of it.
 - Byte limits hold for the written Parquet bundle itself: rows are cut by their uncompressed size
   (an upper bound for zstd Parquet plus a footer allowance) and a bundle that still comes out too
   large is split in half until it fits.
-- `TierReport`: samples and bytes per tier, value captured per uplinked byte, and the same metric
-  for the no-tiering baseline (every sample sent in full).
+- `TierReport`: samples and bytes per tier, full and summary rows and bytes per row, value captured per
+  uplinked byte, and the same metric for the no-tiering baseline (every sample sent in full).
 """
 
 from __future__ import annotations
