@@ -218,6 +218,9 @@ def test_a_pass_short_of_the_plan_thins_at_random_and_p_follows(pump: Contract, 
     raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
     sent_ids = set(after.column("sample_id").to_pylist())
     assert sent_ids.isdisjoint(raw_ids) and len(sent_ids) + len(raw_ids) == 12_000
+    # a rerun of the edge batches rebuilds the bundles thinned away: the spool does not take them back
+    again = run_edge(pump, TieringPolicy(), tmp_path, n=12_000, batch=4000, seed=5)
+    assert {e.bundle_id for e in again.pending()} == {e.bundle_id for e in spool.pending()}
 
 
 # ------------------------------------------------------------------------------------------ integration

@@ -408,6 +408,9 @@ class Spool:
                 if self.put(data, man) is None:
                     raise SpoolError(f"spool {self.root}: no room for thinned bundle of {e.bundle_id}")
             with self._locked():
+                # Recorded like an acknowledgement: a rerun of the batch that built it never spools it again.
+                self._acks.execute("INSERT OR REPLACE INTO acks VALUES (?,?,?,?)",
+                                   (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
                 self._remove(e)
             out.bundles += 1
             out.rows_out += gone.num_rows
