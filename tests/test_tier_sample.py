@@ -51,13 +51,16 @@ def _check(spool: Spool, contract: Contract, observed: collections.Counter[int])
     tiers = [e.tier for e in pending]
     assert tiers == sorted(tiers, key=("high", "normal").index) and "high" in tiers and "normal" in tiers
     sent = pa.concat_tables([read_bundle(spool.read(e.bundle_id), e.manifest) for e in pending]).combine_chunks()
-    # nothing lost: every observed sample travels exactly once, in full or as a summary; the raw store keeps
-    # exactly the summarised samples' full rows
+    # nothing lost: every observed sample travels in full or stays in the raw store, never both; a summary goes
+    # up only for a sample left on the node, and only where it earns its bytes (a pixel patch, not a gait row)
     ids = sent.column("sample_id").to_pylist()
-    assert len(ids) == len(set(ids)) == sum(observed.values())
+    assert len(ids) == len(set(ids))
     summary_ids = set(sent.filter(sent.column("is_summary")).column("sample_id").to_pylist())
+    full_ids = set(ids) - summary_ids
     raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
-    assert raw_ids == summary_ids and summary_ids
+    assert full_ids.isdisjoint(raw_ids) and len(full_ids) + len(raw_ids) == sum(observed.values())
+    assert summary_ids <= raw_ids
+    assert bool(summary_ids) == (contract.layout != "columns")
     rows = trainable(sent.to_batches()[0], contract)
     assert not any(rows.column("is_summary").to_pylist())
     labels = np.array(rows.column(label).to_pylist())
@@ -86,9 +89,9 @@ def test_landsat_weighted_class_mix_matches_the_node_within_2pp(tmp_path: Path) 
     # a known mix: 40% class 1, 40% class 5, 12% class 3, 5% class 4, 3% class 6 (weights per scene patch)
     patches = collections.Counter(real_patches().labels.tolist())
     mix = {1: 0.40, 5: 0.40, 3: 0.12, 4: 0.05, 6: 0.03}
-    policy = TieringPolicy(sample_rate=RATE)
+    policy = TieringPolicy(sample_rate=RATE, use_labels=True)  # labels at the edge, read: class rarity counts
     spool = _spool(tmp_path / "spool")
-    scorer = NoveltyScorer(LANDSAT)
+    scorer = NoveltyScorer(LANDSAT, use_labels=True)
     observed: collections.Counter[int] = collections.Counter()
     by_class: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for i, raw in enumerate(generate(40_000, "node-a", seed=11, batch_size=10_000,
@@ -169,3 +172,33 @@ def test_core_validation_refuses_a_full_row_with_p_outside_0_1_and_names_it() ->
     data, m = write_bundle(_with_p(summarise(base, LANDSAT), [0.0] * 6), LANDSAT, tier="normal")
     _, result = validate_bundle(data, m)
     assert result.success, result.error
+
+
+@pytest.mark.parametrize("share", [0.05, 0.10])
+def test_under_a_byte_budget_the_weighted_class_mix_is_the_nodes_within_2pp(tmp_path: Path, share: float) -> None:
+    """Landsat at a tight budget with the default scorer: the rows sent are value-weighted (the rare class
+    over-represented) and 1/inclusion_p gives the node's class mix back."""
+    patches = collections.Counter(real_patches().labels.tolist())
+    mix = {1: 0.40, 5: 0.40, 3: 0.12, 4: 0.05, 6: 0.03}
+    policy = TieringPolicy(budget_share=share)
+    spool = _spool(tmp_path / "spool")
+    scorer = NoveltyScorer(LANDSAT)
+    observed: collections.Counter[int] = collections.Counter()
+    for i, raw in enumerate(generate(30_000, "node-a", seed=12, batch_size=10_000,
+                                     class_weights={k: s / patches[k] for k, s in mix.items()})):
+        result = ingest_batch(raw, LANDSAT, policy, spool, scorer, key=f"landsat-b-{i}", node_id="node-a")
+        assert result.accepted == raw.num_rows
+        observed.update(raw.column("label").to_pylist())
+    sent = pa.concat_tables([read_bundle(spool.read(e.bundle_id), e.manifest) for e in spool.pending()])
+    rows = trainable(sent.combine_chunks().to_batches()[0], LANDSAT)
+    assert abs(rows.num_rows / 30_000 - share) < 0.3 * share  # equal-size rows: the share of rows, near enough
+    labels = np.array(rows.column("label").to_pylist())
+    w = sample_weights(rows)
+    n = sum(observed.values())
+    weighted = _shares(labels, w, sorted(observed))
+    unweighted = _shares(labels, np.ones(len(labels)), sorted(observed))
+    err = {k: abs(weighted[k] - observed[k] / n) for k in observed}
+    log.info("budget %.2f: %d rows; observed %s weighted %s unweighted %s", share, rows.num_rows,
+             {k: round(observed[k] / n, 3) for k in observed}, weighted, unweighted)
+    assert max(err.values()) <= TOLERANCE, err
+    assert unweighted[6] > 1.5 * observed[6] / n  # the rare class lands more often than its share

@@ -30,6 +30,9 @@ alert is kept in order while the central API is out of reach.
 When a write would still not fit: `reject-new` refuses it; `drop-lowest-value` drops waiting
 bundles of lower value (tier first, then max_value, oldest first) if that frees enough, else refuses.
 Every refused, dropped, evicted or expired sample goes to the ledger.
+When the link cannot carry what waits, `thin_to` thins the waiting bundles at random (each full row kept
+with probability keep, its inclusion_p multiplied by it, the rest moved to the raw store): the order of
+`pending()` decides only what goes first, never which rows a short link leaves out.
 """
 
 from __future__ import annotations
@@ -48,12 +51,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from edgehaul import events
-from edgehaul.bundles import BundleError, BundleManifest
-from edgehaul.contracts import tier_rank
+from edgehaul.bundles import BundleError, BundleManifest, read_bundle, write_bundle
+from edgehaul.contracts import INCLUSION_P, contract_by_id, tier_rank
 from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
 from edgehaul.edge.outbox import PRIO_ALERT_L2, Outbox, node_outbox
+from edgehaul.edge.tiering import uniforms
 
 if TYPE_CHECKING:
     from edgehaul.blocks.policies import EdgeNode
@@ -64,6 +72,17 @@ FULL_POLICIES = ("reject-new", "drop-lowest-value")
 STAGE_RAW = "spool-raw"  # ledger stage of the raw store (low-tier payloads; their summaries were kept)
 _SIDECAR = ".manifest.json"
 _TMP = ".tmp"
+
+
+@dataclass
+class ThinResult:
+    """One thinning: the keep probability, its salt, bundles rewritten and full rows kept / moved out."""
+
+    keep: float
+    salt: str
+    bundles: int = 0
+    rows_kept: int = 0
+    rows_out: int = 0
 
 
 class SpoolError(RuntimeError):
@@ -349,6 +368,87 @@ class Spool:
             usage = self.usage()
         self._check_alert(usage)
         return entry
+
+    def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",),
+             skip: frozenset[str] = frozenset()) -> ThinResult:
+        """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
+        full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
+        inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
+        thinned out move to the raw store with their payload (kept on the node, as rows never drawn). Summary
+        rows stay. Never a cut by drain order: that would land only the top of the value ranking."""
+        if not 0.0 <= keep <= 1.0:
+            raise SpoolError(f"thinning keep {keep} is outside [0, 1]")
+        out = ThinResult(keep=keep, salt=salt)
+        if keep >= 1.0:
+            return out
+        for e in self.pending():
+            if e.tier not in tiers or e.bundle_id in skip:
+                continue
+            t = read_bundle(self.read(e.bundle_id), e.manifest)
+            full = ~np.asarray(pc.fill_null(t.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
+            stay = ~full | (uniforms(t.column("sample_id"), salt) < keep)
+            if stay.all():
+                continue
+            contract = contract_by_id(e.manifest.contract)
+            m = e.manifest
+            gone = t.filter(pa.array(~stay))
+            data, man = write_bundle(gone, contract, tier="low", policy_fingerprint=f"thinned-out|{salt}",
+                                     policy_version=m.policy_version, scorer_version=m.scorer_version, team=m.team)
+            if self.put(data, man) is None:
+                continue  # the raw store refused it (the ledger says why): leave this bundle whole
+            kept = t.filter(pa.array(stay))
+            if kept.num_rows:
+                k_full = full[stay]
+                p = kept.column(INCLUSION_P).to_numpy().astype(np.float64)
+                p = np.where(k_full, p * keep, p).astype(np.float32)
+                kept = kept.set_column(kept.schema.get_field_index(INCLUSION_P), kept.schema.field(INCLUSION_P),
+                                       pa.array(p, pa.float32()))
+                data, man = write_bundle(kept, contract, tier=e.tier, policy_fingerprint=f"thinned|{salt}",
+                                         policy_version=m.policy_version, scorer_version=m.scorer_version, team=m.team)
+                if self.put(data, man) is None:
+                    raise SpoolError(f"spool {self.root}: no room for thinned bundle of {e.bundle_id}")
+            with self._locked():
+                # Recorded like an acknowledgement: a rerun of the batch that built it never spools it again.
+                self._acks.execute("INSERT OR REPLACE INTO acks VALUES (?,?,?,?)",
+                                   (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
+                self._remove(e)
+            out.bundles += 1
+            out.rows_out += gone.num_rows
+            out.rows_kept += int(full[stay].sum())
+        if out.bundles:
+            log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store",
+                     self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
+        return out
+
+    def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
+                skip: frozenset[str] = frozenset()) -> list[ThinResult]:
+        """Thin the waiting bundles until they fit `capacity_bytes`: the normal tier while the urgent bundles fit
+        (they are the latency path), every tier when they alone do not. keep = the bytes left for the rows / the
+        rows' bytes (a bundle's fixed Parquet overhead, measured once per contract, is not thinned away); again
+        while compression leaves it over. Bundles in `skip` (part-sent, in the retry queue) stay whole."""
+        done: list[ThinResult] = []
+        overhead: dict[str, int] = {}
+        for r in range(max_rounds):
+            pending = self.pending()
+            total = sum(e.manifest.nbytes for e in pending)
+            if total <= capacity_bytes or not pending:
+                break
+            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
+            tiers = ("normal",) if urgent < capacity_bytes else ("high", "normal")
+            thinned = [e for e in pending if e.tier in tiers and e.bundle_id not in skip]
+            if not thinned:
+                break
+            for e in thinned:
+                if e.manifest.contract not in overhead:  # a one-row bundle: the fixed part, near enough
+                    one = read_bundle(self.read(e.bundle_id), e.manifest).slice(0, 1)
+                    c = contract_by_id(e.manifest.contract)
+                    overhead[e.manifest.contract] = len(write_bundle(one, c, tier=e.tier)[0])
+            fixed = sum(overhead[e.manifest.contract] for e in thinned)
+            room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned)) - fixed
+            rows_bytes = sum(e.manifest.nbytes for e in thinned) - fixed
+            keep = min(1.0, max(0.0, room) / rows_bytes) if rows_bytes > 0 else 0.0
+            done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers, skip=skip))
+        return done
 
     def write_staging(self, name: str, data: bytes) -> Path:
         """Atomically write a derived intermediate under staging/ (counted in the cap, pruned by TTL)."""
