@@ -444,3 +444,40 @@ def test_plans_obey_cost_rules_for_any_policy_and_time(stack: object) -> None:
         assert all(a.kind != "restore" for a in p.actions)
 
     check()
+
+
+@pytest.mark.integration
+def test_a_rule_the_server_changed_is_withdrawn_and_fails_the_run(stack: object) -> None:
+    # moto (5.2) stores a Transition rule without its ObjectSizeGreaterThan filter, as another S3 server does
+    # (it then moves small manifests to an infrequent-access class): the run fails naming the rule.
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+    from pydantic import SecretStr
+
+    from edgehaul.flows.lifecycle_moves import LifecycleMovesFailed, LifecycleParams, lifecycle_moves
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        store = ObjectStore(endpoint_url=f"http://{host}:{port}", access_key_id=SecretStr("moto"),
+                            secret_access_key=SecretStr("moto"))
+        s3 = boto3.client("s3", endpoint_url=store.endpoint_url, aws_access_key_id="moto",
+                          aws_secret_access_key="moto", region_name="us-east-1")
+        for zone in ("landing", "curated", "cold", "checkpoints", "ops"):
+            s3.create_bucket(Bucket=store.bucket(zone))
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        store.save(name)
+        policy = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365)])
+        policy.save(name)
+        with pytest.raises(LifecycleMovesFailed, match=r"edgehaul-landing: edgehaul:/:raw:cold.*apply_store_lifecycle"):
+            lifecycle_moves(LifecycleParams(store_block=name, policy_block=name, apply_store_lifecycle=True))
+        ids = {r["ID"] for r in s3.get_bucket_lifecycle_configuration(Bucket=store.bucket("landing"))["Rules"]}
+        assert ids == {"edgehaul:/:raw:expire"}  # the changed transition taken off, the faithful rule kept
+        (res,) = [r for r in apply_configuration(store, policy) if r.bucket == store.bucket("landing")]
+        assert res.withdrawn == ["edgehaul:/:raw:cold"] and not res.round_trip_ok
+    finally:
+        server.stop()
