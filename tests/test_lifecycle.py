@@ -481,3 +481,31 @@ def test_a_rule_the_server_changed_is_withdrawn_and_fails_the_run(stack: object)
         assert res.withdrawn == ["edgehaul:/:raw:cold"] and not res.round_trip_ok
     finally:
         server.stop()
+
+
+@pytest.mark.integration
+def test_the_documented_outside_readers_read_one_version_over_plain_http(stack: object) -> None:
+    import re
+    from pathlib import Path
+
+    from deltalake import write_deltalake
+
+    admin = store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")  # type: ignore[arg-type]
+    uri = admin.uri("curated", "datasets/doc_kind")
+    for v in range(4):  # versions 0..3, one more row-batch each
+        write_deltalake(uri, pa.table({"sample_id": [f"s{v}-{i}" for i in range(5)], "v": [v] * 5}),
+                        mode="append", storage_options=admin.storage_options())
+    trainer = stack.identities["trainer"]  # type: ignore[attr-defined]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "STORAGE.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "by_polars" in b]
+    first, second, rest = block.split("\n", 2)
+    assert first.startswith("endpoint, key_id, secret =") and second.startswith("uri, version =")
+    assert admin.endpoint_url and admin.endpoint_url.startswith("http://")  # the point: plain http
+    ns: dict[str, object] = {}
+    exec(f"endpoint, key_id, secret = {admin.endpoint_url!r}, {trainer.access_key_id!r}, "  # noqa: S102
+         f"{trainer.secret_access_key!r}\nuri, version = {uri!r}, 2\n{rest}", ns)
+    want = sorted(f"s{v}-{i}" for v in range(3) for i in range(5))
+    assert sorted(ns["by_deltalake"].column("sample_id").to_pylist()) == want  # type: ignore[attr-defined]
+    assert sorted(ns["by_polars"]["sample_id"].to_list()) == want  # type: ignore[index]
+    assert sorted(ns["by_pyarrow"].column("sample_id").to_pylist()) == want  # type: ignore[attr-defined]
+    assert ns["rows_by_duckdb"] == len(want)
