@@ -502,7 +502,7 @@ def test_the_documented_outside_readers_read_one_version_over_plain_http(stack: 
     assert first.startswith("endpoint, key_id, secret =") and second.startswith("uri, version =")
     assert admin.endpoint_url and admin.endpoint_url.startswith("http://")  # the point: plain http
     ns: dict[str, object] = {}
-    exec(f"endpoint, key_id, secret = {admin.endpoint_url!r}, {trainer.access_key_id!r}, "  # noqa: S102
+    exec(f"endpoint, key_id, secret = {admin.endpoint_url!r}, {trainer.access_key_id!r}, "
          f"{trainer.secret_access_key!r}\nuri, version = {uri!r}, 2\n{rest}", ns)
     want = sorted(f"s{v}-{i}" for v in range(3) for i in range(5))
     assert sorted(ns["by_deltalake"].column("sample_id").to_pylist()) == want  # type: ignore[attr-defined]
