@@ -773,7 +773,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"env: {args.env_file} (0600)", file=sys.stderr)
         else:
             print("\n".join(exports))
+        if args.command == "up" and (hint := login_hint(st, args.env_file)):
+            print(hint, file=sys.stderr)
     return 0
+
+
+def login_hint(state: StackState, env_file: Path | None) -> str | None:
+    """How to get past the UI's login page (the string itself stays in the 0600 file, never on a terminal)."""
+    if not state.api_auth_string:
+        return None
+    where = f"grep PREFECT_API_AUTH_STRING {env_file}" if env_file else "PREFECT_API_AUTH_STRING in the exports above"
+    return (f"UI login: {state.prefect_ui_url} asks for the API auth string (user:password): paste the value of "
+            f"`{where}`")
 
 
 if __name__ == "__main__":
