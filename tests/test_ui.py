@@ -121,6 +121,30 @@ def test_the_stack_says_how_to_log_in_to_the_ui(tmp_path: Path) -> None:
     assert localstack.login_hint(localstack.StackState(str(tmp_path), 4200, 8333, {}), None) is None
 
 
+def test_the_demo_summary_says_where_each_bundle_is_and_which_month_is_priced() -> None:
+    from edgehaul_dev import demo
+
+    out = {"edge": {"node-a": {"samples_in": 400, "bundles": 6, "bundles_by_reason": {"final": 5, "raw": 1}}},
+           "uplink": {"node-a": {"bundles_landed": 5}}, "cost": {"month": demo.this_month(), "total": 0.01}}
+    text = "\n".join(demo.summary_lines(out, "http://ui"))
+    assert "6 bundles (1 low-tier, kept in the node's raw store: never uplinked)" in text
+    assert f"cost report {datetime.now(UTC):%Y-%m} (month to date)" in text
+
+
+def test_the_demo_console_drops_only_completed_state_lines() -> None:
+    import logging
+
+    from edgehaul_dev import demo
+
+    keep = demo._HideCompleted()
+
+    def rec(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("prefect.task_runs", logging.INFO, __file__, 1, msg, None, None)
+
+    assert not keep.filter(rec("Finished in state Completed()"))
+    assert keep.filter(rec("Finished in state Failed('boom')")) and keep.filter(rec("node-a: 5 bundles landed"))
+
+
 def browse(url: str, tmp: Path, screenshot: Path | None = None, raw: bool = False) -> str:
     """The page's rendered text (its DOM with `raw`), via Chromium's own --dump-dom (no driver, no
     downloaded browser)."""
@@ -438,6 +462,7 @@ def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_a
     configure.save_blocks(stack)
     out = demo.run(samples=400, epochs=1, nodes=["node-a", "node-b"])
     assert out["train"].get("model_id"), out["train"]
+    assert out["cost"]["month"] == demo.this_month()  # month to date: the demo's own use shows
     lap("demo")
     # make deploy: blocks, pools, deployments, triggers, alert automations, workers
     deployed = deploy.deploy()
