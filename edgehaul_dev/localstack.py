@@ -112,6 +112,8 @@ class StackState:
     weed_jwt: dict[str, str] = field(default_factory=dict)
     # ports configured by settings ("prefect", "s3"): never swapped for a free one, an error when taken
     pinned: list[str] = field(default_factory=list)
+    # another S3 server for every client of the stack (the test suite's EDGEHAUL_TEST_S3_ENDPOINT)
+    s3_endpoint_override: str | None = None
 
     @property
     def prefect_api_url(self) -> str:
@@ -123,7 +125,7 @@ class StackState:
 
     @property
     def s3_endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return self.s3_endpoint_override or f"http://127.0.0.1:{self.s3_port}"
 
     def node_credentials_file(self, node: str) -> Path:
         """The 0600 file that holds `node`'s S3 keys (profile = the node id), beside its spool."""

@@ -121,7 +121,8 @@ class _Server:
         self.quirks = frozenset(quirks)
         self.secrets = dict(secrets)
         u = urlsplit(backend_url)
-        self.backend = (u.hostname or "127.0.0.1", u.port or 80)
+        self.https = u.scheme == "https"
+        self.backend = (u.hostname or "127.0.0.1", u.port or (443 if self.https else 80))
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         proxy = self
@@ -249,7 +250,7 @@ class _Server:
             except PermissionError as e:
                 return self._reply(h, 403, [("Content-Type", "application/xml")], _error("AccessDenied", str(e)))
         headers = {k: v for k, v in headers.items() if k.lower() != "content-length"} | {"Content-Length": str(len(body))}
-        conn = http.client.HTTPConnection(*self.backend, timeout=120)
+        conn = (http.client.HTTPSConnection if self.https else http.client.HTTPConnection)(*self.backend, timeout=120)
         try:
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
