@@ -99,9 +99,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.Stack
                                              PREFECT_API_AUTH_STRING: state.api_auth_string}):
                 yield state
         finally:
+            _drain_prefect_clients()
             if proxy is not None:
                 proxy.stop()
             localstack.down(root)
+
+
+def _drain_prefect_clients() -> None:
+    """Send the logs and events still queued in this process while the server is up: drained at exit instead,
+    they met a stopped server ("--- Error logging to API --- All connection attempts failed" after the run)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=30)
 
 
 def api_auth() -> tuple[str, str] | None:
