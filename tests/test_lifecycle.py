@@ -519,3 +519,28 @@ def test_the_documented_outside_readers_read_one_version_over_plain_http(stack: 
     assert sorted(ns["by_polars"]["sample_id"].to_list()) == want  # type: ignore[index]
     assert sorted(ns["by_pyarrow"].column("sample_id").to_pylist()) == want  # type: ignore[attr-defined]
     assert ns["rows_by_duckdb"] == len(want)
+
+
+@pytest.mark.integration
+def test_a_wrong_copy_left_by_an_interrupted_move_is_never_taken_for_the_planned_one(stack: object) -> None:
+    # A crash between a copy the server made of other bytes (CopySourceIfMatch ignored) and its check leaves a
+    # cold object that records the planned ETag: the rerun must not delete the source on its word.
+    from edgehaul.platform import s3compat
+
+    store = _fresh_store(stack)
+    s3 = store.client()
+    bucket = store.bucket("landing")
+    key, moved = store.key("landing", "node-a/2026-01-01/w.parquet"), store.key("landing", "node-a/2026-01-01/x.parquet")
+    planned = {k: s3compat.unquoted(s3.put_object(Bucket=bucket, Key=k, Body=b"v1" * 600)["ETag"]) for k in (key, moved)}
+    acts = {k: lc.Action("move", bucket, k, store.bucket("cold"), lc.cold_key(store, bucket, k), 1200, planned[k],
+                         "STANDARD_IA", "raw", T0.isoformat(), "test") for k in (key, moved)}
+    for a in acts.values():  # the wrong copies: same size, other bytes, the planned ETag recorded
+        s3.put_object(Bucket=a.dst_bucket, Key=a.dst_key, Body=b"v2" * 600, Metadata={"eh-source-etag": a.etag})
+    s3.put_object(Bucket=bucket, Key=key, Body=b"v3" * 600)  # one source changed since; the other did not
+    res = lc.run_batch(store, list(acts.values()), T0)
+    assert res.done == {"skipped: changed since planned": 1, "moved": 1} and not res.errors, (res.done, res.errors)
+    assert lc._head(s3, acts[key].dst_bucket, acts[key].dst_key) is None  # the wrong copy removed
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == b"v3" * 600
+    # the unchanged source was copied again, not trusted: its cold copy holds its bytes
+    assert s3.get_object(Bucket=acts[moved].dst_bucket, Key=acts[moved].dst_key)["Body"].read() == b"v1" * 600
+    assert lc._head(s3, bucket, moved) is None
