@@ -1,9 +1,10 @@
 """`make demo`: the end-to-end pipeline on the local stack, on real Landsat patches.
 
 edge_ingest (two nodes) -> uplink_drain (simulated link) -> core_ingest (GE validation, Delta
-commit) -> train_model (checkpoints) -> publish_model -> lifecycle_moves (dry run) -> cost_report.
-Every step is a Prefect flow run visible in the UI; the summary printed at the end has samples per
-tier, bytes uplinked, the dataset version, model metrics and the UI address.
+commit) -> train_model (checkpoints) -> publish_model -> lifecycle_moves (dry run) -> cost_report (the
+current month to date, so the demo's own uplink, storage and training show). Every step is a Prefect
+flow run visible in the UI; the summary printed at the end has samples per tier, bytes uplinked, the
+dataset version, model metrics and the UI address.
 
 With --via-deployments (after `make deploy`) the same pipeline runs through the deployments, so the
 workers of the right pools execute it: edge_ingest and uplink_drain per node on `edge-default` (queue
@@ -40,6 +41,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgehaul_dev.demo")
 
 
+def this_month() -> str:
+    """The cost report's month for the demo: the current one (to date); the scheduled report prices the last."""
+    return f"{datetime.now(UTC):%Y-%m}"
+
+
+class _HideCompleted(logging.Filter):
+    """Drops Prefect's "Finished in state Completed()" console lines (one per task and flow run: 34 in a demo).
+    The summary lists every run's final state; other final states still print, and the API keeps every line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Finished in state Completed(")
+
+
+def quiet_prefect_console() -> None:
+    """Filter Prefect's console handlers (on the root logger in Prefect 3's logging.yml); API handlers keep all."""
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            if type(handler).__name__ == "PrefectConsoleHandler":
+                handler.addFilter(_HideCompleted())
+
+
 def run(samples: int, epochs: int, nodes: list[str]) -> dict[str, Any]:
     from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
     from edgehaul.flows.cost_report import CostReportParams, cost_report
@@ -73,7 +95,7 @@ def run(samples: int, epochs: int, nodes: list[str]) -> dict[str, Any]:
     if model_id:
         out["publish"] = publish_model(PublishModelParams(model_id=model_id, store_block=StoreBlock.TRAINER))
     out["lifecycle"] = lifecycle_moves(LifecycleParams(store_block=StoreBlock.LIFECYCLE, dry_run=True))
-    out["cost"] = cost_report(CostReportParams(store_block=StoreBlock.LIFECYCLE))
+    out["cost"] = cost_report(CostReportParams(store_block=StoreBlock.LIFECYCLE, month=this_month()))
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -228,7 +250,7 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
     runs += chain
     ops_store = StoreBlock.LIFECYCLE.value
     ops = _run_all({"lifecycle_moves/daily": ("lifecycle_moves/daily", {"store_block": ops_store, "dry_run": True}),
-                    "cost_report/monthly": ("cost_report/monthly", {"store_block": ops_store})},
+                    "cost_report/monthly": ("cost_report/monthly", {"store_block": ops_store, "month": this_month()})},
                    max(1.0, deadline - time.monotonic()), say)
     runs += ops.values()
     names: dict[UUID, str] = {}
@@ -269,9 +291,11 @@ def summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
     lines = ["", "edgehaul demo — summary", "=" * 60]
     for node, e in out["edge"].items():
         tiers = e.get("samples", {})
+        kept = e.get("bundles_by_reason", {}).get("raw", 0)
         lines.append(
             f"{node}: {e.get('samples_in', 0)} samples in, {sum(e.get('rejected', {}).values())} rejected; "
             f"tiers {json.dumps(tiers)}; {e.get('bundles', 0)} bundles"
+            + (f" ({kept} low-tier, kept in the node's raw store: never uplinked)" if kept else "")
         )
     for node, u in out["uplink"].items():
         lines.append(
@@ -288,7 +312,8 @@ def summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}
     lines.append(f"model: {tr.get('model_id')} on dataset v{tr.get('dataset_version')}, last epoch {json.dumps(shown)}")
     cost = out.get("cost", {})
-    lines.append(f"cost report: total {cost.get('total')} {cost.get('currency', '')}".rstrip())
+    lines.append(f"cost report {cost.get('month', '')} (month to date): total {cost.get('total')} "
+                 f"{cost.get('currency', '')}".rstrip())
     lines.append(f"wall time {out.get('wall_s')} s")
     lines.append(f"Prefect UI: {ui_url}  (flow runs, artifacts, events)")
     return lines
@@ -327,6 +352,7 @@ def _main(args: argparse.Namespace, state: localstack.StackState) -> int:
         return 0 if all(run_ok(r) for r in out["runs"]) else 1
     configure.register_block_types()
     configure.save_blocks(state)
+    quiet_prefect_console()
     out = run(args.samples, args.epochs, args.nodes)
     print("\n".join(summary_lines(out, state.prefect_ui_url)))
     return 0

@@ -112,6 +112,8 @@ class StackState:
     weed_jwt: dict[str, str] = field(default_factory=dict)
     # ports configured by settings ("prefect", "s3"): never swapped for a free one, an error when taken
     pinned: list[str] = field(default_factory=list)
+    # another S3 server for every client of the stack (the test suite's EDGEHAUL_TEST_S3_ENDPOINT)
+    s3_endpoint_override: str | None = None
 
     @property
     def prefect_api_url(self) -> str:
@@ -123,7 +125,7 @@ class StackState:
 
     @property
     def s3_endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return self.s3_endpoint_override or f"http://127.0.0.1:{self.s3_port}"
 
     def node_credentials_file(self, node: str) -> Path:
         """The 0600 file that holds `node`'s S3 keys (profile = the node id), beside its spool."""
@@ -773,7 +775,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"env: {args.env_file} (0600)", file=sys.stderr)
         else:
             print("\n".join(exports))
+        if args.command == "up" and (hint := login_hint(st, args.env_file)):
+            print(hint, file=sys.stderr)
     return 0
+
+
+def login_hint(state: StackState, env_file: Path | None) -> str | None:
+    """How to get past the UI's login page (the string itself stays in the 0600 file, never on a terminal)."""
+    if not state.api_auth_string:
+        return None
+    where = f"grep PREFECT_API_AUTH_STRING {env_file}" if env_file else "PREFECT_API_AUTH_STRING in the exports above"
+    return (f"UI login: {state.prefect_ui_url} asks for the API auth string (user:password): paste the value of "
+            f"`{where}`")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ Prints PASS/FAIL per item and exits non-zero if any fails:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,6 +48,7 @@ from prefect.blocks.core import Block
 from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore, TeamQuota
+from edgehaul.blocks.object_store import Zone
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import CHECK_TAG
 from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM
@@ -70,6 +73,34 @@ def admin_store(state: localstack.StackState, prefix: str) -> ObjectStore:
     c = state.identities["admin"]
     return ObjectStore(endpoint_url=state.s3_endpoint, access_key_id=SecretStr(c.access_key_id),
                        secret_access_key=SecretStr(c.secret_access_key), prefix=prefix)
+
+
+ZONES: tuple[Zone, ...] = ("landing", "curated", "cold", "checkpoints", "ops")
+
+
+def remove_prefix(store: ObjectStore) -> int:
+    """Delete every object under the store's (non-empty) prefix in each of the five buckets; returns how many."""
+    if not store.prefix.strip("/"):
+        raise ValueError("refusing to empty whole buckets: the store has no prefix")
+    s3, n = store.client(), 0
+    for bucket in sorted({store.bucket(z) for z in ZONES}):
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{store.prefix.strip('/')}/"):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+                n += len(keys)
+    return n
+
+
+@contextlib.contextmanager
+def scratch_store(state: localstack.StackState) -> Iterator[ObjectStore]:
+    """An admin store under a fresh `verify-*` prefix, emptied in every bucket afterwards (also on failure):
+    a check's bundle must not stay in the real landing bucket for every later core_ingest to skip."""
+    store = admin_store(state, f"verify-{uuid.uuid4().hex[:8]}")
+    try:
+        yield store
+    finally:
+        remove_prefix(store)
 
 
 def _load_block(cls: type[B], name: str) -> B | None:
@@ -152,12 +183,17 @@ def check_control_plane(state: localstack.StackState, window_h: float = 24.0) ->
 
 
 def check_high_value(state: localstack.StackState, work: Path) -> tuple[bool, str]:
+
+    with scratch_store(state) as store:
+        return _high_value(store, work)
+
+
+def _high_value(store: ObjectStore, work: Path) -> tuple[bool, str]:
     from edgehaul.bundles import write_bundle
     from edgehaul.contracts import load_contract
     from edgehaul.uplink.link import Link
     from edgehaul_dev.drills import KIND, _rows, drain, fast_profile, open_spool
 
-    store = admin_store(state, f"verify-{uuid.uuid4().hex[:8]}")
     profile = _load_block(LinkProfile, DEFAULT_POLICY) or fast_profile()
     table = _rows(2, "node-a", int(time.time()) % 10_000, int(time.time() * 1000) % 10**9, "high", 0.97)
     data, m = write_bundle(table, load_contract(KIND), tier="high")
@@ -290,11 +326,16 @@ def _dataset(store: ObjectStore) -> str:
 
 
 def check_resume(state: localstack.StackState, work: Path) -> tuple[bool, str]:
+
+    with scratch_store(state) as store:
+        return _resume(store, work)
+
+
+def _resume(store: ObjectStore, work: Path) -> tuple[bool, str]:
     from edgehaul.training.checkpoints import CheckpointStore
     from edgehaul.training.launch import child_env, store_to_public
     from edgehaul.training.trainer import TrainConfig, train
 
-    store = admin_store(state, f"verify-{uuid.uuid4().hex[:8]}")
     uri = _dataset(store)
     # no events: a MODEL_READY of these made-up models would start production publish_model runs that fail
     base = dict(dataset_uri=uri, dataset_version=0, team="verify", model_name="verify-resume", seed=7, epochs=3,
@@ -528,6 +569,7 @@ def run_checks(state: localstack.StackState, only: tuple[str, ...] = (), say: Ca
         c = Check(name, ok, detail, time.monotonic() - t0)
         say(f"{'PASS' if ok else 'FAIL'}  {name:<14} {detail}  ({c.seconds:.1f} s)")
         out.append(c)
+    shutil.rmtree(work, ignore_errors=True)  # spools, uplink state, the training's files
     return out
 
 

@@ -7,10 +7,20 @@ on free ports in a temporary folder, so a developer's `make demo` stack is never
 list of quirks from `tests.s3_quirk_proxy.QUIRKS`) puts the
 quirk proxy in front of SeaweedFS for the whole session: every client, flow and Delta reader of the
 tests then talks to a server that behaves like another S3 implementation.
+
+`EDGEHAUL_TEST_S3_ENDPOINT=<url>` runs the session against any S3 server instead (SeaweedFS still starts, unused):
+`EDGEHAUL_TEST_S3_ACCESS_KEY_ID` / `EDGEHAUL_TEST_S3_SECRET_ACCESS_KEY` are its admin keys (they create the five
+`edgehaul-*` buckets when missing), and `EDGEHAUL_TEST_S3_ADMIN_HOOK=<module>:<function>` creates the other
+identities: called as `fn(endpoint, admin: Credentials, names: list[str]) -> dict[str, Credentials]` with the
+roles and nodes of `edgehaul_dev.localstack` (attach the `infra/iam` policies there). Without a hook every
+identity is the admin, so least-privilege tests fail by design. Tests that assert what a server can do ask
+the probe (`edgehaul.ops.store_probe`); the few that are about SeaweedFS itself take the `local_seaweedfs`
+fixture, which skips them. The quirk proxy needs a plain-http, path-style endpoint.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -22,6 +32,47 @@ from edgehaul.blocks import ObjectStore
 from edgehaul_dev import configure, localstack
 from tests.s3_quirk_proxy import MODES, QuirkProxy
 
+EXTERNAL_S3 = os.environ.get("EDGEHAUL_TEST_S3_ENDPOINT", "")
+
+
+def use_external_s3(state: localstack.StackState, endpoint: str) -> None:
+    """Point the stack at another S3 server: its admin keys, identities from the admin hook, the five buckets."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    try:
+        admin = localstack.Credentials(os.environ["EDGEHAUL_TEST_S3_ACCESS_KEY_ID"],
+                                       os.environ["EDGEHAUL_TEST_S3_SECRET_ACCESS_KEY"])
+    except KeyError as e:
+        raise RuntimeError(f"EDGEHAUL_TEST_S3_ENDPOINT is set but {e.args[0]} is not (the server's admin keys)") from None
+    names = [n for n in state.identities if n != "admin"]
+    made = {n: admin for n in names}
+    if hook := os.environ.get("EDGEHAUL_TEST_S3_ADMIN_HOOK"):
+        module, _, fn = hook.partition(":")
+        made = getattr(importlib.import_module(module), fn)(endpoint, admin, names)
+        if missing := sorted(set(names) - set(made)):
+            raise RuntimeError(f"EDGEHAUL_TEST_S3_ADMIN_HOOK {hook} made no identity for {missing}")
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=admin.access_key_id,
+                      aws_secret_access_key=admin.secret_access_key, region_name="us-east-1")
+    for bucket in localstack.BUCKETS:
+        try:
+            s3.head_bucket(Bucket=bucket)
+        except ClientError:
+            s3.create_bucket(Bucket=bucket)
+    state.identities = {"admin": admin, **{n: made[n] for n in names}}
+    state.s3_endpoint_override = endpoint
+    state.write_central_credentials()
+    state.write_node_credentials()
+    state.save()  # processes that load the stack's state (workers, `make` entry points) see the same server
+
+
+@pytest.fixture
+def local_seaweedfs(stack: localstack.StackState) -> localstack.StackState:
+    """For the tests about SeaweedFS itself (its identities file, its exact answers): skipped on another server."""
+    if EXTERNAL_S3:
+        pytest.skip("about the local SeaweedFS; the session runs against EDGEHAUL_TEST_S3_ENDPOINT")
+    return stack
+
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.StackState]:
@@ -31,6 +82,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.Stack
     except BaseException:
         localstack.down(root)  # a start-up timeout must not leave its servers running
         raise
+    if EXTERNAL_S3:
+        use_external_s3(state, EXTERNAL_S3)
     mode = os.environ.get("EDGEHAUL_TEST_S3_QUIRKS", "")
     proxy = None
     if mode:
@@ -46,9 +99,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localstack.Stack
                                              PREFECT_API_AUTH_STRING: state.api_auth_string}):
                 yield state
         finally:
+            _drain_prefect_clients()
             if proxy is not None:
                 proxy.stop()
             localstack.down(root)
+
+
+def _drain_prefect_clients() -> None:
+    """Send the logs and events still queued in this process while the server is up: drained at exit instead,
+    they met a stopped server ("--- Error logging to API --- All connection attempts failed" after the run)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=30)
 
 
 def api_auth() -> tuple[str, str] | None:

@@ -13,7 +13,8 @@ Quirks (as measured on another widely deployed S3 server, /work/shared/FACTS.md)
 - `ignore-content-md5`: Content-MD5 is dropped too (with `ignore-checksums`: a server that checks nothing);
 - `quoted-if-match-412`: If-Match with the ETag in quotes gets 412; unquoted is honoured;
 - `ignore-mpu-if-none-match`: If-None-Match on CompleteMultipartUpload is dropped;
-- `ignore-copy-if-match`: x-amz-copy-source-if-match (copy and part copy) is dropped;
+- `ignore-copy-if-match`: every copy condition (x-amz-copy-source-if-match, -if-none-match,
+  -if-modified-since, -if-unmodified-since; copy and part copy) is dropped;
 - `standard-class-only`: any storage class other than STANDARD is refused (400 InvalidArgument);
 - `drop-lifecycle-filters`: size filters in a PutBucketLifecycleConfiguration are removed;
 - `head-403`: HEAD of a missing key answers 403 (what an identity without ListBucket gets on AWS).
@@ -47,11 +48,13 @@ QUIRKS = frozenset({
     "ignore-checksums", "ignore-content-md5", "quoted-if-match-412", "ignore-mpu-if-none-match",
     "ignore-copy-if-match", "standard-class-only", "drop-lifecycle-filters", "head-403",
 })
-# The server of the issue, all quirks at once, and a server that checks no integrity header at all.
+# The measured other server (all quirks at once), a server that checks no integrity header at all, and
+# one that copies whatever the source holds when the copy runs (no copy condition honoured).
 MODES: dict[str, frozenset[str]] = {
     "seaweedfs": frozenset(),
     "other-server": QUIRKS - {"ignore-content-md5"},
     "checks-nothing": frozenset({"ignore-checksums", "ignore-content-md5"}),
+    "ignores-copy-conditions": frozenset({"ignore-copy-if-match"}),
 }
 STATS_PATH = "/_quirk_proxy/stats"  # not a valid bucket name: never an S3 request
 _HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "expect"}
@@ -118,7 +121,8 @@ class _Server:
         self.quirks = frozenset(quirks)
         self.secrets = dict(secrets)
         u = urlsplit(backend_url)
-        self.backend = (u.hostname or "127.0.0.1", u.port or 80)
+        self.https = u.scheme == "https"
+        self.backend = (u.hostname or "127.0.0.1", u.port or (443 if self.https else 80))
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         proxy = self
@@ -225,9 +229,10 @@ class _Server:
         if method == "POST" and "uploadId=" in query and "ignore-mpu-if-none-match" in q and "if-none-match" in lower:
             self.count("complete If-None-Match ignored")
             drop("if-none-match")
-        if "ignore-copy-if-match" in q and "x-amz-copy-source-if-match" in lower:
-            self.count("copy If-Match ignored")
-            drop("x-amz-copy-source-if-match")
+        if "ignore-copy-if-match" in q:
+            for k in [k for k in lower if k.startswith("x-amz-copy-source-if-")]:
+                self.count("copy condition ignored")
+                drop(k)
         lifecycle_put = method == "PUT" and "lifecycle" in query.split("&")
         if lifecycle_put and "drop-lifecycle-filters" in q and _SIZE_FILTER.search(body):
             self.count("lifecycle filter dropped")
@@ -245,7 +250,7 @@ class _Server:
             except PermissionError as e:
                 return self._reply(h, 403, [("Content-Type", "application/xml")], _error("AccessDenied", str(e)))
         headers = {k: v for k, v in headers.items() if k.lower() != "content-length"} | {"Content-Length": str(len(body))}
-        conn = http.client.HTTPConnection(*self.backend, timeout=120)
+        conn = (http.client.HTTPSConnection if self.https else http.client.HTTPConnection)(*self.backend, timeout=120)
         try:
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()

@@ -42,9 +42,8 @@ BUCKETS = ("edgehaul-landing", "edgehaul-curated", "edgehaul-cold", "edgehaul-ch
 ROLES = ("ingest", "trainer", "lifecycle")
 NODES = ("node-a", "node-b")
 MiB = 1024 * 1024
-# the central operator identity has no document in infra/iam ("full access to the five buckets")
-ADMIN_DOC = {"Version": "2012-10-17", "Statement": [{"Sid": "Operator", "Effect": "Allow", "Action": "s3:*",
-             "Resource": [f"arn:aws:s3:::{b}{s}" for b in BUCKETS for s in ("", "/*")]}]}
+# the central operator identity (block `central`, user `admin` here) has infra/iam/central.json
+ADMIN_DOC = json.loads((IAM / "central.json").read_text())
 
 
 def node_policy(node: str) -> str:
@@ -286,10 +285,15 @@ def test_lifecycle_copies_between_tiers_and_journals_in_ops(engine: Engine) -> N
     for bucket in BUCKETS:
         life.list_objects_v2(Bucket=bucket, MaxKeys=1)
     life.put_object(Bucket="edgehaul-ops", Key=f"lifecycle/journal/{tag}.done", Body=b"", IfNoneMatch="*")
-    # no bucket administration: S3 lifecycle rules (apply_store_lifecycle) and policies stay with the operator
-    denied(life.put_bucket_lifecycle_configuration, Bucket="edgehaul-curated",
-           LifecycleConfiguration={"Rules": [{"ID": "x", "Status": "Enabled", "Filter": {"Prefix": "x/"},
-                                              "Expiration": {"Days": 1}}]})
+    # its own S3 lifecycle rules (apply_store_lifecycle), no other bucket administration: policies stay with
+    # the operator
+    life.put_bucket_lifecycle_configuration(
+        Bucket="edgehaul-curated", LifecycleConfiguration={"Rules": [{"ID": "x", "Status": "Enabled",
+                                                                      "Filter": {"Prefix": f"{tag}/"},
+                                                                      "Expiration": {"Days": 1}}]})
+    assert life.get_bucket_lifecycle_configuration(Bucket="edgehaul-curated")["Rules"][0]["ID"] == "x"
+    life.delete_bucket_lifecycle(Bucket="edgehaul-curated")
+    denied(life.put_bucket_policy, Bucket="edgehaul-cold", Policy=json.dumps(ADMIN_DOC))
     denied(life.delete_bucket, Bucket="edgehaul-cold")
     # landing: the janitor reads and deletes (moves to cold), never writes
     engine.client("node-a").put_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet", Body=b"b",
@@ -298,6 +302,41 @@ def test_lifecycle_copies_between_tiers_and_journals_in_ops(engine: Engine) -> N
     denied(life.put_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/new.parquet", Body=b"x", IfNoneMatch="*")
     assert body(life, "edgehaul-landing", f"node-a/{tag}/b.parquet") == b"b"
     life.delete_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet")
+
+
+def test_apply_store_lifecycle_runs_as_the_lifecycle_identity(engine: Engine) -> None:
+    from edgehaul.blocks import RetentionPolicy
+    from edgehaul.blocks.policies import RetentionRule
+    from edgehaul.ops.lifecycle_config import apply_configuration
+
+    policy = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365),
+                                    RetentionRule(data_class="logs", cold_after_days=None, expire_after_days=14)])
+    try:
+        results = apply_configuration(engine.store("lifecycle"), policy, s3=engine.client("lifecycle"))
+        assert {r.bucket for r in results} == {"edgehaul-landing", "edgehaul-curated", "edgehaul-ops"}
+        # permissions only: how moto stores a rule is not AWS's word (round trips are tested on real servers)
+        assert all(r.applied == r.emitted and r.read_back for r in results), results
+    finally:
+        for b in ("edgehaul-landing", "edgehaul-curated", "edgehaul-ops"):
+            engine.client("admin").delete_bucket_lifecycle(Bucket=b)
+
+
+def test_the_central_identity_runs_the_probe_and_reads_what_every_identity_wrote(engine: Engine) -> None:
+    from edgehaul.ops import store_probe
+
+    tag = uuid.uuid4().hex[:8]
+    engine.client("node-a").put_object(Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet", Body=b"n")
+    engine.client("ingest").put_object(Bucket="edgehaul-curated", Key=f"datasets/{tag}/p.parquet", Body=b"i")
+    engine.client("trainer").put_object(Bucket="edgehaul-checkpoints", Key=f"models/{tag}/m.pt", Body=b"t")
+    central = engine.client("admin")
+    for bucket, key, want in (("edgehaul-landing", f"node-a/{tag}/b.parquet", b"n"),
+                              ("edgehaul-curated", f"datasets/{tag}/p.parquet", b"i"),
+                              ("edgehaul-checkpoints", f"models/{tag}/m.pt", b"t")):
+        assert body(central, bucket, key) == want
+    checks = store_probe.probe(engine.store("admin"), s3=central)
+    assert checks and not [c for c in checks if "AccessDenied" in c.detail], [c for c in checks if c.present is None]
+    store_probe.record(engine.store("admin"), checks, s3=central)
+    assert store_probe.load(engine.store("admin"), s3=central) is not None
 
 
 def test_only_central_identities_reach_the_central_results(engine: Engine) -> None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from edgehaul.blocks import ObjectStore, RetentionPolicy, RetentionRule
 from edgehaul.ops import lifecycle as lc
+from edgehaul.ops import store_probe
 from edgehaul.ops.lifecycle_config import apply_configuration, lifecycle_configuration
 from edgehaul.ops.storage_classes import BELOW_MIN_SIZE, CLASSES, check_delete, check_move
 from tests.builders import processed_rows
@@ -322,18 +323,27 @@ def test_generated_lifecycle_configuration_round_trips_through_the_server(stack:
         RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365),
         RetentionRule(data_class="logs", cold_after_days=None, expire_after_days=14),
     ])
+    probed = {c.feature: c for c in store_probe.probe(store, classes=False)}
+    caps = {f: c.present for f, c in probed.items()}
     (res,) = [r for r in apply_configuration(store, policy) if r.bucket == bucket]
     ids = {r["ID"] for r in res.emitted}
     assert ids == {"edgehaul:t1/:raw:cold", "edgehaul:t1/:raw:expire", "edgehaul:t1/:logs:expire"}
-    # this server answers 501 to Transition rules: refused by name, the rest applied and read back equal
-    assert set(res.refused) == {"edgehaul:t1/:raw:cold"} and "NotImplemented" in res.refused["edgehaul:t1/:raw:cold"]
+    if caps["lifecycle-transition-rules"]:
+        assert not res.refused
+    else:  # e.g. SeaweedFS's 501: refused by name with the server's answer, the rest applied
+        assert set(res.refused) == {"edgehaul:t1/:raw:cold"}
+        code = probed["lifecycle-transition-rules"].detail.split()[-1]  # the server's code, e.g. NotImplemented
+        assert code in res.refused["edgehaul:t1/:raw:cold"], (code, res.refused)
     assert {r["ID"] for r in res.applied} == ids - set(res.refused)
-    assert res.round_trip_ok
+    # a transition rule applied without its size filter is withdrawn; everything else reads back equal
+    dropped = bool(caps["lifecycle-transition-rules"]) and not caps["lifecycle-size-filter"]
+    assert res.withdrawn == (["edgehaul:t1/:raw:cold"] if dropped else []) and res.round_trip_ok != dropped
     got = s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
     assert any(r["ID"] == "someone-else" for r in got)  # other owners' rules kept
     # applying again is idempotent
     (again,) = [r for r in apply_configuration(store, policy) if r.bucket == bucket]
-    assert again.round_trip_ok and len(s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]) == 3
+    kept = 1 + len(ids) - len(res.refused) - len(res.withdrawn)
+    assert again.round_trip_ok != dropped and len(s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]) == kept
 
 
 @pytest.mark.integration
@@ -444,3 +454,93 @@ def test_plans_obey_cost_rules_for_any_policy_and_time(stack: object) -> None:
         assert all(a.kind != "restore" for a in p.actions)
 
     check()
+
+
+@pytest.mark.integration
+def test_a_rule_the_server_changed_is_withdrawn_and_fails_the_run(stack: object) -> None:
+    # moto (5.2) stores a Transition rule without its ObjectSizeGreaterThan filter, as another S3 server does
+    # (it then moves small manifests to an infrequent-access class): the run fails naming the rule.
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+    from pydantic import SecretStr
+
+    from edgehaul.flows.lifecycle_moves import LifecycleMovesFailed, LifecycleParams, lifecycle_moves
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        store = ObjectStore(endpoint_url=f"http://{host}:{port}", access_key_id=SecretStr("moto"),
+                            secret_access_key=SecretStr("moto"))
+        s3 = boto3.client("s3", endpoint_url=store.endpoint_url, aws_access_key_id="moto",
+                          aws_secret_access_key="moto", region_name="us-east-1")
+        for zone in ("landing", "curated", "cold", "checkpoints", "ops"):
+            s3.create_bucket(Bucket=store.bucket(zone))
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        store.save(name)
+        policy = RetentionPolicy(rules=[RetentionRule(data_class="raw", cold_after_days=30, expire_after_days=365)])
+        policy.save(name)
+        with pytest.raises(LifecycleMovesFailed, match=r"edgehaul-landing: edgehaul:/:raw:cold.*apply_store_lifecycle"):
+            lifecycle_moves(LifecycleParams(store_block=name, policy_block=name, apply_store_lifecycle=True))
+        ids = {r["ID"] for r in s3.get_bucket_lifecycle_configuration(Bucket=store.bucket("landing"))["Rules"]}
+        assert ids == {"edgehaul:/:raw:expire"}  # the changed transition taken off, the faithful rule kept
+        (res,) = [r for r in apply_configuration(store, policy) if r.bucket == store.bucket("landing")]
+        assert res.withdrawn == ["edgehaul:/:raw:cold"] and not res.round_trip_ok
+    finally:
+        server.stop()
+
+
+@pytest.mark.integration
+def test_the_documented_outside_readers_read_one_version_over_plain_http(stack: object) -> None:
+    import re
+    from pathlib import Path
+
+    from deltalake import write_deltalake
+
+    admin = store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")  # type: ignore[arg-type]
+    uri = admin.uri("curated", "datasets/doc_kind")
+    for v in range(4):  # versions 0..3, one more row-batch each
+        write_deltalake(uri, pa.table({"sample_id": [f"s{v}-{i}" for i in range(5)], "v": [v] * 5}),
+                        mode="append", storage_options=admin.storage_options())
+    trainer = stack.identities["trainer"]  # type: ignore[attr-defined]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "STORAGE.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "by_polars" in b]
+    first, second, rest = block.split("\n", 2)
+    assert first.startswith("endpoint, key_id, secret =") and second.startswith("uri, version =")
+    assert admin.endpoint_url and admin.endpoint_url.startswith("http://")  # the point: plain http
+    ns: dict[str, object] = {}
+    exec(f"endpoint, key_id, secret = {admin.endpoint_url!r}, {trainer.access_key_id!r}, "
+         f"{trainer.secret_access_key!r}\nuri, version = {uri!r}, 2\n{rest}", ns)
+    want = sorted(f"s{v}-{i}" for v in range(3) for i in range(5))
+    assert sorted(ns["by_deltalake"].column("sample_id").to_pylist()) == want  # type: ignore[attr-defined]
+    assert sorted(ns["by_polars"]["sample_id"].to_list()) == want  # type: ignore[index]
+    assert sorted(ns["by_pyarrow"].column("sample_id").to_pylist()) == want  # type: ignore[attr-defined]
+    assert ns["rows_by_duckdb"] == len(want)
+
+
+@pytest.mark.integration
+def test_a_wrong_copy_left_by_an_interrupted_move_is_never_taken_for_the_planned_one(stack: object) -> None:
+    # A crash between a copy the server made of other bytes (CopySourceIfMatch ignored) and its check leaves a
+    # cold object that records the planned ETag: the rerun must not delete the source on its word.
+    from edgehaul.platform import s3compat
+
+    store = _fresh_store(stack)
+    s3 = store.client()
+    bucket = store.bucket("landing")
+    key, moved = store.key("landing", "node-a/2026-01-01/w.parquet"), store.key("landing", "node-a/2026-01-01/x.parquet")
+    planned = {k: s3compat.unquoted(s3.put_object(Bucket=bucket, Key=k, Body=b"v1" * 600)["ETag"]) for k in (key, moved)}
+    acts = {k: lc.Action("move", bucket, k, store.bucket("cold"), lc.cold_key(store, bucket, k), 1200, planned[k],
+                         "STANDARD_IA", "raw", T0.isoformat(), "test") for k in (key, moved)}
+    for a in acts.values():  # the wrong copies: same size, other bytes, the planned ETag recorded
+        s3.put_object(Bucket=a.dst_bucket, Key=a.dst_key, Body=b"v2" * 600, Metadata={"eh-source-etag": a.etag})
+    s3.put_object(Bucket=bucket, Key=key, Body=b"v3" * 600)  # one source changed since; the other did not
+    res = lc.run_batch(store, list(acts.values()), T0)
+    assert res.done == {"skipped: changed since planned": 1, "moved": 1} and not res.errors, (res.done, res.errors)
+    assert lc._head(s3, acts[key].dst_bucket, acts[key].dst_key) is None  # the wrong copy removed
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == b"v3" * 600
+    # the unchanged source was copied again, not trusted: its cold copy holds its bytes
+    assert s3.get_object(Bucket=acts[moved].dst_bucket, Key=acts[moved].dst_key)["Body"].read() == b"v1" * 600
+    assert lc._head(s3, bucket, moved) is None

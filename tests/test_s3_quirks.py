@@ -7,9 +7,12 @@ dataset, registry and lifecycle files also run through one mode with `EDGEHAUL_T
 from __future__ import annotations
 
 import hashlib
+import logging
+import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -237,3 +240,62 @@ def test_a_source_rewritten_while_it_moves_never_leaves_a_stale_cold_copy(
             assert s3compat.is_missing(e)
             continue
         assert got == b"v1" * 600  # a cold copy is always of the planned version
+
+
+@pytest.mark.integration
+def test_fifty_rewrite_races_leave_no_cold_copy_that_differs_from_its_recorded_source(
+    stack: localstack.StackState, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # On a server that ignores every copy condition, each key is rewritten once (new bytes, at the same
+    # size or another) at a random moment while the mover copies it. Whatever the interleaving, every cold
+    # copy left must hold the bytes of the ETag it records (`eh-source-etag`), which is the planned one.
+    s3compat.forget_all()
+    px = QuirkProxy(stack.s3_endpoint, {c.access_key_id: c.secret_access_key for c in stack.identities.values()},
+                    MODES["ignores-copy-conditions"]).start()
+    admin = stack.identities["admin"]
+    store = ObjectStore(endpoint_url=px.url, access_key_id=SecretStr(admin.access_key_id),
+                        secret_access_key=SecretStr(admin.secret_access_key), prefix=f"r-{uuid.uuid4().hex[:10]}")
+    s3, writer = store.client(), store.client()
+    bucket = store.bucket("landing")
+    rng = random.Random(32)
+    outcomes: Counter[str] = Counter()
+    caplog.set_level(logging.WARNING, logger="edgehaul.ops.lifecycle")
+    try:
+        for rnd in range(50):
+            keys = [store.key("landing", f"node-a/2026-01-01/race{rnd:02d}-{i}.parquet") for i in range(8)]
+            v1 = {k: f"v1-{rnd:02d}-{i}|".encode().ljust(1200, b"a") for i, k in enumerate(keys)}
+            planned = {k: s3compat.unquoted(s3.put_object(Bucket=bucket, Key=k, Body=v1[k])["ETag"]) for k in keys}
+            when = sorted((rng.uniform(0, 0.25), k, rng.choice((1200, 840))) for k in keys)
+
+            def rewrite(when: list[tuple[float, str, int]] = when, rnd: int = rnd) -> None:
+                t0 = time.monotonic()
+                for at, k, size in when:
+                    time.sleep(max(0.0, at - (time.monotonic() - t0)))
+                    writer.put_object(Bucket=bucket, Key=k, Body=f"v2-{rnd:02d}|".encode().ljust(size, b"b"))
+
+            t = threading.Thread(target=rewrite)
+            t.start()
+            try:
+                res = run_batch(store, [_move(store, k, planned[k], 1200, "STANDARD") for k in keys], datetime.now(UTC))
+            finally:
+                t.join()
+            assert not res.errors and sum(res.done.values()) == len(keys), (rnd, res.done, res.errors)
+            outcomes.update(res.done)
+            for k in keys:
+                a = _move(store, k, planned[k], 1200, "STANDARD")
+                try:
+                    got = s3.get_object(Bucket=a.dst_bucket, Key=a.dst_key)
+                except ClientError as e:
+                    assert s3compat.is_missing(e)
+                    continue
+                data = got["Body"].read()
+                assert hashlib.md5(data).hexdigest() == got["Metadata"]["eh-source-etag"] == planned[k], (rnd, k)
+                assert data == v1[k]
+        dropped = px.stats["copy condition ignored"]
+    finally:
+        px.stop()
+        s3compat.forget_all()
+    removed = sum("copy removed" in r.getMessage() for r in caplog.records)
+    print(f"\n50 races x 8 keys: {dict(outcomes)}; wrong copies made and removed: {removed}; "
+          f"copy conditions dropped by the server: {dropped}")
+    assert dropped > 0 and outcomes["moved"] > 0 and outcomes["skipped: changed since planned"] > 0

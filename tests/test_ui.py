@@ -2,8 +2,9 @@
 a demo flow run, its artifacts, and an event-triggered run appear; a training run shows its name,
 progress and epoch lines, the cost report its chart, the fleet view its table and chart; after demo, deploy,
 a run through the deployments and two verifies, the Runs page filtered to Failed/Crashed counts none; block
-pages load no image from the internet. Screenshots: docs/ui-screenshot.png, docs/ui-training-run.png,
-docs/ui-fleet-view.png."""
+pages load no image from the internet. Screenshots go to build/ui-screenshots/ (ignored by git); the
+tracked docs/ui-screenshot.png, docs/ui-training-run.png and docs/ui-fleet-view.png change only when asked:
+`EDGEHAUL_REFRESH_DOCS_SCREENSHOTS=1 pytest tests/test_ui.py`."""
 
 from __future__ import annotations
 
@@ -85,6 +86,63 @@ class AuthProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def keep_screenshot(shot: Path, name: str) -> Path:
+    """Copy a screenshot where a person can look at it: build/ui-screenshots/ (ignored), or the tracked
+    docs/ copy when EDGEHAUL_REFRESH_DOCS_SCREENSHOTS=1 (a test run never dirties the checkout otherwise)."""
+    refresh = os.environ.get("EDGEHAUL_REFRESH_DOCS_SCREENSHOTS") == "1"
+    dest = REPO / "docs" / name if refresh else REPO / "build" / "ui-screenshots" / name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shot, dest)
+    return dest
+
+
+def test_screenshots_stay_out_of_tracked_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shot = tmp_path / "x.png"
+    shot.write_bytes(b"\x89PNG\r\n\x1a\n")
+    monkeypatch.delenv("EDGEHAUL_REFRESH_DOCS_SCREENSHOTS", raising=False)
+    dest = keep_screenshot(shot, f"test-{uuid.uuid4().hex[:8]}.png")
+    try:
+        assert dest.parent == REPO / "build" / "ui-screenshots"
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(dest)], cwd=REPO, check=False)
+        assert ignored.returncode == 0, f"{dest} is not ignored by git"
+    finally:
+        dest.unlink()
+
+
+def test_the_stack_says_how_to_log_in_to_the_ui(tmp_path: Path) -> None:
+    state = localstack.StackState(str(tmp_path), 4200, 8333, {}, api_auth_string="edgehaul:s3cret")
+    hint = localstack.login_hint(state, Path(".edgehaul-stack.env"))
+    assert hint and "grep PREFECT_API_AUTH_STRING .edgehaul-stack.env" in hint and "s3cret" not in hint
+    assert localstack.login_hint(localstack.StackState(str(tmp_path), 4200, 8333, {}), None) is None
+
+
+def test_the_demo_summary_says_where_each_bundle_is_and_which_month_is_priced() -> None:
+    from edgehaul_dev import demo
+
+    out = {"edge": {"node-a": {"samples_in": 400, "bundles": 6, "bundles_by_reason": {"final": 5, "raw": 1}}},
+           "uplink": {"node-a": {"bundles_landed": 5}}, "cost": {"month": demo.this_month(), "total": 0.01}}
+    text = "\n".join(demo.summary_lines(out, "http://ui"))
+    assert "6 bundles (1 low-tier, kept in the node's raw store: never uplinked)" in text
+    assert f"cost report {datetime.now(UTC):%Y-%m} (month to date)" in text
+
+
+def test_the_demo_console_drops_only_completed_state_lines() -> None:
+    import logging
+
+    from edgehaul_dev import demo
+
+    keep = demo._HideCompleted()
+
+    def rec(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("prefect.task_runs", logging.INFO, __file__, 1, msg, None, None)
+
+    assert not keep.filter(rec("Finished in state Completed()"))
+    assert keep.filter(rec("Finished in state Failed('boom')")) and keep.filter(rec("node-a: 5 bundles landed"))
 
 
 def browse(url: str, tmp: Path, screenshot: Path | None = None, raw: bool = False) -> str:
@@ -222,8 +280,7 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
         assert triggered.name in page and "Completed" in page, page[:1500]
         assert f"Automation ui-contact-{uid}" in page and "Deployment on-contact" in page, page[:1500]
         assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        docs = Path(__file__).resolve().parent.parent / "docs" / "ui-screenshot.png"
-        shutil.copyfile(shot, docs)
+        keep_screenshot(shot, "ui-screenshot.png")
     finally:
         ui_proxy.close()
         proc.terminate()
@@ -270,7 +327,7 @@ def test_ui_shows_the_fleet_view(stack: localstack.StackState, tmp_path: Path) -
         page = browse(f"{ui_proxy.url}/artifacts/artifact/{table.id}", tmp_path, screenshot=shot)
         assert node in page and fleet.CORE in page and "0.550" in page, page[:2000]
         assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        shutil.copyfile(shot, Path(__file__).resolve().parent.parent / "docs" / "ui-fleet-view.png")
+        keep_screenshot(shot, "ui-fleet-view.png")
         dom = browse(f"{ui_proxy.url}/artifacts/artifact/{chart.id}", tmp_path, raw=True)
         srcs = re.findall(r'<img[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
         assert srcs and base64.b64decode(srcs[0])[:8] == b"\x89PNG\r\n\x1a\n", dom[:2000]
@@ -321,7 +378,7 @@ def test_ui_shows_training_progress_logs_and_cost_chart(stack: localstack.StackS
         assert train_name in page and f"m-{tag} on landsat_patch@latest" in page and "Completed" in page, page[:1500]
         assert epoch_line in page and f"checkpoint committed run={out['run_id']}" in page, page[:3000]
         assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        shutil.copyfile(shot, Path(__file__).resolve().parent.parent / "docs" / "ui-training-run.png")
+        keep_screenshot(shot, "ui-training-run.png")
 
         # Its progress artifact: 100 % and where the training got to.
         page = browse(f"{ui}/artifacts/artifact/{progress.id}", tmp_path)
@@ -405,6 +462,7 @@ def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_a
     configure.save_blocks(stack)
     out = demo.run(samples=400, epochs=1, nodes=["node-a", "node-b"])
     assert out["train"].get("model_id"), out["train"]
+    assert out["cost"]["month"] == demo.this_month()  # month to date: the demo's own use shows
     lap("demo")
     # make deploy: blocks, pools, deployments, triggers, alert automations, workers
     deployed = deploy.deploy()

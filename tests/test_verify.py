@@ -39,6 +39,11 @@ def test_checks_that_run_on_the_session_stack_pass(stack: localstack.StackState)
     assert "resumed from step" in by["resume"] and "== uninterrupted" in by["resume"]
     assert "refused" in by["quota"] and "'default'" in by["quota"]
     assert "level-2 alert" in by["alert_l2"]
+    # nothing stays in the buckets: a verify-* bundle left in landing is skipped by every later core_ingest
+    s3 = store_for(stack).client()
+    for bucket in sorted(set(localstack.BUCKETS)):
+        left = s3.list_objects_v2(Bucket=bucket, Prefix="verify-").get("Contents", [])
+        assert not left, (bucket, [o["Key"] for o in left][:5])
     # the resume check's made-up models announce nothing (a model.ready would start a production publish_model)
     time.sleep(3)
     ready = verify._events(stack.prefect_api_url, ["edgehaul.model.ready"], since, stack.api_auth_string)

@@ -593,19 +593,54 @@ def _copy(
         raise
 
 
+def _holds_plan(dst: dict[str, Any] | None, a: Action) -> bool:
+    """Whether an existing destination is a copy of the planned version, by its own evidence: the size, and
+    the copy's ETag where both are plain MD5s (a server that ignored CopySourceIfMatch may have written
+    other bytes under the recorded `eh-source-etag`); the recorded ETag only where the ETags cannot say."""
+    if dst is None or dst["ContentLength"] != a.size:
+        return False
+    if _etag(dst["ETag"]) == a.etag:
+        return True
+    if s3compat.is_md5(a.etag) and s3compat.is_md5(dst["ETag"]):
+        return False
+    return bool(dst["Metadata"].get("eh-source-etag") == a.etag)
+
+
+def _copy_verified(s3: S3Client, a: Action, dst: dict[str, Any] | None) -> bool:
+    """After a copy: its own ETag (the server's MD5 of the copied bytes) is the planned one, or, for ETags
+    that are not a plain MD5 (multipart sources), the source still has the planned ETag after the copy."""
+    if dst is None or dst["ContentLength"] != a.size:
+        return False
+    if s3compat.is_md5(a.etag) and s3compat.is_md5(dst["ETag"]):
+        return _etag(dst["ETag"]) == a.etag
+    after = _head(s3, a.src_bucket, a.src_key)
+    return after is not None and _etag(after["ETag"]) == a.etag
+
+
+def _drop_unverified(s3: S3Client, a: Action, dst: dict[str, Any] | None) -> None:
+    """Remove a copy this action made (its `eh-source-etag`) that does not hold the planned version."""
+    if dst is not None and dst["Metadata"].get("eh-source-etag") == a.etag:
+        s3.delete_object(Bucket=a.dst_bucket, Key=a.dst_key)
+        log.warning("%s s3://%s/%s: unverified copy at s3://%s/%s removed", a.kind, a.src_bucket, a.src_key,
+                    a.dst_bucket, a.dst_key)
+
+
 def _transfer(
     s3: S3Client, a: Action, now: datetime, hook: Hook | None, *, multipart_threshold: int, part_bytes: int
 ) -> str:
     """Move (hot->cold) or restore (cold->hot) one object; idempotent. Returns the outcome."""
     dst = _head(s3, a.dst_bucket, a.dst_key)
     src = _head(s3, a.src_bucket, a.src_key)
-    copied = dst is not None and dst["ContentLength"] == a.size and (
-        dst["Metadata"].get("eh-source-etag") == a.etag or _etag(dst["ETag"]) == a.etag
-    )
+    copied = _holds_plan(dst, a)
     if src is None:
         # gone without a verified copy: deleted by someone else since the plan; nothing to move
-        return "already done" if copied else "skipped: source gone"
+        if copied:
+            return "already done"
+        _drop_unverified(s3, a, dst)
+        return "skipped: source gone"
     if _etag(src["ETag"]) != a.etag:
+        if not copied:
+            _drop_unverified(s3, a, dst)  # an interrupted copy of another version
         log.warning("%s s3://%s/%s changed since planned; left for the next plan", a.kind, a.src_bucket, a.src_key)
         return "skipped: changed since planned"
     if not copied:
@@ -628,22 +663,19 @@ def _transfer(
                         a.kind, a.src_bucket, a.src_key)
             return "skipped: changed since planned"
         dst = _head(s3, a.dst_bucket, a.dst_key)
-        if dst is None or dst["ContentLength"] != a.size:
-            raise LifecycleError(f"{a.kind} s3://{a.src_bucket}/{a.src_key}: copy not verified at "
-                                 f"s3://{a.dst_bucket}/{a.dst_key}")
-        # Some servers ignore CopySourceIfMatch. The copy is of the planned version when its own ETag
-        # (the server's MD5 of the copied bytes) is the planned one, or, for ETags that are not a plain
-        # MD5 (multipart sources), when the source still has the planned ETag after the copy.
-        if s3compat.is_md5(a.etag) and s3compat.is_md5(dst["ETag"]):
-            same = _etag(dst["ETag"]) == a.etag
-        else:
+        if not _copy_verified(s3, a, dst):
+            # Some servers ignore CopySourceIfMatch: a source rewritten between the HEAD above and the
+            # copy leaves a copy of other bytes under the planned ETag. Whatever is wrong with it (size,
+            # ETag, source changed), it is removed before anything else is decided.
+            if dst is not None:
+                s3.delete_object(Bucket=a.dst_bucket, Key=a.dst_key)
             after = _head(s3, a.src_bucket, a.src_key)
-            same = after is not None and _etag(after["ETag"]) == a.etag
-        if not same:
-            s3.delete_object(Bucket=a.dst_bucket, Key=a.dst_key)
-            log.warning("%s s3://%s/%s changed during the copy; copy removed, left for the next plan",
-                        a.kind, a.src_bucket, a.src_key)
-            return "skipped: changed since planned"
+            if after is None or _etag(after["ETag"]) != a.etag:
+                log.warning("%s s3://%s/%s changed during the copy; copy removed, left for the next plan",
+                            a.kind, a.src_bucket, a.src_key)
+                return "skipped: changed since planned"
+            raise LifecycleError(f"{a.kind} s3://{a.src_bucket}/{a.src_key}: copy not verified at "
+                                 f"s3://{a.dst_bucket}/{a.dst_key} (removed; the source is unchanged)")
     if hook:
         hook("copied", a)
     s3.delete_object(Bucket=a.src_bucket, Key=a.src_key)

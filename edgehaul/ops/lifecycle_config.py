@@ -16,7 +16,9 @@ earlier than the transition plus the cold class's minimum storage duration.
 `apply_configuration` merges our rules (ids `edgehaul:<prefix>:...`) with any other rules of the
 bucket, puts the full AWS-correct configuration and, if the server refuses a rule class (SeaweedFS
 answers 501 NotImplemented to Transition rules), puts the rules it accepts and reports the refused ones
-with the server's error. Nothing is dropped silently.
+with the server's error. A rule the server stores differently (another S3 server drops the size filter,
+and then moves small manifests to an infrequent-access class) is withdrawn again at once and reported
+(`changed_rules`); `lifecycle_moves` fails its run naming them. Nothing is dropped silently.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class ApplyResult:
     refused: dict[str, str]  # rule id -> server's error
     read_back: list[dict[str, Any]]  # our rules as the server returns them
     notes: list[str]
+    withdrawn: list[str] = field(default_factory=list)  # ids taken off again: the server changed them
 
     @property
     def round_trip_ok(self) -> bool:
@@ -189,5 +192,16 @@ def apply_configuration(store: ObjectStore, policy: RetentionPolicy, s3: S3Clien
             else:
                 s3.delete_bucket_lifecycle(Bucket=bucket)
         back = [r for r in _existing(s3, bucket) if str(r.get("ID", "")).startswith(mine)]
-        results.append(ApplyResult(bucket, cfg.rules, applied, refused, back, notes))
+        res = ApplyResult(bucket, cfg.rules, applied, refused, back, notes)
+        if changed := res.changed_rules:
+            # A changed rule does something the policy does not say: take it off; the mover covers it.
+            kept = [r for r in applied if r["ID"] not in changed]
+            if kept or others:
+                _put(s3, bucket, others + kept)
+            else:
+                s3.delete_bucket_lifecycle(Bucket=bucket)
+            res.withdrawn = changed
+            res.notes.append(f"{len(changed)} rule(s) stored differently by the server and withdrawn: "
+                             f"{', '.join(changed)}")
+        results.append(res)
     return results

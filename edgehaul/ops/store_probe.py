@@ -76,7 +76,8 @@ FEATURES: dict[str, tuple[str, str]] = {
     "head-missing-404": ("uplink's HEAD before sending; lifecycle's HEAD of sources",
                          "403 treated as absent (the write is conditional); lifecycle asks the listing"),
     "lifecycle-expiration-rules": ("apply_store_lifecycle: server-side expiry", "the mover expires objects itself"),
-    "lifecycle-size-filter": ("lifecycle rules skip objects below 128 KiB", "reported as changed by the server"),
+    "lifecycle-size-filter": ("lifecycle rules skip objects below 128 KiB",
+                              "a changed rule is withdrawn and `lifecycle_moves` fails, naming it"),
     "lifecycle-transition-rules": ("apply_store_lifecycle: server-side transitions",
                                    "the mover (lifecycle_moves) transitions objects itself"),
 }
