@@ -44,11 +44,19 @@ import polars_hash as plh
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from edgehaul.contracts import IDENTITY_COLUMNS, MEDIA_MAGIC, ColumnSpec, Contract, ContractInvalid, TensorSpec
+from edgehaul.contracts import (
+    EPOCH_MS_PER_UNIT,
+    IDENTITY_COLUMNS,
+    MEDIA_MAGIC,
+    ColumnSpec,
+    Contract,
+    ContractInvalid,
+    TensorSpec,
+)
 from edgehaul.edge.decode import DecodeError, binary_values, column_matrix, decode_file, raw_tensors
 
 # Bump when the output of preprocess changes for the same input (it keys the preprocess cache).
-CODE_VERSION = "preprocess-1"
+CODE_VERSION = "preprocess-2"  # 2: capture times in ISO 8601 with any fraction, epoch units
 
 SCORED_COLUMNS = ("value", "tier", "is_summary", "inclusion_p")
 
@@ -161,6 +169,82 @@ def cast_rows(col: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
 
 def _bad_values(col: pa.Array, name: str, typ: pa.DataType) -> Callable[[np.ndarray], list[str]]:
     return lambda idx: [f"column {name!r}: {col[int(i)].as_py()!r} is not {typ}"[:300] for i in idx]
+
+
+TIMESTAMP = pa.timestamp("ms", tz="UTC")
+_EPOCH_TEXT = r"^\s*[-+]?[0-9]+(\.[0-9]*)?\s*$"
+
+
+def parse_times(col: pa.Array, fmt: str = "iso8601") -> tuple[pa.Array, np.ndarray]:
+    """A raw time column -> timestamp[ms, UTC] and the mask of rows that are not a time (null in the result).
+
+    Text: ISO 8601 with a zone offset (`Z`, `+02:00`), `T` or a space, up to 9 fraction digits (Python's
+    `isoformat()` writes 6); finer than ms is truncated. A number, or digits in text, is epoch time in the unit
+    `fmt` declares (`epoch_s`, `epoch_ms`, `epoch_us`); with `iso8601` a number is not a time. A timestamp of
+    any unit is truncated to ms; one without a zone is read as UTC."""
+    n = len(col)
+    t = col.type
+    if pa.types.is_timestamp(t):
+        return col.cast(pa.timestamp(t.unit, tz=t.tz or "UTC")).cast(TIMESTAMP, safe=False), np.zeros(n, dtype=bool)
+    if pa.types.is_dictionary(t) or pa.types.is_large_string(t):
+        col = col.cast(pa.string())
+        t = col.type
+    factor = EPOCH_MS_PER_UNIT.get(fmt)
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        if factor is None or pa.types.is_boolean(t):
+            return pa.nulls(n, TIMESTAMP), ~_null_mask(col)
+        return _epoch(col, factor)
+    if not pa.types.is_string(t):
+        return pa.nulls(n, TIMESTAMP), ~_null_mask(col)
+    numeric = np.zeros(n, dtype=bool)
+    if factor is not None:
+        numeric = np.asarray(pc.fill_null(pc.match_substring_regex(col, _EPOCH_TEXT), False)
+                             .to_numpy(zero_copy_only=False), dtype=bool)
+    text = pc.if_else(pa.array(numeric), pa.scalar(None, pa.string()), col) if numeric.any() else col
+    iso, bad = cast_rows(text, pa.timestamp("ns", tz="UTC"))  # ns: any fraction up to 9 digits parses
+    out = iso.cast(TIMESTAMP, safe=False)
+    if numeric.any():
+        assert factor is not None
+        nums = pc.if_else(pa.array(numeric), col, pa.scalar(None, pa.string()))
+        nums = pc.replace_substring_regex(pc.utf8_trim_whitespace(nums), r"^\+", "")
+        whole = not pc.any(pc.match_substring(nums, ".")).as_py()
+        parsed, too_long = cast_rows(nums, pa.int64() if whole else pa.float64())
+        ep, ep_bad = _epoch(parsed, factor)
+        ep_bad |= too_long
+        out = pc.if_else(pa.array(numeric), ep, out)
+        bad = (bad & ~numeric) | (ep_bad & numeric)
+    return out, bad
+
+
+def _epoch(col: pa.Array, factor: float) -> tuple[pa.Array, np.ndarray]:
+    """Epoch numbers (`factor` ms per unit) -> timestamp[ms, UTC]; non-finite or out of range: bad."""
+    valid = ~_null_mask(col)
+    if pa.types.is_integer(col.type):  # integer arithmetic: exact at every unit
+        v = np.asarray(pc.fill_null(col.cast(pa.int64()), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+        if factor >= 1:
+            bad = valid & (np.abs(v) > _MAX_MS // int(factor))
+            ms = np.where(bad, 0, v) * int(factor)
+        else:
+            ms = np.floor_divide(v, round(1 / factor))
+            bad = valid & (np.abs(ms) > _MAX_MS)
+            ms = np.where(bad, 0, ms)
+    else:
+        x = np.asarray(pc.fill_null(col.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            x = x * factor
+            bad = valid & ~(np.abs(x) <= _MAX_MS)  # NaN and inf too
+        ms = np.floor(np.where(bad, 0.0, x)).astype(np.int64)
+    out = pa.array(ms, pa.int64(), mask=~valid | bad).cast(TIMESTAMP)
+    return out, bad
+
+
+_MAX_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: beyond is a unit mistake, not a time
+
+
+def _bad_times(col: pa.Array, name: str, fmt: str) -> Callable[[np.ndarray], list[str]]:
+    want = "ISO 8601 with a zone offset" + ("" if fmt == "iso8601" else f" or {fmt.replace('_', ' ')}")
+    hint = "" if fmt != "iso8601" else " (an epoch number needs raw.capture_time in the contract)"
+    return lambda idx: [f"column {name!r}: {col[int(i)].as_py()!r} is not {want}{hint}"[:300] for i in idx]
 
 
 def _null_mask(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -374,6 +458,13 @@ def preprocess(
         if name == payload and contract.layout == "tensor" and _is_number_list(col.type):
             cols[name] = _pack_payload(col, name, contract, rj)
             hashes = None  # hashes of the lists are not hashes of the tensor bytes
+            continue
+        if pa.types.is_timestamp(typ):
+            fmt = contract.raw.capture_time if name == "capture_time" else "iso8601"
+            cast, bad = parse_times(col, fmt)
+            cols[name] = cast
+            if bad.any():
+                rj.add(bad, BAD_TYPE, _bad_times(col, name, fmt))
             continue
         cast, bad = cast_rows(col, typ)
         cols[name] = cast
