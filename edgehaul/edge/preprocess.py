@@ -233,7 +233,8 @@ def _epoch(col: pa.Array, factor: float) -> tuple[pa.Array, np.ndarray]:
         with np.errstate(invalid="ignore", over="ignore"):
             x = x * factor
             bad = valid & ~(np.abs(x) <= _MAX_MS)  # NaN and inf too
-        ms = np.floor(np.where(bad, 0.0, x)).astype(np.int64)
+        # rounded to the microsecond first: 1767225600.1 s is 1767225600099.9998 ms in binary floating point
+        ms = np.floor(np.round(np.where(bad, 0.0, x), 3)).astype(np.int64)
     out = pa.array(ms, pa.int64(), mask=~valid | bad).cast(TIMESTAMP)
     return out, bad
 
