@@ -445,13 +445,16 @@ def derive_columns(t: pa.Table, contract: Contract, *, file_time_ns: int, first_
     same reading in two files is one observation, and rows identical in every column are too)."""
     derive = contract.raw.derived
     n = t.num_rows
+    # the id first: from the values the file holds, never from the columns derived here
+    ids = row_ids(t, contract) if derive.get("sample_id") == "content-hash" and "sample_id" not in t.column_names \
+        else None
     if derive.get("seq") == "row-order" and "seq" not in t.column_names:
         t = t.append_column("seq", pa.array(range(first_row, first_row + n), pa.int64()))
     if derive.get("capture_time") == "file-time" and "capture_time" not in t.column_names:
         at = pa.scalar(file_time_ns // 1_000_000, pa.int64()).cast(pa.timestamp("ms", tz="UTC"))
         t = t.append_column("capture_time", pa.repeat(at, n))
-    if derive.get("sample_id") == "content-hash" and "sample_id" not in t.column_names:
-        t = t.append_column("sample_id", row_ids(t, contract))
+    if ids is not None:
+        t = t.append_column("sample_id", ids)
     return t
 
 
