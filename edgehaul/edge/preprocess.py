@@ -163,8 +163,28 @@ def cast_rows(col: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
 
     if n == 0:
         return pa.array([], typ), bad
+    try:
+        return col.cast(typ), bad
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        pass
+    hint = _unreadable_numbers(col, typ)
+    if hint is not None and hint.any():
+        # text that is no number at all is bad without a cast of its own: a file of 1.3M bad values costs one
+        # vectorised pass, not a million casts; Arrow still judges every other row (so bad = what either refuses)
+        bad |= hint
+        col = pc.if_else(pa.array(hint), pa.scalar(None, col.type), col)
     parts = cast(0, n)
     return (parts[0] if len(parts) == 1 else pa.concat_arrays(parts)), bad
+
+
+def _unreadable_numbers(col: pa.Array, typ: pa.DataType) -> np.ndarray | None:
+    """For text cast to a number: the rows polars cannot read as that number (None for other casts)."""
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)) or not (
+            pa.types.is_integer(typ) or pa.types.is_floating(typ)):
+        return None
+    dtype = pl.from_arrow(pa.array([], typ)).dtype  # type: ignore[union-attr]
+    series = pl.Series("v", col).cast(dtype, strict=False)
+    return np.asarray(series.is_null().to_numpy(), dtype=bool) & ~_null_mask(col)
 
 
 def _bad_values(col: pa.Array, name: str, typ: pa.DataType) -> Callable[[np.ndarray], list[str]]:
@@ -173,6 +193,7 @@ def _bad_values(col: pa.Array, name: str, typ: pa.DataType) -> Callable[[np.ndar
 
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
 _EPOCH_TEXT = r"^\s*[-+]?[0-9]+(\.[0-9]*)?\s*$"
+_ZONED_TEXT = r"^\s*[0-9]{4}-[0-9]{2}-[0-9]{2}.*([zZ]|[+-][0-9]{2}(:?[0-9]{2})?)\s*$"  # a superset of what parses
 
 
 def parse_times(col: pa.Array, fmt: str = "iso8601") -> tuple[pa.Array, np.ndarray]:
@@ -200,8 +221,13 @@ def parse_times(col: pa.Array, fmt: str = "iso8601") -> tuple[pa.Array, np.ndarr
     if factor is not None:
         numeric = np.asarray(pc.fill_null(pc.match_substring_regex(col, _EPOCH_TEXT), False)
                              .to_numpy(zero_copy_only=False), dtype=bool)
-    text = pc.if_else(pa.array(numeric), pa.scalar(None, pa.string()), col) if numeric.any() else col
+    # text that cannot be a time with a zone (no date first, no zone last) is bad without a cast of its own
+    zoned = np.asarray(pc.fill_null(pc.match_substring_regex(col, _ZONED_TEXT), True)
+                       .to_numpy(zero_copy_only=False), dtype=bool)
+    skip = numeric | ~zoned
+    text = pc.if_else(pa.array(skip), pa.scalar(None, pa.string()), col) if skip.any() else col
     iso, bad = cast_rows(text, pa.timestamp("ns", tz="UTC"))  # ns: any fraction up to 9 digits parses
+    bad |= ~zoned & ~numeric
     out = iso.cast(TIMESTAMP, safe=False)
     if numeric.any():
         assert factor is not None
