@@ -5,6 +5,7 @@ bounded however many rows a bad file brings."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -246,3 +247,44 @@ def test_random_files_every_good_one_read_once_every_bad_one_rejected_no_run_fai
     for name in bad:
         assert (rejected / f"{name}.reason.txt").read_text().strip()
     assert not list(drop.iterdir())
+
+
+def test_the_raw_files_docs_contracts_shows_read_as_it_says(tmp_path: Path) -> None:
+    """docs/CONTRACTS.md's raw CSVs and `raw:` section: the first reads one row and rejects the NaN row as `nan`;
+    the readings-only one reads under the derivations the doc declares."""
+    import yaml
+
+    from edgehaul.platform.settings import get_settings
+
+    doc = (Path(__file__).parent.parent / "docs" / "CONTRACTS.md").read_text()
+    full, readings = re.findall(r"```csv\n(.*?)```", doc, re.S)
+    raw_yaml = yaml.safe_load(re.search(r"```yaml\n(raw:\n.*?)```", doc, re.S).group(1))  # type: ignore[union-attr]
+    assert raw_yaml["raw"]["derive"] == {"sample_id": "content-hash", "capture_time": "file-time", "seq": "row-order"}
+    gait = get_settings().contracts_dir / "daphnet_gait.v1.yaml"
+    base = yaml.safe_load(gait.read_text())
+    for name, text, extra in [("full", full, None), ("readings", readings, {"derive": raw_yaml["raw"]["derive"]})]:
+        d = tmp_path / name
+        (d / "contracts").mkdir(parents=True)
+        (d / "contracts" / "daphnet_gait.v1.yaml").write_text(yaml.safe_dump({**base, **({"raw": extra} if extra else {})}))
+        c = load_contract("daphnet_gait", 1, d / "contracts")
+        _drop(d, "x.csv", text)
+        run, accepted = _run(d, c)
+        ids = [i for t in accepted for i in t.column("sample_id").to_pylist()]
+        assert run.summary()["files_read"] == 1, run.summary()
+        if name == "full":
+            assert ids == ["g-000001"] and run.message() is None  # half rejected is not "most"
+        else:
+            assert len(ids) == 1 and ids[0].startswith("row-")
+
+
+@pytest.mark.parametrize(("raw", "error"), [
+    ("raw: {capture_time: epoch_ns}\n", "raw.capture_time must be one of"),
+    ("raw: {derive: {seq: file-time}}\n", "raw.derive.seq must be one of ['row-order']"),
+    ("raw: {derive: {label: row-order}}\n", "raw.derive has unknown keys ['label']"),
+    ("raw: {time: iso8601}\n", "raw has unknown keys ['time']"),
+])
+def test_a_malformed_raw_section_names_its_field(tmp_path: Path, raw: str, error: str) -> None:
+    from edgehaul.contracts import ContractInvalid
+
+    with pytest.raises(ContractInvalid, match=re.escape(error)):
+        _contract(tmp_path, raw)
