@@ -239,6 +239,28 @@ def test_an_unreadable_file_is_rejected_with_its_reason_and_the_others_are_read(
     assert not list(drop.iterdir())
 
 
+def _assert_drop_alert(stack: object, node_id: str, names: set[str]) -> None:
+    """The run's level-2 edgehaul.drop.rejected event reached the Prefect API, naming each file."""
+    import httpx
+    from prefect.events.worker import EventsWorker
+
+    from tests.conftest import api_auth
+
+    EventsWorker.drain_all()
+    api = stack.prefect_api_url  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 15
+    evs: list[dict[str, object]] = []
+    while not evs and time.monotonic() < deadline:
+        r = httpx.post(f"{api}/events/filter", timeout=10, auth=api_auth(), json={
+            "filter": {"event": {"name": ["edgehaul.drop.rejected"]},
+                       "resource": {"id": [f"edgehaul.node.{node_id}"]}}, "limit": 5})
+        evs = r.json().get("events", [])
+        time.sleep(0.5)
+    assert evs, "no edgehaul.drop.rejected event recorded"
+    payload = evs[0]["payload"]
+    assert isinstance(payload, dict) and payload["level"] == 2 and set(payload["files"]) == names
+
+
 def test_partial_names() -> None:
     assert all(map(is_partial_name, [".x.parquet", "~x.csv", "x.csv.tmp", "x.PART", "x.parquet.inprogress"]))
     assert not any(map(is_partial_name, ["x.parquet", "x.csv", "tmp.arrow"]))
@@ -301,8 +323,23 @@ def test_edge_ingest_goes_on_past_unreadable_files_and_says_so(stack: object, tm
     assert state.message is not None and all(name in state.message for name in bad)
     assert set(out["rejected_files"]) == set(bad) and [p.name for p in done.iterdir()] == ["zz-good.parquet"]
     assert {p.name for p in (tmp_path / "rejected").iterdir()} == {n for b in bad for n in (b, f"{b}.reason.txt")}
+    _assert_drop_alert(stack, "node-a", set(bad))
     again = edge_ingest(params, return_state=True)
     assert again.is_completed() and again.message in (None, "") and again.result()["samples_in"] == 0
+    # a node-local run: the alert goes to the node's outbox (forwarded when in contact), at alert priority
+    from edgehaul.edge.outbox import PRIO_ALERT_L2, node_outbox
+
+    (drop / "late.csv").write_bytes(b"\xff\xfe not text")
+    os.utime(drop / "late.csv", (time.time() - 60, time.time() - 60))
+    local = edge_ingest(params.model_copy(update={"route_events_to_outbox": True}), return_state=True)
+    assert local.is_completed() and "late.csv" in (local.message or "")
+    box = node_outbox(str(tmp_path / "spool"), "node-a")
+    try:
+        [alert] = [e for e in box.peek(100) if e.event == "edgehaul.drop.rejected"]
+    finally:
+        box.close()
+    assert alert.priority == PRIO_ALERT_L2 and alert.payload["level"] == 2
+    assert list(alert.payload["files"]) == ["late.csv"] and "not UTF-8" in alert.payload["files"]["late.csv"]
     spool = Spool(tmp_path / "spool", cap_bytes=2**30, emit=lambda *a, **k: True)
     try:
         held = {i for e in spool.pending() + spool.raw_entries() for i in e.manifest.sample_ids}

@@ -552,6 +552,7 @@ def observation_table(files: list[DropFile], contract: Contract) -> pa.Table:
     return pa.table(cols)
 
 
+DROP_ALERT_LEVEL = 2  # edgehaul.platform.automations: level 2, like a failed run
 MOSTLY = 0.5  # a file whose rows are more than this share rejected is named in the run's state and alert
 NAMED_FILES = 10  # files named in a state message (the rest counted)
 
@@ -719,7 +720,8 @@ def emit_drop_rejected(node_id: str, message: str, problems: dict[str, str], cou
     from edgehaul import events
 
     files = dict(list(problems.items())[:50])
-    payload: dict[str, Any] = {"node_id": node_id, "message": message[:2000], "files": files, "files_named": len(files),
-                               "files_with_problems": len(problems),
-                               **{k: counts[k] for k in ("files_read", "files_rejected") if k in counts}}
+    payload: dict[str, Any] = {
+        "level": DROP_ALERT_LEVEL, "node_id": node_id, "message": message[:2000], "files": files,
+        "files_named": len(files), "files_with_problems": len(problems),
+        **{k: counts[k] for k in ("files_read", "files_rejected") if k in counts}}
     return events.emit(events.DROP_REJECTED, f"edgehaul.node.{node_id}", payload)

@@ -32,7 +32,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed
 from pydantic import BaseModel, Field, model_validator
 
-from edgehaul import downlink
+from edgehaul import downlink, events
 from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import contract_by_id
 from edgehaul.edge.drop_folder import DropFolder, DropPart, DropRun, emit_drop_rejected
@@ -188,9 +188,6 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
         files, problem = drop.summary(), drop.message()
         logger.info("drop folder: %d files read and moved to %s, %d rejected to %s", files["files_read"],
                     p.done_path, files["files_rejected"], folder_done.rejected_dir)
-        if problem:
-            # an alert per run, naming each file and why (from a node-local run: through its outbox)
-            emit_drop_rejected(node.node_id, problem, drop.problems(), files)
 
     spool = Spool.from_block(node)
     try:
@@ -226,10 +223,18 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
         try:
             record_run(box, "edge_ingest", {k: summary[k] for k in ("batches", "samples_in", "rejected", "bundles",
                                                                    "bundles_refused", "pending", "expired",
-                                                                   "spool_used_fraction")},
+                                                                   "spool_used_fraction", "files_read",
+                                                                   "files_rejected") if k in summary},
                        {f"{s}/{r}": n for (s, r), n in ledger_counts.items()})
+            if problem:  # the alert naming each file and why, forwarded with the node's others
+                assert drop is not None
+                with events.routed(box.sink()):
+                    emit_drop_rejected(node.node_id, problem, drop.problems(), files)
         finally:
             box.close()
+    elif problem:
+        assert drop is not None
+        emit_drop_rejected(node.node_id, problem, drop.problems(), files)
     logger.info("node %s: %d samples in %d batches, %d rejected, %d bundles, tiers %s, value/MB %.1f vs %.1f baseline",
                 node.node_id, n_in, len(done), sum(rejects.values()), summary["bundles"], report.samples,
                 report.value_per_mb, report.baseline_value_per_mb)
