@@ -288,3 +288,18 @@ def test_a_malformed_raw_section_names_its_field(tmp_path: Path, raw: str, error
 
     with pytest.raises(ContractInvalid, match=re.escape(error)):
         _contract(tmp_path, raw)
+
+
+def test_a_drop_rejected_event_is_a_level_2_alert() -> None:
+    """The automation that pages on rejected drop files: one per node resource, level 2, naming the node and
+    the run's message."""
+    import uuid
+
+    from edgehaul import events
+    from edgehaul.platform.automations import DROP_REJECTED_NAME, AlertPolicy, alert_automations
+
+    [a] = [a for a in alert_automations(AlertPolicy(), uuid.uuid4()) if a.name == DROP_REJECTED_NAME]
+    assert a.trigger.expect == {events.DROP_REJECTED}  # type: ignore[union-attr]
+    body = a.actions[0].body  # type: ignore[union-attr]
+    assert '"level": 2' in body and "event.payload.message" in body and "event.payload.node_id" in body
+    assert events.DROP_REJECTED in events.NODE_FORWARDED  # a node's alert, forwarded from its outbox
