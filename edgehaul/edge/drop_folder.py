@@ -22,7 +22,15 @@ image under two names is two observations, and the same file dropped again is a 
 Each file is recorded by content (sha256) in the node's source log (`<spool>/sources.sqlite`, WAL, fsync)
 *before* it moves to `done/`, so a run that dies between the two moves it next time without reading it again,
 and the same content dropped twice (a re-sent file under another name) is recorded as a duplicate, not read.
-Files of an unknown format are moved to `rejected/` with the reason in the log: they are named, not lost.
+
+A table file is read through once (`check`, streamed, nothing kept) before any of it is spooled: a file that is
+empty, not UTF-8, cut short mid-write, a broken Parquet/IPC file, of an unknown format, lacking a required raw
+column the contract does not derive (`Contract.required_raw_columns`, `raw.derive`), or whose every row was
+rejected at preprocessing, moves to `rejected/` with `<name>.reason.txt` and the reason in the log: named, not
+lost, and never blocking the files behind it (`DropRun`). Reading streams: CSV in CSV_BLOCK_BYTES blocks, every
+column as text (a `NaN` cell is a value, not a null: CSV_NULLS), Parquet and IPC batch by batch; identity
+columns the contract derives are filled in per batch (`derive_columns`); columns it does not read are left out
+and reported. docs/CONTRACTS.md ("Raw files at the edge") states the rules.
 """
 
 from __future__ import annotations

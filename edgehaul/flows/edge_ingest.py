@@ -18,6 +18,10 @@ raw batch's content key (per-sample pixel SHA-256s + the other columns' bytes) +
 code version + scorer version + policy fingerprint + node; values are references (bundle ids, sizes,
 checksums), never the data; a cached batch whose receipt is missing from the spool is recomputed;
 `refresh_cache=True` recomputes everything for this run. Runs in the node's work pool (edge-*).
+
+A drop folder (`edgehaul.edge.drop_folder.DropRun`): a file that cannot be read goes to `rejected/` with its
+reason and the run goes on; a run that rejected files (or read files with most rows rejected) ends Completed
+with a state message naming each file and why, and a level-2 `edgehaul.drop.rejected` alert.
 """
 
 from __future__ import annotations
@@ -69,8 +73,8 @@ class EdgeIngestParams(BaseModel):
     route_events_to_outbox: bool = Field(default=False, description="A node-local run: its summary and alerts go "
                                          "to the node's outbox (forwarded when in contact), not to a Prefect API.")
     done_path: str | None = Field(default=None, description="source=drop: where read files go (beside it, "
-                                  "`rejected/` for unknown formats and refused observation files); the read-once "
-                                  "log is in the spool.")
+                                  "`rejected/` for files that cannot be read, each with <name>.reason.txt); the "
+                                  "read-once log is in the spool.")
     n_samples: int = Field(default=10_000, ge=1, le=100_000_000, description="Samples to generate.")
     batch_size: int = Field(default=50_000, ge=100, le=200_000, description="Samples per raw batch (one task run each).")
     seed: int = Field(default=0, ge=0, description="Generator seed.")
