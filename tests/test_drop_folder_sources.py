@@ -303,3 +303,27 @@ def test_a_drop_rejected_event_is_a_level_2_alert() -> None:
     body = a.actions[0].body  # type: ignore[union-attr]
     assert '"level": 2' in body and "event.payload.message" in body and "event.payload.node_id" in body
     assert events.DROP_REJECTED in events.NODE_FORWARDED  # a node's alert, forwarded from its outbox
+
+
+def test_a_file_renamed_or_appended_while_a_run_reads_it_is_read_once_later(tmp_path: Path) -> None:
+    """Claimed, then renamed before it is read (a writer's late rename), or appended to while read: neither
+    rejected nor recorded; the next run reads it whole, once."""
+    c = _contract(tmp_path)
+    _drop(tmp_path, "a.csv", _good_csv(1, 5))
+    _drop(tmp_path, "b.csv", _good_csv(2, 5))
+    df = DropFolder(tmp_path / "drop", tmp_path / "done", tmp_path / "spool", settle_s=5, clock=lambda: NOW,
+                    contract=c)
+    run = DropRun(df, c, 100)
+    (tmp_path / "drop" / "a.csv").rename(tmp_path / "drop" / "a-final.csv")
+    for t, part in run.batches():
+        with open(tmp_path / "drop" / "b.csv", "a") as f:  # the instrument appends while the node reads
+            f.write("f2-5,2026-01-01T00:00:05Z,5,1,2\n")
+        os.utime(tmp_path / "drop" / "b.csv", (NOW - 60, NOW - 60))
+        run.done(part, t.num_rows, t.num_rows, {})
+    assert {o.name: o.outcome for o in run.outcomes.values()} == {"a.csv": "changed", "b.csv": "changed"}
+    assert not (tmp_path / "rejected").exists() and df.counts()["read"] == 0
+    df.close()
+    run2, accepted = _run(tmp_path, c)
+    ids = sorted(i for t in accepted for i in t.column("sample_id").to_pylist())
+    assert ids == sorted([f"f1-{i}" for i in range(5)] + [f"f2-{i}" for i in range(6)])
+    assert run2.summary()["files_read"] == 2 and not list((tmp_path / "drop").iterdir())
