@@ -563,6 +563,7 @@ def observation_table(files: list[DropFile], contract: Contract) -> pa.Table:
 DROP_ALERT_LEVEL = 2  # edgehaul.platform.automations: level 2, like a failed run
 MOSTLY = 0.5  # a file whose rows are more than this share rejected is named in the run's state and alert
 NAMED_FILES = 10  # files named in a state message (the rest counted)
+SUMMARY_FILES = 100  # files listed per kind in a run's summary
 
 
 @dataclass
@@ -703,9 +704,13 @@ class DropRun:
             "files_read": by.count("read"), "files_rejected": by.count("rejected"),
             "files_changed": by.count("changed"), "files_waiting": len(self.claimed.waiting),
             "files_duplicate": len(self.claimed.duplicates),
-            "rejected_files": {o.name: o.reason for o in self.outcomes.values() if o.outcome == "rejected"},
-            "extra_columns": {o.name: list(o.extra) for o in self.outcomes.values() if o.extra},
-            "derived_columns": {o.name: list(o.derived) for o in self.outcomes.values() if o.derived},
+            # per file, the first SUMMARY_FILES of each (the counts above are whole): a run result stays small
+            "rejected_files": dict(list({o.name: o.reason for o in self.outcomes.values()
+                                         if o.outcome == "rejected"}.items())[:SUMMARY_FILES]),
+            "extra_columns": dict(list({o.name: list(o.extra) for o in self.outcomes.values()
+                                        if o.extra}.items())[:SUMMARY_FILES]),
+            "derived_columns": dict(list({o.name: list(o.derived) for o in self.outcomes.values()
+                                          if o.derived}.items())[:SUMMARY_FILES]),
         }
 
     def message(self) -> str | None:
