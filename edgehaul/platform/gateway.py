@@ -304,6 +304,15 @@ class DownlinkRefusedPayload(_Payload):
     why: Text | None = None
 
 
+class DropRejectedPayload(_Payload):
+    message: Text | None = None
+    files: dict[Annotated[str, Field(max_length=1024)], Text] = Field(default_factory=dict, max_length=50)
+    files_named: Count | None = None
+    files_with_problems: Count | None = None
+    files_read: Count | None = None
+    files_rejected: Count | None = None
+
+
 # What an edge node may forward, each with its payload's schema. Never an event that starts work
 # centrally, and never one only the core emits: CHECKPOINT_FAILED (training runs centrally) pages
 # level 3 and feeds the checkpoint success figure, so a node's copy would be a forged page.
@@ -316,6 +325,7 @@ NODE_EVENT_SCHEMAS: dict[str, type[_Payload]] = {
     events.LEDGER_COUNTS: LedgerCountsPayload,
     events.DOWNLINK_APPLIED: DownlinkAppliedPayload,
     events.DOWNLINK_REFUSED: DownlinkRefusedPayload,
+    events.DROP_REJECTED: DropRejectedPayload,
 }
 CORE_ONLY_EVENTS = frozenset({events.CHECKPOINT_FAILED})
 
