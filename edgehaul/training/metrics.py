@@ -52,3 +52,24 @@ def rare_labels(row: dict[str, float], label_values: tuple[int, ...] | list[int]
     """The label values `val_rare_recall` of a history row averages over."""
     support = np.asarray([row.get(f"val_support_{v}", 0.0) for v in label_values], dtype=np.float64)
     return [int(label_values[i]) for i in rare_classes(support)]
+
+
+def chance_macro_f1(support: np.ndarray, n_classes: int | None = None) -> float:
+    """Expected macro-F1 (over the classes present) of a label-blind guesser with a uniform prior: each row
+    is given one of `n_classes` (default: the length of `support`) at random. A present class of share s
+    then has precision s and recall 1/K, F1 = 2s / (K s + 1); on K balanced classes this is 1/K. A model
+    that does not beat it has learnt nothing from its inputs. NaN without support."""
+    support = np.asarray(support, dtype=np.float64)
+    total = support.sum()
+    k = n_classes or len(support)
+    present = support > 0
+    if total <= 0 or k < 1:
+        return math.nan
+    share = support[present] / total
+    return float(np.mean(2 * share / (k * share + 1)))
+
+
+def chance_of(row: dict[str, float], label_values: tuple[int, ...] | list[int]) -> float:
+    """`chance_macro_f1` of a history row's validation support."""
+    support = np.asarray([row.get(f"val_support_{v}", 0.0) for v in label_values], dtype=np.float64)
+    return chance_macro_f1(support)
