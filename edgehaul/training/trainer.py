@@ -260,9 +260,16 @@ class _Part:
 
 def _part(rows: pa.RecordBatch, contract: Contract, arch: dict[str, Any], device: torch.device) -> _Part:
     assert contract.label_column is not None
+    with np.errstate(over="ignore"):
+        w = sample_weights(rows).astype(np.float32)
+    if not np.isfinite(w).all():  # 1/p overflows float32 (p below ~3e-39): it would make the loss or metrics NaN
+        i = int(np.flatnonzero(~np.isfinite(w))[0])
+        raise NonFiniteLoss(f"sample {rows.column('sample_id')[i].as_py()}: loss weight 1/inclusion_p is not finite "
+                            f"in float32 ({int((~np.isfinite(w)).sum())} of {len(w)} rows of the batch): "
+                            "nothing registered")
     return _Part(inputs(rows, contract, arch).to(device),
                  labels_to_targets(rows.column(contract.label_column), contract).to(device),
-                 torch.from_numpy(sample_weights(rows).astype(np.float32)).to(device))
+                 torch.from_numpy(w).to(device))
 
 
 def _decoded(rows: pa.RecordBatch, contract: Contract, arch: dict[str, Any], device: torch.device,
