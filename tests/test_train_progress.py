@@ -63,6 +63,7 @@ def test_trainer_reports_epochs_and_checkpoints_and_a_failing_display_does_not_s
         raise RuntimeError("artifact API down")
 
     cfg = TrainConfig(run_id=f"p-{uuid.uuid4().hex[:8]}", dataset_uri=uri, dataset_version=0, epochs=2, batch_size=16,
+                      quality_gate=False,
                       width=8, num_threads=1, checkpoint_every_steps=4, emit_events=False)
     res = train(cfg, store, display)
     assert len(res.history) == 2 and res.steps > 0
