@@ -8,17 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgehaul.blocks import TieringPolicy
 from edgehaul.blocks.policies import EdgeNode
 from edgehaul.contracts import load_contract
-from edgehaul.edge.anomaly_scorer import AnomalyScorer
+from edgehaul.edge.anomaly_scorer import AnomalyScorer, AnomalyState
 from edgehaul.edge.landsat import generate
 from edgehaul.edge.preprocess import preprocess
 from edgehaul.edge.scorer_registry import available_scorers
-from edgehaul.edge.scoring import ContextualScorer
+from edgehaul.edge.scoring import CannotScore, ContextualScorer
 from edgehaul.edge.tiering import route
 from edgehaul.tasks.edge import make_scorer
 from tests.gait_rows import GAIT, gait_rows
@@ -93,12 +94,16 @@ def test_registered_by_name_and_chosen_by_the_policy() -> None:
     assert TieringPolicy(scorer="anomaly").scorer == "anomaly"
 
 
-def test_before_any_normal_row_values_are_undecided_except_labelled_anomalies() -> None:
+def test_a_scorer_without_reference_rows_says_so_and_without_labels_needs_none() -> None:
     rows = gait_rows(50, anomaly_rate=1.0, seed=8)
     rows = rows.set_column(rows.schema.get_field_index("is_anomaly"), "is_anomaly",
                            pa.array([1] * 25 + [None] * 25, pa.int16()))
+    # reading labels, no row is labelled normal: no reference, and it says so instead of handing out 0.5
+    with pytest.raises(CannotScore, match="no reference rows"):
+        AnomalyScorer(GAIT, AnomalyState(use_labels=True)).score(rows, batch_key="k")
+    # by default labels are not read: the batch is its own reference, and the values spread
     v = AnomalyScorer(GAIT).score(rows, batch_key="k")
-    assert (v[:25] == 1.0).all() and (v[25:] == 0.5).all()
+    assert np.isfinite(v).all() and len(np.unique(v)) > 10
 
 
 @settings(max_examples=25, deadline=None)
@@ -106,11 +111,18 @@ def test_before_any_normal_row_values_are_undecided_except_labelled_anomalies() 
 def test_values_are_in_range_and_labelled_anomalies_are_always_one(n: int, rate: float, seed: int,
                                                                     outliers: int) -> None:
     rows = gait_rows(n, anomaly_rate=rate, seed=seed, outliers=outliers)
-    v = AnomalyScorer(GAIT).score(rows, batch_key="k")
     label = np.array(rows.column("is_anomaly").to_pylist())
+    scorer = AnomalyScorer(GAIT, AnomalyState(use_labels=True))
+    if not (label == 0).any():
+        with pytest.raises(CannotScore):
+            scorer.score(rows, batch_key="k")
+        return
+    v = scorer.score(rows, batch_key="k")
     assert v.dtype == np.float32 and v.shape == (n,)
     assert ((v >= 0) & (v <= 1)).all()
     assert (v[label == 1] == 1.0).all()
+    unlabelled = AnomalyScorer(GAIT).score(rows, batch_key="k")
+    assert ((unlabelled >= 0) & (unlabelled <= 1)).all()
 
 
 def test_the_reference_sample_is_bounded() -> None:

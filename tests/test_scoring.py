@@ -27,7 +27,7 @@ def batches() -> list[tuple[str, pa.Table]]:
 
 def test_values_in_range_and_rare_classes_score_higher(batches: list[tuple[str, pa.Table]]) -> None:
     key, t = batches[0]
-    s = NoveltyScorer(C)
+    s = NoveltyScorer(C, use_labels=True)  # rarity needs the label
     v = s.score(t, key)
     assert v.dtype == np.float32 and v.shape == (t.num_rows,) and v.min() >= 0 and v.max() <= 1
     labels = t.column("label").to_numpy()

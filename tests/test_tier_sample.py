@@ -51,13 +51,16 @@ def _check(spool: Spool, contract: Contract, observed: collections.Counter[int])
     tiers = [e.tier for e in pending]
     assert tiers == sorted(tiers, key=("high", "normal").index) and "high" in tiers and "normal" in tiers
     sent = pa.concat_tables([read_bundle(spool.read(e.bundle_id), e.manifest) for e in pending]).combine_chunks()
-    # nothing lost: every observed sample travels exactly once, in full or as a summary; the raw store keeps
-    # exactly the summarised samples' full rows
+    # nothing lost: every observed sample travels in full or stays in the raw store, never both; a summary goes
+    # up only for a sample left on the node, and only where it earns its bytes (a pixel patch, not a gait row)
     ids = sent.column("sample_id").to_pylist()
-    assert len(ids) == len(set(ids)) == sum(observed.values())
+    assert len(ids) == len(set(ids))
     summary_ids = set(sent.filter(sent.column("is_summary")).column("sample_id").to_pylist())
+    full_ids = set(ids) - summary_ids
     raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
-    assert raw_ids == summary_ids and summary_ids
+    assert full_ids.isdisjoint(raw_ids) and len(full_ids) + len(raw_ids) == sum(observed.values())
+    assert summary_ids <= raw_ids
+    assert bool(summary_ids) == (contract.layout != "columns")
     rows = trainable(sent.to_batches()[0], contract)
     assert not any(rows.column("is_summary").to_pylist())
     labels = np.array(rows.column(label).to_pylist())

@@ -152,6 +152,8 @@ def test_tiering_raises_value_per_uplinked_byte_over_sending_everything() -> Non
     b.flush()
     # measured baseline: every sample sent in full in normal bundles
     everything = scored.set_column(scored.schema.get_field_index("tier"), "tier", pa.array(["normal"] * t.num_rows))
+    everything = everything.set_column(everything.schema.get_field_index("inclusion_p"), "inclusion_p",
+                                       pa.array(np.ones(t.num_rows, np.float32)))
     base = Batcher(p, C)
     base.add(everything)
     base.flush()

@@ -121,6 +121,9 @@ class TieringPolicy(Block):
         "Which scorer values samples: a name registered under the `edgehaul.scorers` entry point "
         "(shipped: novelty, anomaly, model)."))
     model_uri: str | None = Field(default=None, description="Model for the 'model' scorer (s3://... or 'latest').")
+    use_labels: bool = Field(default=False, description=(
+        "Let the novelty and anomaly scorers read a label the edge happens to have (class rarity, labelled "
+        "anomalies first). Off: value from the features alone, as on a node that sees no labels."))
     high_threshold: float = Field(default=0.8, gt=0, le=1, description="value >= this: high tier, sent at once.")
     low_threshold: float = Field(default=0.3, ge=0, lt=1, description="value < this: low tier, summary only.")
     # Without it central training sees only what scored high: the population of what nodes observe is lost.
@@ -128,6 +131,20 @@ class TieringPolicy(Block):
         "Share of low-tier samples that travel in full anyway (a draw per sample id, the same on every rerun); "
         "each row records its inclusion probability (inclusion_p: 1 for high and normal, this for low), by "
         "which training weights rows back to the population."))
+    # With a byte budget every row gets a known chance of crossing the link (Poisson sampling by value, with a
+    # floor): cutting a value-ranked spool at the budget would land only the top and bias training.
+    budget_share: float | None = Field(default=None, gt=0, le=1, description=(
+        "Share of each batch's full-row bytes the node plans to send (from its link: "
+        "`edgehaul.uplink.pass_plan.planned_share`). Set: every row travels with inclusion_p proportional to "
+        "coverage + value, solved so the expected bytes meet it. None: high and normal in full, low at sample_rate."))
+    coverage: float = Field(default=0.5, ge=0, le=1, description=(
+        "With a budget: share of it spread evenly over rows (every value stratum keeps rows; the floor of p), "
+        "the rest in proportion to value."))
+    urgent_max_share: float = Field(default=0.5, ge=0, le=1, description=(
+        "With a budget: most of it the urgent (high-tier) rows may take at p 1; beyond it they are sampled too."))
+    summary_min_ratio: float = Field(default=4.0, ge=1, description=(
+        "A row left on the node sends a summary (features, no payload) only when the row is this many times "
+        "the summary's bytes; otherwise no summary: it would cost about a row and carry nothing to train on."))
     flush_max_samples: int = Field(default=50_000, gt=0, description="Flush a normal bundle at N samples...")
     flush_max_bytes: int = Field(default=32 * MiB, gt=0, description="...or at B bytes...")
     flush_max_seconds: float = Field(default=300.0, gt=0, description="...or T seconds after its first sample.")

@@ -1,8 +1,9 @@
 """Anomaly-aware scorer for labelled telemetry (registered as `anomaly` under `edgehaul.scorers`).
 
-value = 1 for a row labelled an anomaly (the label flag is 1); otherwise a robust distance of the row's
-features (the contract's feature columns, e.g. `norm_<column>`) from the running statistics of the
-normal class: per feature z = (x - median) / (1.4826 * MAD), d = sqrt(mean(z^2)) and
+value = a robust distance of the row's features (the contract's feature columns, e.g. `norm_<column>`) from
+the running statistics of the reference rows (every row by default: the median and MAD shrug off the few
+anomalies among them; with the policy's `use_labels` and an anomaly label, the rows labelled normal, and a row
+labelled an anomaly is 1): per feature z = (x - median) / (1.4826 * MAD), d = sqrt(mean(z^2)) and
 value = 1 - exp(-(d / 3)^2), so a typical normal row (d ~ 1) is ~0.1 (low tier) and one about four robust
 sigmas out (d ~ 4) ~0.83 (high): an unlabelled anomaly still travels first. The normal class is label 0 of
 an anomaly label; for a class label (or none) every row counts, which makes this a robust novelty score.
@@ -28,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from edgehaul.contracts import Contract
+from edgehaul.edge.scoring import CannotScore
 
 if TYPE_CHECKING:
     from edgehaul.edge.scorer_registry import ScorerContext
@@ -53,8 +55,8 @@ def _labels(table: pa.Table, contract: Contract) -> np.ndarray:
     return np.asarray(table.column(col).to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
-def _normal_mask(labels: np.ndarray, contract: Contract) -> np.ndarray:
-    if contract.label.kind == "anomaly":
+def _normal_mask(labels: np.ndarray, contract: Contract, use_labels: bool) -> np.ndarray:
+    if use_labels and contract.label.kind == "anomaly":
         return labels == 0
     return np.ones(len(labels), dtype=bool)
 
@@ -63,14 +65,15 @@ class AnomalyState:
     """Reference rows of the normal class per folded batch, oldest first, bounded."""
 
     def __init__(self, batches: OrderedDict[str, np.ndarray] | None = None, *, per_batch: int = 128,
-                 max_batches: int = 64) -> None:
+                 max_batches: int = 64, use_labels: bool = False) -> None:
+        self.use_labels = use_labels
         self.batches: OrderedDict[str, np.ndarray] = batches or OrderedDict()
         self.per_batch = per_batch
         self.max_batches = max_batches
 
     def reference(self, table: pa.Table, contract: Contract) -> np.ndarray:
         """Up to per_batch normal rows of a batch, evenly spaced (deterministic per batch)."""
-        feats = _features(table, contract)[_normal_mask(_labels(table, contract), contract)]
+        feats = _features(table, contract)[_normal_mask(_labels(table, contract), contract, self.use_labels)]
         finite = feats[np.isfinite(feats).all(axis=1)]
         if len(finite) <= self.per_batch:
             return finite
@@ -81,7 +84,7 @@ class AnomalyState:
         return keys[: keys.index(batch_key)] if batch_key is not None and batch_key in self.batches else keys
 
     def digest(self, keys: list[str] | None = None) -> str:
-        h = hashlib.sha256(ANOMALY_VERSION.encode())
+        h = hashlib.sha256((ANOMALY_VERSION + ("+labels" if self.use_labels else "")).encode())
         for key in self.batches if keys is None else keys:
             h.update(key.encode())
         return h.hexdigest()[:16]
@@ -95,19 +98,23 @@ class AnomalyState:
 
     def to_json(self) -> bytes:
         # Full float64 (repr round-trips): a reloaded state rescores a batch to exactly the same values.
-        return json.dumps({"version": ANOMALY_VERSION, "per_batch": self.per_batch, "max_batches": self.max_batches,
+        return json.dumps({"version": ANOMALY_VERSION, "use_labels": self.use_labels, "per_batch": self.per_batch,
+                           "max_batches": self.max_batches,
                            "batches": [[k, v.tolist()] for k, v in self.batches.items()]}).encode()
 
     @classmethod
-    def load(cls, path: Path | None, width: int) -> AnomalyState:
+    def load(cls, path: Path | None, width: int, *, use_labels: bool = False) -> AnomalyState:
         if path is None or not path.exists():
-            return cls()
+            return cls(use_labels=use_labels)
         doc = json.loads(path.read_bytes())
         batches: OrderedDict[str, np.ndarray] = OrderedDict()
         for key, rows in doc["batches"]:
             arr = np.asarray(rows, dtype=np.float64).reshape(-1, width)
             batches[key] = arr
-        return cls(batches, per_batch=int(doc["per_batch"]), max_batches=int(doc["max_batches"]))
+        if bool(doc.get("use_labels", True)) != use_labels:  # another reference set: start afresh
+            return cls(use_labels=use_labels)
+        return cls(batches, per_batch=int(doc["per_batch"]), max_batches=int(doc["max_batches"]),
+                   use_labels=use_labels)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,14 +137,16 @@ class AnomalyScorer:
     def from_context(cls, ctx: ScorerContext) -> AnomalyScorer:
         """The `anomaly` entry point: state in the node's folder for this kind."""
         path = ctx.state_dir / cls.STATE_FILE
-        return cls(ctx.contract, AnomalyState.load(path, len(ctx.contract.feature_columns)), state_path=path)
+        state = AnomalyState.load(path, len(ctx.contract.feature_columns), use_labels=ctx.policy.use_labels)
+        return cls(ctx.contract, state, state_path=path)
 
     @property
     def version(self) -> str:
-        return f"{ANOMALY_VERSION}+{self.state.digest()}"
+        return f"{ANOMALY_VERSION}{'+labels' if self.state.use_labels else ''}+{self.state.digest()}"
 
     def cache_version(self, batch_key: str) -> str:
-        return f"{ANOMALY_VERSION}/{self.state.digest(self.state.context(batch_key))}"
+        labels = "+labels" if self.state.use_labels else ""
+        return f"{ANOMALY_VERSION}{labels}/{self.state.digest(self.state.context(batch_key))}"
 
     def score(self, table: pa.Table, batch_key: str | None = None) -> np.ndarray:
         n = table.num_rows
@@ -147,15 +156,18 @@ class AnomalyScorer:
         own = self.state.reference(table, self.contract)
         ref = np.concatenate([*(self.state.batches[k] for k in self.state.context(batch_key)), own]) \
             if self.contract.feature_columns else own
-        if len(ref) == 0 or not self.contract.feature_columns:
-            value = np.full(n, 0.5)  # no normal rows seen yet (or no features): unknown, neither tier extreme
+        if not self.contract.feature_columns:
+            raise CannotScore(f"anomaly: contract {self.contract.id} has no feature columns")
+        if len(ref) == 0:
+            raise CannotScore(f"anomaly: no reference rows yet for {self.contract.id} (no finite features"
+                              f"{', no row labelled normal' if self.state.use_labels else ''})")
         else:
             median = np.median(ref, axis=0)
             scale = np.maximum(MAD_TO_SIGMA * np.median(np.abs(ref - median), axis=0), SCALE_FLOOR)
             z = (_features(table, self.contract) - median) / scale
             d = np.sqrt(np.mean(np.nan_to_num(z, nan=0.0, posinf=1e6, neginf=-1e6) ** 2, axis=1))
             value = 1.0 - np.exp(-((d / DISTANCE_SCALE) ** 2))
-        if self.contract.label.kind == "anomaly":
+        if self.state.use_labels and self.contract.label.kind == "anomaly":
             value = np.where(labels == 1, 1.0, value)
         return np.clip(value, 0.0, 1.0).astype(np.float32)
 

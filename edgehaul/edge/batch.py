@@ -16,7 +16,7 @@ import pyarrow as pa
 from edgehaul.contracts import Contract
 from edgehaul.edge import ledger as ledger_mod
 from edgehaul.edge.preprocess import preprocess
-from edgehaul.edge.scoring import ContextualScorer, Scorer
+from edgehaul.edge.scoring import ContextualScorer, Scorer, values_or_fallback
 from edgehaul.edge.spool import Spool
 from edgehaul.edge.tiering import Batcher, TierReport, assign
 
@@ -54,12 +54,10 @@ def ingest_batch(
                         rj.column("detail").to_pylist(), strict=True))
         spool.ledger.record_many(rows, stage=ledger_mod.STAGE_PREPROCESS)
     table, rejects = result.accepted, result.reject_counts
+    ctx = context_key or key
+    values = values_or_fallback(scorer, table, ctx)  # a scorer that cannot score says so: a uniform sample
     if isinstance(scorer, ContextualScorer):
-        ctx = context_key or key
-        values = scorer.score(table, batch_key=ctx)
         scorer.fold(table, ctx)
-    else:
-        values = scorer.score(table)
     scored = assign(table, values, policy, contract)
     del table, result
     batcher = Batcher(policy, contract, scorer_version=scorer_version, team=team)

@@ -1,8 +1,9 @@
 """The edge's model-based value scorer, for every kind: a published model's view of each row.
 
-value = normalised predictive entropy H(p) / log(n_classes) in [0, 1] for class kinds (samples the
-model is unsure about are the most valuable to send to the centre); for an anomaly kind, the model's
-probability of the anomaly class (anomalies are what the centre lacks). Rows are decoded by
+value = what the centre's model does not yet know: its normalised predictive entropy H(p) / log(n_classes)
+in [0, 1] (samples the model is unsure about teach it the most); for an anomaly kind, the larger of that and
+the model's probability of the anomaly class (an anomaly it recognises still goes first, for the operator).
+No label is read: labels at the edge are not needed. Rows are decoded by
 `edgehaul.edge.decode` (through `training.model.inputs`), as training decoded them. The edge scorer
 registry imports this lazily (torch is only needed where the 'model' scorer is configured).
 
@@ -29,6 +30,7 @@ import torch
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.edge.scorer_registry import ScorerContext
+from edgehaul.edge.scoring import CannotScore
 from edgehaul.training.model import build_model, inputs
 from edgehaul.training.registry import load_model_file, parse_model_file, resolve_model_uri
 
@@ -86,15 +88,17 @@ class ModelScorer:
         return out
 
     def score(self, table: pa.Table) -> np.ndarray:
-        """Per row in [0, 1]: the anomaly probability (anomaly kinds) or the normalised predictive entropy;
-        0 for rows without their payload."""
+        """Per row in [0, 1]: the normalised predictive entropy (for anomaly kinds, at least the anomaly
+        probability); 0 for rows without their payload (summaries), CannotScore when no row has one."""
         p = self.probabilities(table)
+        missing = np.isnan(p).any(axis=1)
+        if table.num_rows and missing.all():
+            raise CannotScore(f"model {self.version}: none of the {table.num_rows} rows has its payload")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            v = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1) / math.log(max(self.n_classes, 2))
         if self.anomaly_index is not None:
-            v = p[:, self.anomaly_index].astype(np.float64)
-        else:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                v = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1) / math.log(self.n_classes)
-        v = np.where(np.isnan(p).any(axis=1), 0.0, v)
+            v = np.maximum(v, p[:, self.anomaly_index].astype(np.float64))
+        v = np.where(missing, 0.0, v)
         return np.clip(v, 0.0, 1.0).astype(np.float64)
 
 

@@ -6,7 +6,8 @@ per row); scorers are plugins chosen by name (`edgehaul.edge.scorer_registry`). 
 `edgehaul.edge.model_scorer.ModelScorer` (training side, registered as `model`).
 
 NoveltyScorer = 1 - (1 - rarity) * (1 - novelty) (either signal alone can make a sample valuable),
-with rarity = 1 - p(class) / p(commonest class) (0 for a kind without a label) and novelty from the
+with rarity = 1 - p(class) / p(commonest class) only where the policy lets scorers read labels (`use_labels`)
+and the row has one (0 otherwise: value from the features alone, the default) and novelty from the
 diagonal Mahalanobis distance of the sample's features (`contract.feature_columns`: channel statistics,
 `norm_<column>`, a feature function's outputs; a NaN feature adds no distance), both against a running sketch:
 per-batch sketches (label counts, feature sums and sums of squares) kept in fold order in a small
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,7 +38,14 @@ from edgehaul.contracts import Contract
 if TYPE_CHECKING:
     from edgehaul.edge.scorer_registry import ScorerContext
 
+log = logging.getLogger(__name__)
+
 NOVELTY_VERSION = "novelty-1"
+
+
+class CannotScore(ValueError):
+    """A scorer cannot value this batch (no features, no reference yet...): the message says why. The caller
+    falls back explicitly (`values_or_fallback`), never to a quiet constant."""
 
 
 @runtime_checkable
@@ -149,16 +158,18 @@ class NoveltyScorer:
 
     STATE_FILE = "novelty-state.json"
 
-    def __init__(self, contract: Contract, state: NoveltyState | None = None, state_path: Path | None = None) -> None:
+    def __init__(self, contract: Contract, state: NoveltyState | None = None, state_path: Path | None = None, *,
+                 use_labels: bool = False) -> None:
         self.contract = contract
         self.state = state or NoveltyState()
         self.state_path = state_path
+        self.use_labels = use_labels and contract.label_column is not None
 
     @classmethod
     def from_context(cls, ctx: ScorerContext) -> NoveltyScorer:
         """The `novelty` entry point: state in the node's folder for this kind."""
         path = ctx.state_dir / cls.STATE_FILE
-        return cls(ctx.contract, NoveltyState.load(path), state_path=path)
+        return cls(ctx.contract, NoveltyState.load(path), state_path=path, use_labels=ctx.policy.use_labels)
 
     def save(self) -> None:
         if self.state_path is not None:
@@ -166,11 +177,11 @@ class NoveltyScorer:
 
     @property
     def version(self) -> str:
-        return f"{NOVELTY_VERSION}+{self.state.digest()}"
+        return f"{NOVELTY_VERSION}{'+labels' if self.use_labels else ''}+{self.state.digest()}"
 
     def cache_version(self, batch_key: str) -> str:
         """What the scores of batch `batch_key` depend on besides the batch itself."""
-        return f"{NOVELTY_VERSION}/{self.state.digest(self.state.context(batch_key))}"
+        return f"{NOVELTY_VERSION}{'+labels' if self.use_labels else ''}/{self.state.digest(self.state.context(batch_key))}"
 
     def score(self, table: pa.Table, batch_key: str | None = None) -> np.ndarray:
         own = BatchSketch.of(table, self.contract)
@@ -179,10 +190,12 @@ class NoveltyScorer:
         ctx = [s for s in (self.state.batches[b] for b in self.state.context(batch_key)) if len(s.fsum) == k]
         ctx.append(own)
         n = sum(s.n for s in ctx)
-        if table.num_rows == 0 or n == 0:
-            return np.zeros(table.num_rows, np.float32)
-        rarity = np.zeros(table.num_rows)  # a kind without a label: novelty alone
-        if self.contract.label_column is not None:
+        if table.num_rows == 0:
+            return np.zeros(0, np.float32)
+        if k == 0 and not self.use_labels:
+            raise CannotScore(f"novelty: contract {self.contract.id} has no feature columns and labels are not used")
+        rarity = np.zeros(table.num_rows)  # features alone: novelty
+        if self.use_labels:
             counts: dict[int, int] = {}
             for s in ctx:
                 for lab, c in s.label_counts.items():
@@ -191,7 +204,7 @@ class NoveltyScorer:
             top = max(counts.values(), default=0) + 1
             lut = {lab: 1.0 - (counts.get(lab, 0) + 1) / top for lab in self.contract.label_values}
             label_arr = _labels(table, self.contract)
-            rarity = np.full(table.num_rows, 0.5)  # unlabelled: unknown rarity
+            rarity = np.zeros(table.num_rows)  # an unlabelled row: novelty alone decides
             for lab, r in lut.items():
                 rarity[label_arr == lab] = r
         # Feature novelty: diagonal Mahalanobis distance of the feature vector from the sketch.
@@ -217,3 +230,16 @@ def scorer_cache_version(scorer: Scorer, batch_key: str) -> str:
     """Cache-key part for scoring one batch: a scorer's `cache_version` if it has one, else `version`."""
     fn = getattr(scorer, "cache_version", None)
     return str(fn(batch_key)) if callable(fn) else scorer.version
+
+
+def values_or_fallback(scorer: Scorer, table: pa.Table, batch_key: str | None = None) -> np.ndarray:
+    """The scorer's values, or, where it says it cannot score (`CannotScore`), the same value for every row
+    with a warning: under a byte budget that is a uniform random sample, stated, not a quiet constant."""
+    try:
+        if isinstance(scorer, ContextualScorer):
+            return scorer.score(table, batch_key=batch_key)
+        return scorer.score(table)
+    except CannotScore as e:
+        log.warning("scorer %s cannot score %d rows (%s): every row the same value, a uniform sample",
+                    scorer.version, table.num_rows, e)
+        return np.zeros(table.num_rows, np.float32)

@@ -48,12 +48,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from edgehaul import events
-from edgehaul.bundles import BundleError, BundleManifest
-from edgehaul.contracts import tier_rank
+from edgehaul.bundles import BundleError, BundleManifest, read_bundle, write_bundle
+from edgehaul.contracts import INCLUSION_P, contract_by_id, tier_rank
 from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
 from edgehaul.edge.outbox import PRIO_ALERT_L2, Outbox, node_outbox
+from edgehaul.edge.tiering import uniforms
 
 if TYPE_CHECKING:
     from edgehaul.blocks.policies import EdgeNode
@@ -64,6 +69,17 @@ FULL_POLICIES = ("reject-new", "drop-lowest-value")
 STAGE_RAW = "spool-raw"  # ledger stage of the raw store (low-tier payloads; their summaries were kept)
 _SIDECAR = ".manifest.json"
 _TMP = ".tmp"
+
+
+@dataclass
+class ThinResult:
+    """One thinning: the keep probability, its salt, bundles rewritten and full rows kept / moved out."""
+
+    keep: float
+    salt: str
+    bundles: int = 0
+    rows_kept: int = 0
+    rows_out: int = 0
 
 
 class SpoolError(RuntimeError):
@@ -349,6 +365,67 @@ class Spool:
             usage = self.usage()
         self._check_alert(usage)
         return entry
+
+    def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",)) -> ThinResult:
+        """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
+        full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
+        inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
+        thinned out move to the raw store with their payload (kept on the node, as rows never drawn). Summary
+        rows stay. Never a cut by drain order: that would land only the top of the value ranking."""
+        if not 0.0 <= keep <= 1.0:
+            raise SpoolError(f"thinning keep {keep} is outside [0, 1]")
+        out = ThinResult(keep=keep, salt=salt)
+        if keep >= 1.0:
+            return out
+        for e in self.pending():
+            if e.tier not in tiers:
+                continue
+            t = read_bundle(self.read(e.bundle_id), e.manifest)
+            full = ~np.asarray(pc.fill_null(t.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
+            stay = ~full | (uniforms(t.column("sample_id"), salt) < keep)
+            if stay.all():
+                continue
+            contract = contract_by_id(e.manifest.contract)
+            m = e.manifest
+            gone = t.filter(pa.array(~stay))
+            data, man = write_bundle(gone, contract, tier="low", policy_fingerprint=f"thinned-out|{salt}",
+                                     policy_version=m.policy_version, scorer_version=m.scorer_version, team=m.team)
+            if self.put(data, man) is None:
+                continue  # the raw store refused it (the ledger says why): leave this bundle whole
+            kept = t.filter(pa.array(stay))
+            if kept.num_rows:
+                k_full = full[stay]
+                p = kept.column(INCLUSION_P).to_numpy().astype(np.float64)
+                p = np.where(k_full, p * keep, p).astype(np.float32)
+                kept = kept.set_column(kept.schema.get_field_index(INCLUSION_P), kept.schema.field(INCLUSION_P),
+                                       pa.array(p, pa.float32()))
+                data, man = write_bundle(kept, contract, tier=e.tier, policy_fingerprint=f"thinned|{salt}",
+                                         policy_version=m.policy_version, scorer_version=m.scorer_version, team=m.team)
+                if self.put(data, man) is None:
+                    raise SpoolError(f"spool {self.root}: no room for thinned bundle of {e.bundle_id}")
+            with self._locked():
+                self._remove(e)
+            out.bundles += 1
+            out.rows_out += gone.num_rows
+            out.rows_kept += int(full[stay].sum())
+        if out.bundles:
+            log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store",
+                     self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
+        return out
+
+    def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4) -> list[ThinResult]:
+        """Thin the normal-tier bundles until every waiting bundle fits `capacity_bytes` (urgent bundles first,
+        untouched): keep = what is left for the normal tier / its bytes, again while compression leaves it over."""
+        done: list[ThinResult] = []
+        for r in range(max_rounds):
+            pending = self.pending()
+            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
+            normal = sum(e.manifest.nbytes for e in pending if e.tier != "high")
+            if urgent + normal <= capacity_bytes or normal == 0:
+                break
+            keep = max(0.0, capacity_bytes - urgent) / normal
+            done.append(self.thin(keep, salt=f"{salt}|{r}"))
+        return done
 
     def write_staging(self, name: str, data: bytes) -> Path:
         """Atomically write a derived intermediate under staging/ (counted in the cap, pruned by TTL)."""

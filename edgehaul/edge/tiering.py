@@ -22,7 +22,6 @@ and raw-store bundles for the local spool.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from collections.abc import Callable
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import polars as pl
+import polars_hash as plh
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from edgehaul.blocks.policies import TieringPolicy
 
 _FOOTER_ALLOWANCE = 16 * 1024  # Parquet footer + page headers of one bundle, generous
+_SCORED_ROW_BYTES = 4 + 7 + 1 + 4  # value, tier (a short string + offset), is_summary, inclusion_p
 
 
 def route(values: np.ndarray, policy: TieringPolicy) -> np.ndarray:
@@ -51,41 +53,136 @@ def route(values: np.ndarray, policy: TieringPolicy) -> np.ndarray:
     return out
 
 
+def uniforms(sample_ids: pa.Array | pa.ChunkedArray, salt: str) -> np.ndarray:
+    """u in [0, 1) per sample from the first 8 bytes of sha256(salt | sample id), in one native pass
+    (polars-hash; the same numbers as hashlib). The same sample gets the same u in any batch or order."""
+    if len(sample_ids) == 0:
+        return np.zeros(0, dtype=np.float64)
+    frame = pl.DataFrame({"s": pl.Series(sample_ids, dtype=pl.String)})
+    h = frame.select(plh.concat_str(pl.lit(f"{salt}|"), pl.col("s")).alias("s")).select(
+        plh.col("s").chash.sha2_256()).to_series()
+    hi = h.str.slice(0, 8).str.to_integer(base=16).cast(pl.UInt64).to_numpy()
+    lo = h.str.slice(8, 8).str.to_integer(base=16).cast(pl.UInt64).to_numpy()
+    u64 = (hi << np.uint64(32)) | lo
+    # Exact on the grid of 2**-53: u < p is decided as float64 on both sides.
+    return (u64 >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def draw(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: TieringPolicy) -> np.ndarray:
+    """Poisson sampling: a sample travels in full iff u(policy version, sample) < its inclusion_p. Per sample, so
+    the same rows whatever the batch or retry; salted with the version only (a compression or flush setting never
+    changes the draw); nested: a larger p keeps every sample drawn under a smaller one."""
+    p64 = np.asarray(p, dtype=np.float32).astype(np.float64)  # the p written in the row decides, not a wider one
+    return uniforms(sample_ids, policy.version) < p64
+
+
 def drawn(sample_ids: pa.Array | pa.ChunkedArray, policy: TieringPolicy) -> np.ndarray:
-    """Which of these (low-tier) samples travel in full: u(sample) < sample_rate, with u uniform in [0, 1)
-    from sha256(policy version | sample id). Per sample, so the same rows whatever the batch or retry; salted
-    with the version only, so a compression or flush setting never changes the draw, and raising the rate
-    keeps every sample drawn before (nested samples)."""
-    rate = policy.sample_rate
-    if rate <= 0.0 or len(sample_ids) == 0:
-        return np.zeros(len(sample_ids), dtype=bool)
-    if rate >= 1.0:
-        return np.ones(len(sample_ids), dtype=bool)
-    salt = f"{policy.version}|".encode()
-    u = np.fromiter((int.from_bytes(hashlib.sha256(salt + s.encode()).digest()[:8], "big")
-                     for s in sample_ids.to_pylist()), dtype=np.uint64, count=len(sample_ids))
-    return u < np.uint64(int(rate * 2.0**64))  # rate < 1: below 2**64
+    """Which of these (low-tier) samples travel in full without a byte budget: u(sample) < sample_rate."""
+    return draw(sample_ids, np.full(len(sample_ids), policy.sample_rate), policy)
+
+
+def _solve_scale(w: np.ndarray, cost: np.ndarray, target: float) -> float:
+    """c with sum(min(1, c w) cost) = target (monotone in c): bisection on log c, vectorised per step."""
+    if target <= 0 or not len(w):
+        return 0.0
+    if float(cost[w > 0].sum()) <= target:
+        return float("inf")
+    lo, hi = 0.0, 1.0
+    while float((np.minimum(1.0, hi * w) * cost).sum()) < target:
+        hi *= 2.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if float((np.minimum(1.0, mid * w) * cost).sum()) < target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def inclusion_probabilities(values: np.ndarray, full_bytes: np.ndarray, summary_bytes: np.ndarray,
+                            policy: TieringPolicy) -> np.ndarray:
+    """Each row's probability of travelling in full (float64).
+
+    Without a byte budget (`budget_share` None): 1 for high and normal, `sample_rate` for low.
+    With one, the expected bytes of the batch (full rows drawn + summaries of the rows left, where a summary
+    earns its bytes: `summary_bytes` 0 otherwise) equal `budget_share` x its full-row bytes:
+    - urgent (high tier) rows travel with p 1 while they take at most `urgent_max_share` of the budget; beyond
+      it they are sampled too, each with the same p;
+    - every other row gets p = min(1, c x w) with w = coverage + (1 - coverage) x value / mean value: a
+      `coverage` share of the budget is spread evenly (every value stratum keeps rows: the floor), the rest in
+      proportion to value (importance); c is solved so the expected bytes meet the budget exactly.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    n = len(v)
+    high = v >= policy.high_threshold
+    if policy.budget_share is None:
+        return np.where(v < policy.low_threshold, policy.sample_rate, 1.0)
+    b = np.asarray(full_bytes, dtype=np.float64)
+    s = np.asarray(summary_bytes, dtype=np.float64)
+    budget = policy.budget_share * float(b.sum())
+    p = np.zeros(n, dtype=np.float64)
+    hb = float(b[high].sum())
+    urgent = policy.urgent_max_share * budget
+    p[high] = 1.0 if hb <= urgent else urgent / hb
+    rest = ~high
+    if rest.any():
+        # A row left costs its summary; drawn it costs its full bytes: sum(s) + sum(p (b - s)) = what is left.
+        left = budget - float((p[high] * b[high]).sum()) - float((s[rest]).sum())
+        vr = v[rest]
+        mean = float(vr.mean())
+        w = policy.coverage + (1.0 - policy.coverage) * (vr / mean if mean > 0 else np.ones_like(vr))
+        c = _solve_scale(w, np.maximum(b[rest] - s[rest], 0.0), left)
+        p[rest] = np.minimum(1.0, c * w) if np.isfinite(c) else 1.0
+    return p
 
 
 def inclusion_p(tiers: np.ndarray, policy: TieringPolicy) -> np.ndarray:
-    """Probability that a row of each tier travels in full: 1 for high and normal, sample_rate for low."""
+    """Probability that a row of each tier travels in full without a byte budget: 1 for high and normal,
+    sample_rate for low."""
     return np.where(tiers == "low", np.float32(policy.sample_rate), np.float32(1.0)).astype(np.float32)
+
+
+def summary_bytes(rows: pa.Table, contract: Contract, full: np.ndarray | None = None) -> np.ndarray:
+    """Uncompressed bytes of each row's summary (the row less its payload)."""
+    full = _row_bytes(rows) if full is None else full
+    payload = np.zeros(rows.num_rows, dtype=np.int64)
+    for name in contract.payload_columns:
+        col = rows.column(name)
+        typ = col.type
+        if pa.types.is_binary(typ) or pa.types.is_string(typ) or pa.types.is_large_binary(typ):
+            payload += pc.fill_null(pc.binary_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        elif not pa.types.is_boolean(typ):
+            payload += typ.bit_width // 8
+    return full - payload
+
+
+def summary_earns(full: np.ndarray, summary: np.ndarray, policy: TieringPolicy) -> np.ndarray:
+    """A row left on the node sends a summary only where the row is `summary_min_ratio` times the summary's
+    size; otherwise the summary would cost nearly a row for no payload, and the row simply joins the sample."""
+    return np.asarray(full, dtype=np.float64) >= policy.summary_min_ratio * np.maximum(summary, 1)
 
 
 def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contract: Contract) -> pa.Table:
     """Preprocessed rows + values -> bundle-schema rows with tier and inclusion_p (is_summary false everywhere;
-    the Batcher turns the low rows not `drawn` into summaries)."""
+    the Batcher sends the rows `draw`n and keeps the others on the node, with a summary where it earns its
+    bytes)."""
     if len(values) != accepted.num_rows:
         raise ValueError(f"{len(values)} values for {accepted.num_rows} rows")
     v = np.asarray(values, dtype=np.float32)
     if np.isnan(v).any():
         raise ValueError(f"scorer returned NaN for {int(np.isnan(v).sum())} of {len(v)} rows")
     v = np.clip(v, 0.0, 1.0)
-    t = accepted.append_column("value", pa.array(v, pa.float32()))
     tiers = route(v, policy)
+    if policy.budget_share is None:
+        p = inclusion_p(tiers, policy)
+    else:
+        full = _row_bytes(accepted) + _SCORED_ROW_BYTES
+        summ = summary_bytes(accepted, contract, full)
+        p = inclusion_probabilities(v, full, np.where(summary_earns(full, summ, policy), summ, 0), policy)
+    t = accepted.append_column("value", pa.array(v, pa.float32()))
     t = t.append_column("tier", pa.array(tiers.tolist(), pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(len(v), dtype=bool)))
-    t = t.append_column(INCLUSION_P, pa.array(inclusion_p(tiers, policy), pa.float32()))
+    t = t.append_column(INCLUSION_P, pa.array(np.asarray(p, dtype=np.float32), pa.float32()))
     return t.cast(contract.bundle_schema)
 
 
@@ -135,9 +232,16 @@ class TierReport:
     value_total: float = 0.0
     baseline_bytes: int = 0  # bytes if every sample went up in full (measured or estimated)
     baseline_measured: bool = False
+    # Bytes per row, by what a row became (uncompressed, as the Batcher cut them) and by bundle tier (written).
+    full_rows: int = 0
+    full_row_bytes: int = 0
+    summary_rows: int = 0
+    summary_row_bytes: int = 0
+    bundle_rows: dict[str, int] = field(default_factory=dict)  # bundle tier -> rows written
 
     def add(self, b: BuiltBundle) -> None:
         self.bundles[b.reason] = self.bundles.get(b.reason, 0) + 1
+        self.bundle_rows[b.manifest.tier] = self.bundle_rows.get(b.manifest.tier, 0) + b.manifest.row_count
         if b.manifest.tier == "low":
             self.raw_store_bytes += b.manifest.nbytes
             return
@@ -174,8 +278,19 @@ class TierReport:
                     "local_bytes": self.raw_store_bytes})
         return out
 
+    def bytes_per_row(self) -> dict[str, float]:
+        """Written bytes per row of each bundle tier (high: urgent, normal: full rows + summaries, low: the raw
+        store) and uncompressed bytes of a full row and of a summary row."""
+        written = {**self.uplink_bytes, "low": self.raw_store_bytes}
+        out = {t: round(written.get(t, 0) / r, 1) for t, r in self.bundle_rows.items() if r}
+        if self.full_rows:
+            out["full_row_raw"] = round(self.full_row_bytes / self.full_rows, 1)
+        if self.summary_rows:
+            out["summary_row_raw"] = round(self.summary_row_bytes / self.summary_rows, 1)
+        return out
+
     def summary(self) -> dict[str, object]:
-        return {
+        return {"full_rows": self.full_rows, "summary_rows": self.summary_rows, "bytes_per_row": self.bytes_per_row(),
             "samples": dict(self.samples), "sampled_low": self.sampled_low, "uplink_bytes": dict(self.uplink_bytes),
             "raw_store_bytes": self.raw_store_bytes,
             "bundles_by_reason": dict(self.bundles), "value_per_MB": round(self.value_per_mb, 3),
@@ -251,29 +366,45 @@ class Batcher:
         return cuts
 
     def add(self, scored: pa.Table) -> list[BuiltBundle]:
-        """Route one scored batch (bundle-schema rows with tier set). Returns bundles ready now."""
+        """Route one scored batch (bundle-schema rows with tier and inclusion_p set). Returns bundles ready now.
+
+        One `draw` per row (u < inclusion_p) and one reordering `take`: urgent rows, then the other rows drawn,
+        then the rows left whose summary earns its bytes, then the rest left; every bundle is a slice of it."""
         out: list[BuiltBundle] = []
-        tiers = scored.column("tier")
-        masks = {tier: pc.equal(tiers, tier) for tier in TIERS}
-        for tier, mask in masks.items():
-            self.report.samples[tier] += int(pc.sum(mask.cast(pa.int64())).as_py() or 0)
+        tiers = scored.column("tier").to_numpy()
+        n = scored.num_rows
+        is_high, is_low = tiers == "high", tiers == "low"
+        for tier, m in (("high", is_high), ("low", is_low)):
+            self.report.samples[tier] += int(m.sum())
+        self.report.samples["normal"] += n - int(is_high.sum()) - int(is_low.sum())
         self.report.value_total += float(pc.sum(scored.column("value")).as_py() or 0.0)
         out.extend(self.poll())
-        # One filter per tier: each row's payload is copied once (summaries drop it, no copy).
-        high = scored.filter(masks["high"])
+        p = scored.column(INCLUSION_P).to_numpy()
+        sent = draw(scored.column("sample_id"), p, self.policy)
+        self.report.sampled_low += int((sent & is_low).sum())
+        full = _row_bytes(scored)
+        summ = summary_bytes(scored, self.contract, full)
+        earns = summary_earns(full, summ, self.policy)
+        group = np.where(sent, np.where(is_high, 0, 1), np.where(earns, 2, 3)).astype(np.int8)
+        counts = np.bincount(group, minlength=4)
+        order = np.argsort(group, kind="stable")
+        rows = scored if (order == np.arange(n)).all() else scored.take(pa.array(order))
+        a, b, c = (int(x) for x in np.cumsum(counts)[:3])
+        high, rest, to_sum = rows.slice(0, a), rows.slice(a, b - a), rows.slice(b, c - b)
+        left = rows.slice(b)
+        self.report.full_rows += int(sent.sum())
+        self.report.full_row_bytes += int(full[sent].sum())
+        self.report.summary_rows += c - b
+        self.report.summary_row_bytes += int(summ[group == 2].sum())
         if high.num_rows:
             limit = self.policy.urgent_max_bytes
-            sizes = _row_bytes(high)
+            sizes = full[order[:a]]
             bounds = [0, *self._cuts(sizes, high.num_rows, max(limit - _FOOTER_ALLOWANCE, 1)), high.num_rows]
-            for a, b in itertools.pairwise(bounds):
-                out.extend(self._emit(high.slice(a, b - a), "high", "urgent", limit))
-        low = scored.filter(masks["low"])
-        full_low = pa.array(drawn(low.column("sample_id"), self.policy), pa.bool_())
-        self.report.sampled_low += int(pc.sum(full_low.cast(pa.int64())).as_py() or 0)
-        left = low.filter(pc.invert(full_low))
+            for x, y in itertools.pairwise(bounds):
+                out.extend(self._emit(high.slice(x, y - x), "high", "urgent", limit))
         if left.num_rows:
             out.extend(self._emit(left, "low", "raw"))
-        rest = pa.concat_tables([scored.filter(masks["normal"]), low.filter(full_low), summarise(left, self.contract)])
+        rest = pa.concat_tables([rest, summarise(to_sum, self.contract)]) if to_sum.num_rows else rest
         if rest.num_rows:
             out.extend(self._buffer(rest))
         return out
