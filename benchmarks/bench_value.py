@@ -88,6 +88,10 @@ class Config:
     width: int  # LandCoverNet width
     seeds: tuple[int, ...]  # training seeds of the evaluated models (round-1 models: the first)
     budgets: tuple[float, ...] = BUDGETS
+    kinds: tuple[str, ...] = ("landsat_patch", "daphnet_gait", "digits_png")
+    gait_stream: int = 20_000  # readings in the gait edge stream
+    gait_test: int = 6_000
+    gait_anomaly: float = 0.05
     block: int = 4  # spatial block side, in patches
     test_share: float = 0.25
     split_seed: int = 0
@@ -95,7 +99,7 @@ class Config:
 
 
 QUICK = Config(stream=3000, batch=500, bundle_rows=16, sample_passes=6_000, width=16, seeds=(0,),
-               budgets=QUICK_BUDGETS)
+               budgets=QUICK_BUDGETS, gait_stream=8_000, gait_test=3_000)
 FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=24_000, width=16, seeds=(0, 1, 2))
 
 
@@ -287,17 +291,21 @@ def land_and_commit(store: ObjectStore, spool: Spool, entries: list[SpoolEntry],
     return commit_bundles(store, contract, vbs).version if vbs else None
 
 
-def version_rows(store: ObjectStore, version: int) -> pa.Table:
+def version_rows(store: ObjectStore, version: int, contract: Contract | None = None) -> pa.Table:
+    """A version's label (as `label`), content hash, summary flag and inclusion_p where the table has it."""
     from edgehaul.core.datasets import open_uri, read_version, table_uri
     from edgehaul.training.data import INCLUSION_P
 
-    names = open_uri(table_uri(store, KIND), store.storage_options(), version).schema().to_arrow().names
-    cols = ["label", "content_sha256", "is_summary", *([INCLUSION_P] if INCLUSION_P in names else [])]
-    return read_version(store, KIND, version, columns=cols)
+    kind = contract.kind if contract is not None else KIND
+    label = contract.label_column if contract is not None and contract.label_column else "label"
+    names = open_uri(table_uri(store, kind), store.storage_options(), version).schema().to_arrow().names
+    cols = [label, "content_sha256", "is_summary", *([INCLUSION_P] if INCLUSION_P in names else [])]
+    t = read_version(store, kind, version, columns=cols)
+    return t.rename_columns(["label" if c == label else c for c in t.column_names])
 
 
 def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int,
-             run_id: str) -> tuple[str, dict[str, Any]]:
+             run_id: str, contract: Contract | None = None) -> tuple[str, dict[str, Any]]:
     """The trainer the train_model flow runs, on one dataset version: (the model URI, its quality gate)."""
     from edgehaul.core.datasets import table_uri
     from edgehaul.training.launch import run
@@ -306,8 +314,12 @@ def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int
     # Early stopping on a held-out stretch of the landed rows keeps the best epoch; the gate is off so a cell
     # that learns nothing is reported as such instead of ending the bench.
     tc = TrainConfig(
-        run_id=run_id, dataset_uri=table_uri(store, KIND), dataset_version=version, seed=seed,
-        epochs=min(60, max(3, math.ceil(cfg.sample_passes / max(rows, 1)))), width=cfg.width, val_fraction=0.15,
+        run_id=run_id, dataset_uri=table_uri(store, contract.kind if contract else KIND), dataset_version=version,
+        seed=seed, contract_id=(contract or load_contract(KIND)).id,
+        model_name=((contract or load_contract(KIND)).training or _NO_TRAINING).model_name,
+        augment=((contract or load_contract(KIND)).training or _NO_TRAINING).augment,
+        batch_size=((contract or load_contract(KIND)).training or _NO_TRAINING).batch_size,
+        epochs=min(40, max(3, math.ceil(cfg.sample_passes / max(rows, 1)))), width=cfg.width, val_fraction=0.15,
         patience=4, quality_gate=False, num_threads=1, keep_checkpoints=1, emit_events=False,
         checkpoint_every_steps=100_000,
     )
@@ -315,8 +327,9 @@ def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int
     return str(lineage["model_uri"]), dict(lineage.get("quality_gate", {}))
 
 
-def predict(store: ObjectStore, model_uri: str, test: Patches, contract: Contract) -> np.ndarray:
-    """The model's labels for the held-out patches, its inputs standardised as it was trained."""
+def predict(store: ObjectStore, model_uri: str, test: Patches | pa.Table, contract: Contract) -> np.ndarray:
+    """The model's labels for the held-out rows (raw rows, or Landsat patches), its inputs standardised as it
+    was trained."""
     import torch
 
     from edgehaul.training.model import build_model, inputs
@@ -327,9 +340,11 @@ def predict(store: ObjectStore, model_uri: str, test: Patches, contract: Contrac
     model = build_model(arch)
     model.load_state_dict(f["state_dict"])
     model.eval()
-    raw = landsat.raw_table(test.pixels, test.labels, "test", contract=contract)
+    raw = test if isinstance(test, pa.Table) else landsat.raw_table(test.pixels, test.labels, "test",
+                                                                     contract=contract)
     with torch.no_grad():
-        pred_idx = model(inputs(raw, contract, arch)).argmax(1).numpy()
+        pred_idx = np.concatenate([model(inputs(raw.slice(a, 2048), contract, arch)).argmax(1).numpy()
+                                   for a in range(0, raw.num_rows, 2048)])
     return np.asarray(f["label_values"])[pred_idx]
 
 
@@ -340,7 +355,7 @@ def evaluate(store: ObjectStore, model_uri: str, test: Patches, contract: Contra
 
 
 def interval(truth: np.ndarray, preds: list[np.ndarray], rare: list[int], key: str, n: int = BOOTSTRAP,
-             seed: int = 0) -> tuple[float, float]:
+             seed: int = 0, anomaly: int | None = None) -> tuple[float, float]:
     """90% bootstrap interval of the seed-mean `key`, resampling the test samples and the seeds."""
     if not preds:
         return (math.nan, math.nan)
@@ -351,12 +366,14 @@ def interval(truth: np.ndarray, preds: list[np.ndarray], rare: list[int], key: s
         which = rng.integers(0, len(preds), len(preds))
         t = truth[idx]
         present = [c for c in rare if (t == c).any()]
-        vals.append(np.mean([scores(t, preds[w][idx], present or rare)[key] for w in which]))
+        vals.append(np.mean([scores(t, preds[w][idx], present or rare, anomaly)[key] for w in which]))
     lo, hi = np.nanpercentile(vals, [5, 95])
     return (float(lo), float(hi))
 
 
-def scores(truth: np.ndarray, pred: np.ndarray, rare: list[int]) -> dict[str, float]:
+def scores(truth: np.ndarray, pred: np.ndarray, rare: list[int], anomaly: int | None = None) -> dict[str, float]:
+    """Macro-F1 over the classes present, mean recall of `rare`, accuracy; with `anomaly` (the anomaly
+    class's label) its precision and recall."""
     recall, f1 = {}, []
     for c in np.unique(truth):
         tp = int(((pred == c) & (truth == c)).sum())
@@ -364,8 +381,13 @@ def scores(truth: np.ndarray, pred: np.ndarray, rare: list[int]) -> dict[str, fl
         r = tp / int((truth == c).sum())
         recall[int(c)] = r
         f1.append(2 * p * r / (p + r) if p + r else 0.0)
-    return {"macro_f1": float(np.mean(f1)), "rare_recall": float(np.mean([recall[c] for c in rare])),
-            "accuracy": float((truth == pred).mean())}
+    out = {"macro_f1": float(np.mean(f1)), "rare_recall": float(np.mean([recall.get(c, 0.0) for c in rare])),
+           "accuracy": float((truth == pred).mean())}
+    if anomaly is not None:
+        tp = int(((pred == anomaly) & (truth == anomaly)).sum())
+        out["anomaly_precision"] = tp / max(int((pred == anomaly).sum()), 1)
+        out["anomaly_recall"] = tp / max(int((truth == anomaly).sum()), 1)
+    return out
 
 
 # ---------------------------------------------------------------- the experiment
@@ -429,25 +451,97 @@ class Guard:
         self.rows += rows.num_rows
 
 
-def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print) -> dict[str, Any]:
-    from edgehaul.edge.model_scorer import ModelScorer
-    from edgehaul.edge.scoring import NoveltyScorer
-    from edgehaul.training.registry import publish
+@dataclass
+class KindSetup:
+    """One kind's experiment: the edge stream (raw batches) and the rows held out from it."""
 
+    contract: Contract
+    batches: list[pa.Table]
+    test: pa.Table  # raw rows, never uplinked
+    held_out: str  # how the test rows were held out, in words
+    skewed: bool
+    scorers: tuple[str, ...] = ("novelty",)  # shipped scorers tiered with (the model scorer: the closed loop)
+    anomaly: int | None = None  # label of the anomaly class (an anomaly kind)
+    guard: Guard | None = None
+
+
+_NO_TRAINING = type("_NoTraining", (), {"model_name": "model", "augment": False, "batch_size": 64})()
+
+
+def landsat_setup(cfg: Config) -> KindSetup:
     contract = load_contract(KIND)
     split = spatial_split(landsat.real_patches(), block=cfg.block, test_share=cfg.test_share, seed=cfg.split_seed)
     batches = edge_stream(split, cfg.stream, batch=cfg.batch, seed=cfg.stream_seed, contract=contract)
+    test = landsat.raw_table(split.test.pixels, split.test.labels, "test", contract=contract)
+    return KindSetup(contract, batches, test, f"{len(split.test.labels)} real patches in "
+                     f"{len(split.test_blocks)} blocks of {cfg.block}x{cfg.block} patches (by place)", skewed=True,
+                     guard=Guard(pixel_hashes(split.test.pixels)))
+
+
+def gait_setup(cfg: Config) -> KindSetup:
+    """Daphnet gait readings resampled from the first 70% of the recording (the edge) and the last 30% (the
+    test), with synthetic freezing at `gait_anomaly` of readings (the recording has none)."""
+    from edgehaul_dev.kinds_data import generate_gait
+
+    contract = load_contract("daphnet_gait")
+    stream = pa.concat_tables(generate_gait(cfg.gait_stream, NODE, seed=cfg.stream_seed, anomaly_fraction=cfg.gait_anomaly,
+                                            contract=contract, span=(0.0, 0.7)))
+    test = pa.concat_tables(generate_gait(cfg.gait_test, "test", seed=cfg.stream_seed + 1,
+                                          anomaly_fraction=cfg.gait_anomaly, contract=contract, span=(0.7, 1.0)))
+    batches = [stream.slice(i, cfg.batch) for i in range(0, stream.num_rows, cfg.batch)]
+    return KindSetup(contract, batches, test, f"{test.num_rows:,} readings from the recording's last 30% (by time)",
+                     skewed=True, scorers=("novelty", "anomaly"), anomaly=1)
+
+
+def digits_setup(cfg: Config) -> KindSetup:
+    """The 1,797 real digits (balanced): the first 60% are the edge's stream, the rest the test."""
+    from edgehaul_dev.kinds_data import digits, png_bytes, raw_table
+
+    contract = load_contract("digits_png")
+    d = digits()
+    cut = int(0.6 * len(d.labels))
+    t0 = np.datetime64("2026-01-01T00:00:00", "ms")
+
+    def table(lo: int, hi: int, node: str) -> pa.Table:
+        times = t0 + np.arange(lo, hi).astype("timedelta64[s]")
+        return raw_table(contract, node, times, labels=d.labels[lo:hi], payload=[png_bytes(im) for im in d.images[lo:hi]],
+                         start_seq=lo)
+
+    stream = table(0, cut, NODE)
+    order = np.random.default_rng([cfg.stream_seed, 3]).permutation(stream.num_rows)
+    stream = stream.take(pa.array(order))
+    size = max(50, cfg.batch // 5)  # ~1,000 images: enough batches to split into two rounds evenly
+    batches = [stream.slice(i, size) for i in range(0, stream.num_rows, size)]
+    test = table(cut, len(d.labels), "test")
+    return KindSetup(contract, batches, test, f"{test.num_rows} real images never in the stream", skewed=False)
+
+
+SETUPS = {"landsat_patch": landsat_setup, "daphnet_gait": gait_setup, "digits_png": digits_setup}
+
+
+def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print,
+                   setup: KindSetup | None = None) -> dict[str, Any]:
+    from edgehaul.edge.scorer_registry import ScorerContext, build_scorer
+    from edgehaul.training.registry import publish
+
+    ks = setup or landsat_setup(cfg)
+    contract = ks.contract
+    assert contract.label_column is not None and contract.training is not None
+    model_name = contract.training.model_name
+    batches = ks.batches
     half = len(batches) // 2
     rounds = [batches[:half], batches[half:]]
-    stream_labels = np.concatenate([b.column("label").to_numpy() for b in batches])
+    stream_labels = np.concatenate([b.column(contract.label_column).to_numpy() for b in batches])
     mix = {int(c): int(n) for c, n in zip(*np.unique(stream_labels, return_counts=True), strict=True)}
-    present = sorted(int(c) for c in np.unique(split.test.labels))
-    rare = sorted(present, key=lambda c: mix.get(c, 0))[:3]
-    guard = Guard(pixel_hashes(split.test.pixels))
-    test_classes = {int(c): int(n) for c, n in zip(*np.unique(split.test.labels, return_counts=True), strict=True)}
-    log(f"split: {len(split.train.labels)} train / {len(split.test.labels)} test patches in "
-        f"{len(split.test_blocks)} blocks of {cfg.block}x{cfg.block} patches; test classes {test_classes}")
-    log(f"stream: {cfg.stream} samples in 2 rounds, class mix {mix}; rarest test classes {rare}")
+    truth = np.asarray(ks.test.column(contract.label_column).to_numpy(), dtype=np.int64)
+    present = sorted(int(c) for c in np.unique(truth))
+    rare = [ks.anomaly] if ks.anomaly is not None else sorted(present, key=lambda c: mix.get(c, 0))[
+        : max(1, len(present) // 4) if not ks.skewed else 3]
+    guard = ks.guard or Guard(set())
+    test_classes = {int(c): int(n) for c, n in zip(*np.unique(truth, return_counts=True), strict=True)}
+    log(f"{contract.kind}: held out {ks.held_out}; test classes {test_classes}")
+    log(f"stream: {len(stream_labels)} samples in 2 rounds, class mix {mix}; rare classes {rare}")
+    policies = ("fifo", "random", *(f"tier-{s}" for s in ks.scorers), "tier-model")
 
     t0 = time.perf_counter()
     spools: dict[tuple[str, int], tuple[Spool, list[SpoolEntry]]] = {}
@@ -458,13 +552,18 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     raw = [sum(e.manifest.nbytes for e in spools["fifo", r][1]) for r in (0, 1)]
     log(f"edge: FIFO and random x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}")
 
-    def tier_rounds(budget: float) -> None:
-        """The tiered edge plans for its budget, so it runs once per budget (one edge: its sketch runs on
+    def scorer_for(name: str, policy: TieringPolicy, st: ObjectStore | None, where: Path) -> Any:
+        where.mkdir(parents=True, exist_ok=True)
+        return build_scorer(name, ScorerContext(contract, policy.model_copy(update={"scorer": name}), st, where))
+
+    def tier_rounds(pol: str, budget: float) -> None:
+        """The tiered edge plans for its budget, so it runs once per budget (one edge: a scorer's state runs on
         across rounds)."""
-        novelty = NoveltyScorer(contract)
+        name = pol.removeprefix("tier-")
+        policy = policy_for("tier-novelty", cfg, budget).model_copy(update={"scorer": name})
+        scorer = scorer_for(name, policy, None, work / f"{pol}-state-{round(budget * 100)}")
         for r, rb in enumerate(rounds):
-            spools["tier-novelty", r] = edge_round(rb, contract, policy_for("tier-novelty", cfg, budget), novelty,
-                                                   work / f"novelty{r}-{round(budget * 100)}")
+            spools[pol, r] = edge_round(rb, contract, policy, scorer, work / f"{pol}{r}-{round(budget * 100)}")
 
     cells: list[Cell] = []
 
@@ -472,7 +571,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         if version is None:
             cell.note = "nothing landed"
             return
-        rows = version_rows(st, version)
+        rows = version_rows(st, version, contract)
         guard.check(rows, f"{cell.policy}@{cell.budget:.0%}")
         full = rows.filter(pc.invert(rows.column("is_summary")))
         cell.rows = full.num_rows
@@ -484,21 +583,26 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         cell.weighted_mix = {int(c): float(w[labels == c].sum() / w.sum()) for c in labs}
         preds = []
         for seed in cfg.seeds:
-            res = train_on(st, version, cell.rows, cfg, seed, f"{cell.policy}-{round(cell.budget * 100)}-s{seed}")
-            uri, gate = res
+            uri, gate = train_on(st, version, cell.rows, cfg, seed,
+                                 f"{cell.policy}-{round(cell.budget * 100)}-s{seed}", contract)
             cell.gate_passed += int(bool(gate.get("passed")))
-            preds.append(predict(st, uri, split.test, contract))
-            cell.runs.append(scores(split.test.labels, preds[-1], rare))
-        cell.ci = {k: interval(split.test.labels, preds, rare, k) for k in ("macro_f1", "rare_recall")}
+            preds.append(predict(st, uri, ks.test, contract))
+            cell.runs.append(scores(truth, preds[-1], rare, ks.anomaly))
+        keys = ["macro_f1", "rare_recall", *(["anomaly_precision", "anomaly_recall"] if ks.anomaly is not None else [])]
+        cell.ci = {k: interval(truth, preds, rare, k, anomaly=ks.anomaly) for k in keys}
         log(f"  {cell.policy:13s} {cell.budget:4.0%}: {cell.bytes:>10,} B, {cell.rows:5d} rows "
-            f"{cell.class_rows} -> macro-F1 {cell.mean('macro_f1'):.3f} rare recall {cell.mean('rare_recall'):.3f} "
-            f"acc {cell.mean('accuracy'):.3f}  ({time.perf_counter() - t0:.0f} s)")
+            f"{cell.class_rows} -> macro-F1 {cell.mean('macro_f1'):.3f} {cell.ci['macro_f1']} rare recall "
+            f"{cell.mean('rare_recall'):.3f} acc {cell.mean('accuracy'):.3f}  ({time.perf_counter() - t0:.0f} s)")
         for q in cell.quarantined:
             log(f"    quarantined: {q}")
 
+    def land(cell: Cell, st: ObjectStore, sp: Spool, order: list[SpoolEntry], share: float) -> int | None:
+        sent = within(order, share)
+        cell.bytes += sum(e.manifest.nbytes for e in sent)
+        return land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
+
     for budget in cfg.budgets:
-        tier_rounds(budget)
-        for pol in ("fifo", "random", "tier-novelty"):
+        for pol in policies[:-1]:
             cell = Cell(pol, budget)
             cells.append(cell)
             if pol == "random" and budget == 1.0:
@@ -508,53 +612,48 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
                 cell.weighted_mix, cell.ci, cell.gate_passed = fifo.weighted_mix, fifo.ci, fifo.gate_passed
                 cell.note = "same samples as FIFO"
                 continue
+            if pol.startswith("tier-"):
+                tier_rounds(pol, budget)
             st = cell_store(store, f"{pol}-{round(budget * 100)}")
             version = None
             for r in (0, 1):
-                sp, order = spools[pol, r]
-                sent = within(order, budget * raw[r])
-                cell.bytes += sum(e.manifest.nbytes for e in sent)
-                v = land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
+                v = land(cell, st, *spools[pol, r], budget * raw[r])
                 version = v if v is not None else version
             finish(cell, st, version)
 
-        # Closed loop: round 1 as the novelty edge sent it; a model trained on that version is
-        # published to the edge and scores round 2.
+        # Closed loop: round 1 as the novelty edge sent it; a model trained on that version is published to
+        # the edge and scores round 2.
         cell = Cell("tier-model", budget)
         cells.append(cell)
         st = cell_store(store, f"model-{round(budget * 100)}")
-        sp, order = spools["tier-novelty", 0]
-        sent = within(order, budget * raw[0])
-        cell.bytes = sum(e.manifest.nbytes for e in sent)
-        v1 = land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
+        v1 = land(cell, st, *spools["tier-novelty", 0], budget * raw[0])
         if v1 is None:
             cell.note = "round 1 landed nothing: no model to publish"
             continue
-        r1 = version_rows(st, v1)
+        r1 = version_rows(st, v1, contract)
         guard.check(r1, f"tier-model@{budget:.0%} round 1")
         n1 = r1.num_rows - int(pc.sum(r1.column("is_summary")).as_py() or 0)
         mid = f"round1-{round(budget * 100)}"
-        train_on(st, v1, n1, cfg, cfg.seeds[0], mid)
-        publish(st, "landcover", mid)  # the registry's own publish: the bench wants the loop closed whatever its gate
-        scorer = ModelScorer("latest", st)
-        sp2, order2 = edge_round(rounds[1], contract, policy_for("tier-model", cfg, budget), scorer,
-                                 work / f"model{round(budget * 100)}")
-        sent2 = within(order2, budget * raw[1])
-        cell.bytes += sum(e.manifest.nbytes for e in sent2)
-        v2 = land_and_commit(st, sp2, sent2, contract, work / "uplink", cell.quarantined)
+        train_on(st, v1, n1, cfg, cfg.seeds[0], mid, contract)
+        publish(st, model_name, mid)  # the registry's own publish: the loop is closed whatever its gate
+        policy = policy_for("tier-model", cfg, budget)
+        scorer = scorer_for("model", policy, st, work / f"model-state-{round(budget * 100)}")
+        sp2, order2 = edge_round(rounds[1], contract, policy, scorer, work / f"model{round(budget * 100)}")
+        v2 = land(cell, st, sp2, order2, budget * raw[1])
         finish(cell, st, v2 if v2 is not None else v1)
         shutil.rmtree(work / f"model{round(budget * 100)}", ignore_errors=True)
 
     stream_share = {c: n / sum(mix.values()) for c, n in mix.items()}
     return {
-        "kind": KIND, "config": asdict(cfg), "raw_bytes": sum(raw), "stream_share": stream_share,
-        "test_patches": len(split.test.labels),
-        "test_classes": test_classes,
-        "train_patches": len(split.train.labels), "stream_mix": mix, "rare_classes": rare,
+        "kind": contract.kind, "config": asdict(cfg), "raw_bytes": sum(raw), "stream_share": stream_share,
+        "held_out": ks.held_out, "skewed": ks.skewed, "policies": list(policies), "anomaly": ks.anomaly,
+        "test_patches": len(truth), "test_classes": test_classes,
+        "stream_mix": mix, "rare_classes": rare,
         "guard": {"versions_checked": guard.versions, "rows_checked": guard.rows,
                   "test_hashes": len(guard.test_hashes), "leaks": 0},
         "cells": [asdict(c) | {f"{k}_{s}": (c.mean(k) if s == "mean" else c.spread(k))
-                               for k in ("macro_f1", "rare_recall", "accuracy") for s in ("mean", "std")}
+                               for k in ("macro_f1", "rare_recall", "accuracy", "anomaly_precision", "anomaly_recall")
+                               for s in ("mean", "std") if not c.runs or k in c.runs[0]}
                   for c in cells],
         "seconds": time.perf_counter() - t0,
     }
@@ -657,82 +756,87 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def chart(result: dict[str, Any], path: Path) -> None:
+def chart(results: list[dict[str, Any]] | dict[str, Any], path: Path) -> None:
+    """One row per kind: macro-F1 and rare-class recall by budget, per policy, with 90% intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    budgets = _budgets(result)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, key, title in zip(axes, ("macro_f1", "rare_recall"),
-                              ("macro-F1 (90% bootstrap interval)", f"recall of rarest classes {result['rare_classes']}"),
-                              strict=True):
-        for pol in POLICIES:
-            cs = [c for c in result["cells"] if c["policy"] == pol]
-            if not cs:
-                continue
-            ys = [c[f"{key}_mean"] for c in cs]
-            lo = [y - (c.get("ci") or {}).get(key, (y, y))[0] for y, c in zip(ys, cs, strict=True)]
-            hi = [(c.get("ci") or {}).get(key, (y, y))[1] - y for y, c in zip(ys, cs, strict=True)]
-            ax.errorbar([c["budget"] * 100 for c in cs], ys, yerr=[lo, hi], marker="o", capsize=3, label=pol)
-        ax.set_xscale("log")
-        ax.set_xticks([b * 100 for b in budgets], [f"{b:.0%}" for b in budgets])
-        ax.set_xlabel("link budget (share of raw bytes)")
-        ax.set_title(title)
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"Model quality per uplinked byte, held-out Landsat blocks ({result['test_patches']} real patches)")
+    results = [results] if isinstance(results, dict) else results
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.6 * len(results)), squeeze=False)
+    for row, result in zip(axes, results, strict=True):
+        budgets = _budgets(result)
+        rare = "anomaly recall" if result.get("anomaly") is not None else f"recall of rarest {result['rare_classes']}"
+        for ax, key, title in zip(row, ("macro_f1", "rare_recall"), ("macro-F1 (90% interval)", rare), strict=True):
+            for pol in result.get("policies", POLICIES):
+                cs = [c for c in result["cells"] if c["policy"] == pol and c["runs"]]
+                if not cs:
+                    continue
+                ys = [c[f"{key}_mean"] for c in cs]
+                lo = [max(0.0, y - (c.get("ci") or {}).get(key, (y, y))[0]) for y, c in zip(ys, cs, strict=True)]
+                hi = [max(0.0, (c.get("ci") or {}).get(key, (y, y))[1] - y) for y, c in zip(ys, cs, strict=True)]
+                ax.errorbar([c["budget"] * 100 for c in cs], ys, yerr=[lo, hi], marker="o", capsize=3, label=pol)
+            ax.set_xscale("log")
+            ax.set_xticks([b * 100 for b in budgets], [f"{b:.0%}" for b in budgets])
+            ax.set_xlabel("link budget (share of raw bytes)")
+            ax.set_title(f"{result.get('kind', KIND)}: {title}", fontsize=10)
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.suptitle("Model quality per uplinked byte (held-out rows)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def readme_section(result: dict[str, Any], table: str, lines: list[str], quick: bool) -> str:
-    """README's section, regenerated from a run: what was measured, the table, the chart, the verdict."""
-    cfg = result["config"]
-    return "\n".join([
+def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
+    """README's section, regenerated from a run: what was measured, per kind the table and the verdict, the chart."""
+    cfg = results[0]["config"]
+    out = [
         f"{SECTION} (`benchmarks/bench_value.py`)",
         "",
-        "What the centre can train when the link carries only part of what the edge sees. Kind: Landsat "
-        f"patches (skewed classes), {result['test_patches']} real patches held out by place (blocks of "
-        f"{cfg['block']}x{cfg['block']} patches; test classes {result['test_classes']}); none of them, nor a "
-        f"generated copy, reaches the edge (checked: {result['guard']['versions_checked']} versions). Stream: "
-        f"{cfg['stream']:,} samples in two rounds; per round the link carries a share of the round's raw bytes "
-        "in the spool's drain order. Product code end to end (edge path, uplink, Great Expectations, Delta "
-        "commit, the `train_model` trainer with early stopping on a held-out stretch of the landed rows). "
-        f"Seeds {list(cfg['seeds'])}; intervals are 90% bootstrap over test samples and seeds. "
-        + ("**Quick variant** (`EDGEHAUL_BENCH_QUICK=1`): fewer budgets and seeds than the full run; the "
-           "full run was not made for these figures. " if quick else "")
-        + f"{result['seconds']:.0f} s on 2 shared cores. Daphnet gait and a balanced kind are not yet in "
-        "this bench.",
-        "",
-        table,
+        "What the centre can train when the link carries only part of what the edge sees. Per kind, an edge "
+        "stream in two rounds goes through the product's edge path (`edge.batch.ingest_batch` into a `Spool`; "
+        "tiered policies plan for the budget: `TieringPolicy.budget_share`, every row with its `inclusion_p`), "
+        "the link carries a share of each round's raw bytes in the spool's drain order, and the landed bundles "
+        "go through `Uplink.send`, Great Expectations and a Delta commit, then the `train_model` trainer "
+        "(early stopping on a held-out stretch of the landed rows, balanced classes, 1/p weights), scored on "
+        "rows the edge never saw. FIFO and random send the same bytes. Intervals: 90% bootstrap over the test "
+        f"rows and the seeds {list(cfg['seeds'])}. Mix columns: the largest gap, in points, between a cell's "
+        "class shares (as landed; weighted by 1/inclusion_p) and the stream's. "
+        + ("**Quick variant** (`EDGEHAUL_BENCH_QUICK=1`: budgets "
+           f"{', '.join(f'{b:.0%}' for b in cfg['budgets'])}, one seed, smaller streams); the full run (budgets "
+           "1-100%, 3 seeds) was not made for these figures. " if quick else "")
+        + f"{sum(r['seconds'] for r in results):.0f} s on 2 shared cores.",
         "",
         "![Model quality per uplinked byte](docs/bench-value.png)",
         "",
-        "Verdict, as the bench states it:",
-        "",
-        *[f"- {v}" for v in lines],
-        "",
-    ])
+    ]
+    for r in results:
+        out += [f"**{r['kind']}** ({'skewed' if r['skewed'] else 'balanced'} classes; held out: {r['held_out']}; "
+                f"stream mix {r['stream_mix']}):", "", markdown(r), "", "Verdict:", "",
+                *[f"- {v}" for v in verdicts(r)], ""]
+    return "\n".join(out)
 
 
-def write_docs(result: dict[str, Any], table: str, lines: list[str], png: Path, quick: bool) -> None:
-    """docs/bench-value.{json,png} and README's section (up to the next heading of the same level)."""
+def write_docs(results: list[dict[str, Any]], png: Path, quick: bool) -> None:
+    """docs/bench-value.{json,png} and README's section (up to the next heading of its level or above)."""
     DOCS.mkdir(exist_ok=True)
-    (DOCS / "bench-value.json").write_text(json.dumps({**result, "quick": quick, "verdicts": lines}, indent=1))
+    entries = [{"kind": r["kind"], "budget": c["budget"], "policy": c["policy"], **{k: v for k, v in c.items()
+                                                                                    if k not in ("policy", "budget")}}
+               for r in results for c in r["cells"]]
+    (DOCS / "bench-value.json").write_text(json.dumps({
+        "quick": quick, "entries": entries,
+        "kinds": [{k: v for k, v in r.items() if k != "cells"} | {"verdicts": verdicts(r)} for r in results]},
+        indent=1))
     shutil.copyfile(png, DOCS / "bench-value.png")
     text = README.read_text()
     if SECTION in text:
         a = text.index(SECTION)
-        nxt = text.find("\n## ", a)
-        nxt3 = text.find("\n### ", a + len(SECTION))
-        ends = [e for e in (nxt, nxt3) if e != -1]
+        ends = [e for e in (text.find("\n## ", a), text.find("\n### ", a + len(SECTION))) if e != -1]
         b = min(ends) + 1 if ends else len(text)
-        text = text[:a] + readme_section(result, table, lines, quick) + "\n" + text[b:]
-        README.write_text(text)
+        README.write_text(text[:a] + readme_section(results, quick) + "\n" + text[b:])
 
 
 def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> None:
@@ -748,11 +852,13 @@ def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> N
         lo_hi = (c.get("ci") or {}).get(k)
         return f"[{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else ""
 
-    rows = [{"budget": f"{c['budget']:.0%}", "policy": c["policy"], "bytes_landed": c["bytes"], "rows": c["rows"],
+    kinds = result.get("kinds", [result])
+    rows = [{"kind": r.get("kind", KIND), "budget": f"{c['budget']:.0%}", "policy": c["policy"],
+             "bytes_landed": c["bytes"], "rows": c["rows"],
              "macro_f1": round(c["macro_f1_mean"], 3), "macro_f1_90ci": ci(c, "macro_f1"),
              "rare_recall": round(c["rare_recall_mean"], 3), "rare_recall_90ci": ci(c, "rare_recall"),
-             "accuracy": round(c["accuracy_mean"], 3)} for c in result["cells"]]
-    summary_table("bench-value", rows, "model quality per uplinked byte, held-out Landsat blocks")
+             "accuracy": round(c["accuracy_mean"], 3)} for r in kinds for c in r["cells"]]
+    summary_table("bench-value", rows, "model quality per uplinked byte, rows held out from the edge")
     b64 = base64.b64encode(png).decode()
     create_markdown_artifact(
         "### Model quality per uplinked byte\n\n" + "\n".join(f"- {v}" for v in lines)
@@ -767,28 +873,29 @@ def run(quick: bool) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     print(f"value benchmark ({'quick' if quick else 'full'}): {cfg}", flush=True)
+    results = []
     with tempfile.TemporaryDirectory(prefix="bench-value-") as d:
         root = Path(d)
         with s3_store(root / "stack") as store:
-            result = run_experiment(cfg, root / "work", store, log=lambda s: print(s, flush=True))
-    table = markdown(result)
-    lines = verdicts(result)
-    g = result["guard"]
-    print("\n" + table + "\n")
-    print("\n".join(lines))
-    print(f"split guard: {g['test_hashes']} held-out patch hashes, none in the {g['versions_checked']} training "
-          f"versions ({g['rows_checked']:,} rows) checked; {result['seconds']:.0f} s")
+            for kind in cfg.kinds:
+                setup = SETUPS[kind](cfg)
+                results.append(run_experiment(cfg, root / f"work-{kind}", store, log=lambda s: print(s, flush=True),
+                                              setup=setup))
+                r = results[-1]
+                print("\n" + markdown(r) + "\n\n" + "\n".join(verdicts(r)) + "\n", flush=True)
+    lines = [f"{r['kind']}: {v}" for r in results for v in verdicts(r)]
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"bench-value{'-quick' if quick else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(table + "\n\n" + "\n".join(f"- {v}" for v in lines) + "\n")
-    chart(result, stem.with_suffix(".png"))
+    combined = {"quick": quick, "kinds": results}
+    stem.with_suffix(".json").write_text(json.dumps(combined, indent=1))
+    stem.with_suffix(".md").write_text(readme_section(results, quick))
+    chart(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.{{json,md,png}}")
     if not quick or "--write-docs" in sys.argv:
-        write_docs(result, table, lines, stem.with_suffix(".png"), quick)
+        write_docs(results, stem.with_suffix(".png"), quick)
         print("wrote docs/bench-value.{json,png} and README's section")
-    publish_artifacts(result, lines, stem.with_suffix(".png").read_bytes())
-    return result
+    publish_artifacts(combined, lines, stem.with_suffix(".png").read_bytes())
+    return combined
 
 
 def main() -> None:

@@ -44,7 +44,8 @@ def test_train_model_run_name_progress_artifact_and_domain_log_lines(stack: loca
     assert progress is not None and progress.type == "progress" and progress.data == 100.0
     assert progress.description == (f"run {out['run_id']}: epoch 2/2: loss {out['history'][-1]['train_loss']:.4f}, "
                                     f"val_loss {out['history'][-1]['val_loss']:.4f}, "
-                                    f"val_acc {out['history'][-1]['val_acc']:.3f} (step {out['history'][-1]['step']})")
+                                    f"val_acc {out['history'][-1]['val_acc']:.3f}, "
+                                    f"macro-F1 {out['history'][-1]['val_macro_f1']:.3f} (step {out['history'][-1]['step']})")
 
     lines = run_log_lines(run_id, f"run {out['run_id']} epoch 1: loss")
     assert any(line.startswith("edgehaul.training.trainer: checkpoint committed run=") for line in lines), lines
