@@ -697,8 +697,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
             continue
         base_pol = max(("fifo", "random"), key=lambda p: cells[p, b]["macro_f1_mean"])
         base = cells[base_pol, b]
-        for pol in ("tier-novelty", "tier-model"):
-            if (pol, b) not in cells:
+        for pol in [p for p in result.get("policies", POLICIES) if p.startswith("tier-")]:
+            if (pol, b) not in cells or not cells[pol, b]["runs"]:
                 continue
             t = cells[pol, b]
             (tl, th), (bl, bh) = ci(t), ci(base)
@@ -717,7 +717,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         else:
             out.append(f"the 100% model ({full['macro_f1_mean']:.3f} [{fl:.3f}, {fh:.3f}]) is the best cell within noise")
         if (0.10 in budgets) and ("tier-novelty", 0.10) in cells:
-            best10 = max(cells[p, 0.10]["macro_f1_mean"] for p in ("tier-novelty", "tier-model") if (p, 0.10) in cells)
+            best10 = max(cells[p, 0.10]["macro_f1_mean"] for p in result.get("policies", POLICIES)
+                         if p.startswith("tier-") and (p, 0.10) in cells)
             base10 = max(cells["fifo", 0.10]["macro_f1_mean"], cells["random", 0.10]["macro_f1_mean"])
             met = best10 >= 0.95 * full["macro_f1_mean"] and best10 >= base10
             out.append(f"target at 10%: tiered macro-F1 {best10:.3f} vs 0.95 x the 100% model "
