@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 KIND = "landsat_patch"
 NODE = "edge-bench"
 BUDGETS = (0.01, 0.02, 0.05, 0.10, 0.25, 1.0)
-QUICK_BUDGETS = (0.05, 0.25, 1.0)
+QUICK_BUDGETS = (0.10, 1.0)
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 README = Path(__file__).resolve().parents[1] / "README.md"
 SECTION = "### Model quality per uplinked byte"
@@ -98,8 +98,8 @@ class Config:
     stream_seed: int = 0
 
 
-QUICK = Config(stream=3000, batch=500, bundle_rows=16, sample_passes=6_000, width=16, seeds=(0,),
-               budgets=QUICK_BUDGETS, gait_stream=8_000, gait_test=3_000)
+QUICK = Config(stream=2000, batch=500, bundle_rows=16, sample_passes=3_000, width=8, seeds=(0,),
+               budgets=QUICK_BUDGETS, gait_stream=4_000, gait_test=2_000)
 FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=24_000, width=16, seeds=(0, 1, 2))
 
 
