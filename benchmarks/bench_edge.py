@@ -166,6 +166,8 @@ def tiering_gain(raw: pa.Table, policy: TieringPolicy) -> dict[str, object]:
     tiered.add(scored)
     tiered.flush()
     everything = scored.set_column(scored.schema.get_field_index("tier"), "tier", pa.array(["normal"] * acc.num_rows))
+    everything = everything.set_column(everything.schema.get_field_index("inclusion_p"), "inclusion_p",
+                                       pa.array(np.ones(acc.num_rows, np.float32)))  # every row drawn
     base = Batcher(policy, C)
     base.add(everything)
     base.flush()

@@ -352,3 +352,38 @@ def test_only_a_resumable_bundle_is_split_and_its_later_pass_sends_only_missing_
     assert r.bundle_id == "big0" and r.verified_by == "etag-multipart" and r.parts_total == 4
     assert r.parts_skipped >= done_parts + 1 and r.parts_sent == 4 - r.parts_skipped
     assert src.acked.keys() == {"big0"}
+
+
+def test_planned_share_is_what_the_links_carry_of_what_the_node_observes() -> None:
+    from edgehaul.blocks.policies import LinkProfile
+    from edgehaul.uplink.pass_plan import PLAN_HEADROOM, Pass, planned_share
+
+    link = LinkProfile(bandwidth_bps=8_000_000, rate_cap_fraction=0.5)  # 500 kB/s data plane
+    assert planned_share(link, raw_bytes_per_s=5_000_000) == pytest.approx(PLAN_HEADROOM * 0.1)
+    assert planned_share(link, raw_bytes_per_s=1_000) == 1.0  # the link carries everything
+    lossy = link.model_copy(update={"loss_rate": 0.5})
+    assert planned_share(lossy, raw_bytes_per_s=5_000_000) == pytest.approx(PLAN_HEADROOM * 0.05)
+    orbit = link.model_copy(update={"contact_period_s": 6000.0, "contact_duration_s": 600.0})
+    assert planned_share(orbit, raw_bytes_per_s=5_000_000) == pytest.approx(PLAN_HEADROOM * 0.01)
+    assert planned_share(link, raw_bytes_per_s=5_000_000, measured_bytes_per_s=250_000) == pytest.approx(
+        PLAN_HEADROOM * 0.05)
+    # a schedule: two 10-minute passes at 8 Mbit/s in the next day
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    passes = [Pass(now + timedelta(hours=h), 600.0, 8_000_000) for h in (1, 13, 30)]
+    day = 2 * 600 * 8_000_000 / 8 * 0.5
+    assert planned_share(link, raw_bytes_per_s=100_000, passes=passes, now=now) == pytest.approx(
+        PLAN_HEADROOM * day / 86400 / 100_000)
+    backup = LinkProfile(bandwidth_bps=1e6, monthly_budget_bytes=30 * 86400 * 100)  # 100 B/s over a month
+    assert planned_share(orbit, raw_bytes_per_s=5_000_000, backup=backup) == pytest.approx(
+        PLAN_HEADROOM * (50_000 + 100) / 5_000_000)
+
+
+def test_capacity_until_counts_the_passes_up_to_a_deadline_only() -> None:
+    from edgehaul.uplink.pass_plan import Pass, capacity_until
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    passes = [Pass(now - timedelta(seconds=100), 400.0, 8_000), Pass(now + timedelta(hours=1), 600.0, 8_000)]
+    # the open pass's 300 s left, then the next pass cut at the deadline 1 h 5 min from now: 300 s of it
+    got = capacity_until(passes, now, now + timedelta(hours=1, minutes=5), 0.5)
+    assert got == int(300 * 1000 * 0.5) + int(300 * 1000 * 0.5)
+    assert capacity_until(passes, now, now, 0.5) == 0

@@ -80,3 +80,42 @@ def test_registry_returns_the_policy_scorer(tmp_path: Path) -> None:
     sc = make_scorer(TieringPolicy(), EdgeNode(node_id="node-a", spool_dir=str(tmp_path)), C)
     assert isinstance(sc, NoveltyScorer) and isinstance(sc, Scorer)
     assert scorer_cache_version(sc, "k").startswith("novelty-1/")
+
+
+def test_the_model_scorer_values_what_the_model_does_not_know_and_says_when_it_cannot() -> None:
+    """No label read: a row the model is sure of is worth little, an uncertain one much; for an anomaly kind a
+    row the model calls an anomaly is worth at least its anomaly probability. Summaries only: CannotScore."""
+    import torch
+
+    from edgehaul.edge.model_scorer import ModelScorer
+    from edgehaul.edge.scoring import CannotScore
+    from edgehaul.edge.tiering import assign, summarise
+    from edgehaul.training.model import arch_for, build_model
+    from tests.gait_rows import GAIT, gait_rows
+
+    arch = arch_for(GAIT, width=4)
+    model = build_model(dict(arch))
+    torch.manual_seed(0)
+    scorer = ModelScorer("local", model_file={"model_id": "m-test", "contract": GAIT.id, "arch": arch,
+                                              "state_dict": model.state_dict()})
+    rows = gait_rows(200, anomaly_rate=0.1, seed=4)
+    p = scorer.probabilities(rows)
+    v = scorer.score(rows)
+    entropy = -(p * np.log(np.clip(p, 1e-12, 1))).sum(axis=1) / np.log(2)
+    assert np.allclose(v, np.maximum(entropy, p[:, 1]), atol=1e-5)
+    assert ((v >= 0) & (v <= 1)).all()
+    # the head pinned: sure of "normal" -> near 0; no idea (0.5/0.5) -> 1; sure of "anomaly" -> near 1
+    head_w, head_b = [k for k in model.state_dict() if k.endswith(("weight", "bias"))][-2:]
+    for bias, lo, hi in (([6.0, -6.0], 0.0, 0.05), ([0.0, 0.0], 0.999, 1.0), ([-6.0, 6.0], 0.99, 1.0)):
+        sd = {**model.state_dict(), head_w: torch.zeros_like(model.state_dict()[head_w]),
+              head_b: torch.tensor(bias)}
+        pinned = ModelScorer("local", model_file={"model_id": f"m-{bias[0]}", "contract": GAIT.id, "arch": arch,
+                                                  "state_dict": sd})
+        got = pinned.score(rows)
+        assert ((got >= lo) & (got <= hi)).all(), (bias, got[:5])
+    unlabelled = rows.set_column(rows.schema.get_field_index("is_anomaly"), "is_anomaly",
+                                 pa.nulls(rows.num_rows, pa.int16()))
+    assert np.array_equal(scorer.score(unlabelled), v)  # the label plays no part
+    summaries = summarise(assign(rows, np.zeros(200), TieringPolicy(), GAIT), GAIT)
+    with pytest.raises(CannotScore, match="payload"):
+        scorer.score(summaries)

@@ -231,3 +231,36 @@ def test_sample_rate_bounds_are_checked() -> None:
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="sample_rate"):
             TieringPolicy(sample_rate=bad)
+
+
+@settings(max_examples=15, deadline=None)
+@given(share=st.floats(0.01, 0.6), seed=st.integers(0, 999))
+def test_under_a_budget_every_sample_is_sent_or_kept_once_and_urgent_rows_go_first(
+        accepted: pa.Table, share: float, seed: int) -> None:
+    p = TieringPolicy(budget_share=share, flush_max_samples=400)
+    v = _values(accepted.num_rows, seed) ** 2
+    scored = assign(accepted, v, p, C)
+    incl = scored.column("inclusion_p").to_numpy()
+    assert ((incl > 0) & (incl <= 1)).all()
+    b = Batcher(p, C)
+    out = b.add(scored) + b.flush()
+    sent: list[str] = []
+    kept: list[str] = []
+    summaries: list[str] = []
+    for bb in out:
+        t = read_bundle(bb.data, bb.manifest)
+        summ = np.asarray(t.column("is_summary").to_numpy(zero_copy_only=False), dtype=bool)
+        ids = np.asarray(t.column("sample_id").to_pylist())
+        if bb.manifest.tier == "low":
+            kept += ids.tolist()
+        else:
+            sent += ids[~summ].tolist()
+            summaries += ids[summ].tolist()
+        if bb.manifest.tier == "high":
+            assert set(t.column("tier").to_pylist()) == {"high"}
+    assert len(sent) + len(kept) == accepted.num_rows == len(set(sent) | set(kept))
+    assert set(summaries) <= set(kept)
+    # sent bytes (uncompressed, full rows + summaries) near the budget: Poisson noise only
+    full = b.report.full_row_bytes + b.report.summary_row_bytes
+    planned = share * (b.report.full_row_bytes / max(len(sent), 1)) * accepted.num_rows
+    assert abs(full - planned) < 0.35 * planned + 20_000

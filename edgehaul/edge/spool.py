@@ -30,6 +30,9 @@ alert is kept in order while the central API is out of reach.
 When a write would still not fit: `reject-new` refuses it; `drop-lowest-value` drops waiting
 bundles of lower value (tier first, then max_value, oldest first) if that frees enough, else refuses.
 Every refused, dropped, evicted or expired sample goes to the ledger.
+When the link cannot carry what waits, `thin_to` thins the waiting bundles at random (each full row kept
+with probability keep, its inclusion_p multiplied by it, the rest moved to the raw store): the order of
+`pending()` decides only what goes first, never which rows a short link leaves out.
 """
 
 from __future__ import annotations
@@ -366,7 +369,8 @@ class Spool:
         self._check_alert(usage)
         return entry
 
-    def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",)) -> ThinResult:
+    def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",),
+             skip: frozenset[str] = frozenset()) -> ThinResult:
         """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
         full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
         inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
@@ -378,7 +382,7 @@ class Spool:
         if keep >= 1.0:
             return out
         for e in self.pending():
-            if e.tier not in tiers:
+            if e.tier not in tiers or e.bundle_id in skip:
                 continue
             t = read_bundle(self.read(e.bundle_id), e.manifest)
             full = ~np.asarray(pc.fill_null(t.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
@@ -404,6 +408,9 @@ class Spool:
                 if self.put(data, man) is None:
                     raise SpoolError(f"spool {self.root}: no room for thinned bundle of {e.bundle_id}")
             with self._locked():
+                # Recorded like an acknowledgement: a rerun of the batch that built it never spools it again.
+                self._acks.execute("INSERT OR REPLACE INTO acks VALUES (?,?,?,?)",
+                                   (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
                 self._remove(e)
             out.bundles += 1
             out.rows_out += gone.num_rows
@@ -413,18 +420,34 @@ class Spool:
                      self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
         return out
 
-    def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4) -> list[ThinResult]:
-        """Thin the normal-tier bundles until every waiting bundle fits `capacity_bytes` (urgent bundles first,
-        untouched): keep = what is left for the normal tier / its bytes, again while compression leaves it over."""
+    def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
+                skip: frozenset[str] = frozenset()) -> list[ThinResult]:
+        """Thin the waiting bundles until they fit `capacity_bytes`: the normal tier while the urgent bundles fit
+        (they are the latency path), every tier when they alone do not. keep = the bytes left for the rows / the
+        rows' bytes (a bundle's fixed Parquet overhead, measured once per contract, is not thinned away); again
+        while compression leaves it over. Bundles in `skip` (part-sent, in the retry queue) stay whole."""
         done: list[ThinResult] = []
+        overhead: dict[str, int] = {}
         for r in range(max_rounds):
             pending = self.pending()
-            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
-            normal = sum(e.manifest.nbytes for e in pending if e.tier != "high")
-            if urgent + normal <= capacity_bytes or normal == 0:
+            total = sum(e.manifest.nbytes for e in pending)
+            if total <= capacity_bytes or not pending:
                 break
-            keep = max(0.0, capacity_bytes - urgent) / normal
-            done.append(self.thin(keep, salt=f"{salt}|{r}"))
+            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
+            tiers = ("normal",) if urgent < capacity_bytes else ("high", "normal")
+            thinned = [e for e in pending if e.tier in tiers and e.bundle_id not in skip]
+            if not thinned:
+                break
+            for e in thinned:
+                if e.manifest.contract not in overhead:  # a one-row bundle: the fixed part, near enough
+                    one = read_bundle(self.read(e.bundle_id), e.manifest).slice(0, 1)
+                    c = contract_by_id(e.manifest.contract)
+                    overhead[e.manifest.contract] = len(write_bundle(one, c, tier=e.tier)[0])
+            fixed = sum(overhead[e.manifest.contract] for e in thinned)
+            room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned)) - fixed
+            rows_bytes = sum(e.manifest.nbytes for e in thinned) - fixed
+            keep = min(1.0, max(0.0, room) / rows_bytes) if rows_bytes > 0 else 0.0
+            done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers, skip=skip))
         return done
 
     def write_staging(self, name: str, data: bytes) -> Path:

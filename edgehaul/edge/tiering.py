@@ -3,21 +3,24 @@ and raw-store bundles for the local spool.
 
 - `route(values, policy)`: value >= high_threshold -> "high", value < low_threshold -> "low", else
   "normal".
-- Tier sampling (`drawn`, `inclusion_p`): a `sample_rate` share of the low tier travels in full anyway,
-  so central training sees the population and not only what scored high. The draw is a hash of the
-  sample id and the policy version (a rerun or retry sends the same rows, so bundle ids and the caches
-  hold); each row records its inclusion probability: 1 for high and normal, sample_rate for low.
-- `Batcher`: high rows leave at once as urgent bundles (each <= urgent_max_bytes); normal rows, the
-  drawn low rows in full and the summary rows of the other low-tier samples (payload columns null,
-  is_summary true) are buffered and flushed as a normal bundle when it reaches flush_max_samples rows or
-  flush_max_bytes bytes, or when its first row is flush_max_seconds old (clock injectable), whichever
-  first. The full rows of the low-tier samples not drawn become "low" bundles that `Spool.put` keeps in
-  the local raw store, never uplinked: every sample travels in full, or in the raw store, not both.
+- Every row has an inclusion probability (`inclusion_p`, written in the row) and travels in full iff
+  `u(policy version, sample id) < inclusion_p` (`draw`: SHA-256 per sample in one native pass, so a rerun
+  or retry sends the same rows and the bundle ids and caches hold; nested in p). Without a byte budget p is
+  1 for high and normal and `sample_rate` for low; with `TieringPolicy.budget_share` it is value-proportional
+  above a coverage floor, solved per batch so the expected bytes meet the budget
+  (`inclusion_probabilities`). A cut by rank is never made: every landed row can be weighted by 1/p.
+- `Batcher`: drawn high rows leave at once as urgent bundles (each <= urgent_max_bytes); the other drawn rows
+  and the summary rows of the rows left (payload columns null, is_summary true; only where a summary is
+  `summary_min_ratio` times smaller than its row: `plan_bytes`) are buffered and flushed as a normal bundle
+  when it reaches flush_max_samples rows or flush_max_bytes bytes, or when its first row is
+  flush_max_seconds old (clock injectable), whichever first. The full rows left become "low" bundles that
+  `Spool.put` keeps in the local raw store, never uplinked: every sample travels in full, or in the raw
+  store, not both. One reordering `take` per batch, every bundle a slice of it.
 - Byte limits hold for the written Parquet bundle itself: rows are cut by their uncompressed size
   (an upper bound for zstd Parquet plus a footer allowance) and a bundle that still comes out too
   large is split in half until it fits.
-- `TierReport`: samples and bytes per tier, value captured per uplinked byte, and the same metric
-  for the no-tiering baseline (every sample sent in full).
+- `TierReport`: samples and bytes per tier, full and summary rows and bytes per row, value captured per
+  uplinked byte, and the same metric for the no-tiering baseline (every sample sent in full).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -41,7 +44,9 @@ if TYPE_CHECKING:
     from edgehaul.blocks.policies import TieringPolicy
 
 _FOOTER_ALLOWANCE = 16 * 1024  # Parquet footer + page headers of one bundle, generous
+_SCORED = ("value", "tier", "is_summary", INCLUSION_P)
 _SCORED_ROW_BYTES = 4 + 7 + 1 + 4  # value, tier (a short string + offset), is_summary, inclusion_p
+_SUMMARY_MAX_SHARE = 0.5  # of a budget (after urgent rows) that summaries may take
 
 
 def route(values: np.ndarray, policy: TieringPolicy) -> np.ndarray:
@@ -107,7 +112,7 @@ def inclusion_probabilities(values: np.ndarray, full_bytes: np.ndarray, summary_
     With one, the expected bytes of the batch (full rows drawn + summaries of the rows left, where a summary
     earns its bytes: `summary_bytes` 0 otherwise) equal `budget_share` x its full-row bytes:
     - urgent (high tier) rows travel with p 1 while they take at most `urgent_max_share` of the budget; beyond
-      it they are sampled too, each with the same p;
+      it they are sampled with the other rows, by the same rule (their value still makes them the likeliest);
     - every other row gets p = min(1, c x w) with w = coverage + (1 - coverage) x value / mean value: a
       `coverage` share of the budget is spread evenly (every value stratum keeps rows: the floor), the rest in
       proportion to value (importance); c is solved so the expected bytes meet the budget exactly.
@@ -122,12 +127,14 @@ def inclusion_probabilities(values: np.ndarray, full_bytes: np.ndarray, summary_
     budget = policy.budget_share * float(b.sum())
     p = np.zeros(n, dtype=np.float64)
     hb = float(b[high].sum())
-    urgent = policy.urgent_max_share * budget
-    p[high] = 1.0 if hb <= urgent else urgent / hb
-    rest = ~high
+    if hb <= policy.urgent_max_share * budget:
+        p[high] = 1.0
+        rest = ~high
+    else:  # more urgent rows than their share: they are sampled with the rest (by value, so still likeliest)
+        rest = np.ones(n, dtype=bool)
     if rest.any():
         # A row left costs its summary; drawn it costs its full bytes: sum(s) + sum(p (b - s)) = what is left.
-        left = budget - float((p[high] * b[high]).sum()) - float((s[rest]).sum())
+        left = budget - float((p[~rest] * b[~rest]).sum()) - float((s[rest]).sum())
         vr = v[rest]
         mean = float(vr.mean())
         w = policy.coverage + (1.0 - policy.coverage) * (vr / mean if mean > 0 else np.ones_like(vr))
@@ -162,6 +169,25 @@ def summary_earns(full: np.ndarray, summary: np.ndarray, policy: TieringPolicy) 
     return np.asarray(full, dtype=np.float64) >= policy.summary_min_ratio * np.maximum(summary, 1)
 
 
+def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
+               contract: Contract) -> tuple[np.ndarray, np.ndarray]:
+    """(full-row bytes, summary bytes or 0 where a left row sends none) per row, the same from `assign`'s
+    preprocessed rows and the Batcher's scored ones. Under a budget, summaries that would take more than half
+    of what the urgent rows leave are not sent at all: the budget buys rows first."""
+    base = rows.select([c for c in rows.column_names if c not in _SCORED])
+    full = _row_bytes(base) + _SCORED_ROW_BYTES
+    summ = summary_bytes(base, contract, full)
+    summ = np.where(summary_earns(full, summ, policy), summ, 0)
+    if policy.budget_share is not None and summ.any():
+        v = np.asarray(values, dtype=np.float64)
+        rest = v < policy.high_threshold
+        budget = policy.budget_share * float(full.sum())
+        urgent = min(float(full[~rest].sum()), policy.urgent_max_share * budget)
+        if float(summ[rest].sum()) > _SUMMARY_MAX_SHARE * (budget - urgent):
+            summ = np.zeros_like(summ)
+    return full, summ
+
+
 def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contract: Contract) -> pa.Table:
     """Preprocessed rows + values -> bundle-schema rows with tier and inclusion_p (is_summary false everywhere;
     the Batcher sends the rows `draw`n and keeps the others on the node, with a summary where it earns its
@@ -176,9 +202,7 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
     if policy.budget_share is None:
         p = inclusion_p(tiers, policy)
     else:
-        full = _row_bytes(accepted) + _SCORED_ROW_BYTES
-        summ = summary_bytes(accepted, contract, full)
-        p = inclusion_probabilities(v, full, np.where(summary_earns(full, summ, policy), summ, 0), policy)
+        p = inclusion_probabilities(v, *plan_bytes(accepted, v, policy, contract), policy)
     t = accepted.append_column("value", pa.array(v, pa.float32()))
     t = t.append_column("tier", pa.array(tiers.tolist(), pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(len(v), dtype=bool)))
@@ -238,6 +262,34 @@ class TierReport:
     summary_rows: int = 0
     summary_row_bytes: int = 0
     bundle_rows: dict[str, int] = field(default_factory=dict)  # bundle tier -> rows written
+    kind: str = ""  # the contract id the rows are of
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON fields (a task result); `merge` adds them back up."""
+        return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v) for f in fields(self)}
+
+    @classmethod
+    def merge(cls, parts: list[dict[str, Any]]) -> TierReport:
+        """Sum of per-batch reports (`to_dict`); a field a part lacks (a result cached by older code) adds 0."""
+        total = cls()
+        kinds: list[str] = []
+        for part in parts:
+            for f in fields(cls):
+                v = part.get(f.name)
+                if v is None:
+                    continue
+                if f.name == "kind":
+                    kinds += [] if not v or v in kinds else [v]
+                elif isinstance(v, dict):
+                    cur = getattr(total, f.name)
+                    for k, x in v.items():
+                        cur[k] = cur.get(k, 0) + x
+                elif isinstance(v, bool):
+                    total.baseline_measured = total.baseline_measured or v
+                else:
+                    setattr(total, f.name, getattr(total, f.name) + v)
+        total.kind = ",".join(kinds)
+        return total
 
     def add(self, b: BuiltBundle) -> None:
         self.bundles[b.reason] = self.bundles.get(b.reason, 0) + 1
@@ -290,7 +342,8 @@ class TierReport:
         return out
 
     def summary(self) -> dict[str, object]:
-        return {"full_rows": self.full_rows, "summary_rows": self.summary_rows, "bytes_per_row": self.bytes_per_row(),
+        return {"kind": self.kind, "full_rows": self.full_rows, "summary_rows": self.summary_rows,
+                "bytes_per_row": self.bytes_per_row(),
             "samples": dict(self.samples), "sampled_low": self.sampled_low, "uplink_bytes": dict(self.uplink_bytes),
             "raw_store_bytes": self.raw_store_bytes,
             "bundles_by_reason": dict(self.bundles), "value_per_MB": round(self.value_per_mb, 3),
@@ -315,7 +368,7 @@ class Batcher:
         self._buf_rows = 0
         self._buf_bytes = 0
         self._first_at: float | None = None
-        self.report = TierReport()
+        self.report = TierReport(kind=contract.id)
 
     def _write(self, rows: pa.Table, tier: str, reason: str) -> BuiltBundle:
         level = self.policy.raw_store_zstd_level if tier == "low" else self.policy.zstd_level
@@ -382,9 +435,8 @@ class Batcher:
         p = scored.column(INCLUSION_P).to_numpy()
         sent = draw(scored.column("sample_id"), p, self.policy)
         self.report.sampled_low += int((sent & is_low).sum())
-        full = _row_bytes(scored)
-        summ = summary_bytes(scored, self.contract, full)
-        earns = summary_earns(full, summ, self.policy)
+        full, summ = plan_bytes(scored, scored.column("value").to_numpy(), self.policy, self.contract)
+        earns = summ > 0
         group = np.where(sent, np.where(is_high, 0, 1), np.where(earns, 2, 3)).astype(np.int8)
         counts = np.bincount(group, minlength=4)
         order = np.argsort(group, kind="stable")

@@ -140,22 +140,8 @@ def ingest_batch(
 
 
 def report_dict(r: TierReport) -> dict[str, Any]:
-    return {"samples": dict(r.samples), "sampled_low": r.sampled_low, "uplink_bytes": dict(r.uplink_bytes),
-            "raw_store_bytes": r.raw_store_bytes, "bundles": dict(r.bundles), "value_sent": r.value_sent,
-            "value_total": r.value_total}
+    return r.to_dict()
 
 
 def merge_reports(parts: list[dict[str, Any]]) -> TierReport:
-    total = TierReport()
-    for p in parts:
-        for k, v in p["samples"].items():
-            total.samples[k] = total.samples.get(k, 0) + v
-        for k, v in p["uplink_bytes"].items():
-            total.uplink_bytes[k] = total.uplink_bytes.get(k, 0) + v
-        for k, v in p["bundles"].items():
-            total.bundles[k] = total.bundles.get(k, 0) + v
-        total.sampled_low += p.get("sampled_low", 0)  # absent in results cached before tier sampling
-        total.raw_store_bytes += p["raw_store_bytes"]
-        total.value_sent += p["value_sent"]
-        total.value_total += p["value_total"]
-    return total
+    return TierReport.merge(parts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,15 @@ from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.s3_errors import TASK_RETRIES, TASK_RETRY_DELAYS_S, retry_condition
 from edgehaul.uplink.backup import BackupLedger
 from edgehaul.uplink.link import Link, SimulatedLink
-from edgehaul.uplink.pass_plan import Overhead, Pass, PassPlan, pending_from_spool, plan_passes, upcoming
+from edgehaul.uplink.pass_plan import (
+    Overhead,
+    Pass,
+    PassPlan,
+    capacity_until,
+    pending_from_spool,
+    plan_passes,
+    upcoming,
+)
 from edgehaul.uplink.retry_queue import RetryQueue
 from edgehaul.uplink.transfer import Drainer, DrainReport, Uplink
 
@@ -130,6 +138,13 @@ def drain_spool(
             time.sleep(max(0.0, wait_s))
             now = datetime.now(UTC)
             blocked = queue.blocked_ids()
+            # What the passes cannot carry before the bundles expire is thinned at random (inclusion_p updated),
+            # never left to be cut by the plan's order; part-sent and retrying bundles stay whole.
+            room = capacity_until(ahead, now, now + timedelta(seconds=node.bundle_ttl_seconds),
+                                  profile.rate_cap_fraction)
+            keep_whole = {f.name.removesuffix(".mpu.json") for f in (Path(node.spool_dir) / "uplink").glob("*.mpu.json")}
+            keep_whole |= blocked | set(queue.due())
+            spool.thin_to(room, salt=f"pass-{ahead[0].start.isoformat()}", skip=frozenset(keep_whole))
             pending = pending_from_spool(
                 [e for e in spool.pending() if e.bundle_id not in blocked], Path(node.spool_dir) / "uplink",
                 multipart_threshold_bytes=profile.multipart_threshold_bytes, part_bytes=profile.part_bytes)

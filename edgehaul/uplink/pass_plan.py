@@ -29,10 +29,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import yaml
+
+if TYPE_CHECKING:
+    from edgehaul.blocks.policies import LinkProfile
 
 Method = Literal["auto", "dp", "greedy"]
 # Largest DP table (items x capacity units) planned exactly; above it the greedy fill is used.
@@ -287,6 +290,48 @@ def _select(items: list[tuple[Pending, int]], capacity: int, method: Method) -> 
         return dp
     # Both are feasible; the DP's rounding can lose a tight fit the greedy plan found.
     return max(dp, greedy, key=lambda ix: sum(items[i][0].value for i in ix))
+
+
+def capacity_until(passes: Sequence[Pass], now: datetime, until: datetime, cap_fraction: float) -> int:
+    """Bytes the passes carry between now and `until` at the rate cap (a pass open now: its rest; a pass
+    running past `until`: up to it). What waits beyond it must be thinned, not cut by drain order."""
+    total = 0
+    for p in passes:
+        a, b = max(p.start, now), min(p.end, until)
+        if b > a:
+            total += int((b - a).total_seconds() * p.rate_bps / 8 * cap_fraction)
+    return total
+
+
+MONTH_S = 30 * 86400.0
+PLAN_HEADROOM = 0.9  # plan a tenth under the link: retries, manifests and control traffic share it
+
+
+def planned_share(
+    profile: LinkProfile, *, raw_bytes_per_s: float, passes: Sequence[Pass] = (), now: datetime | None = None,
+    horizon_s: float = 86400.0, measured_bytes_per_s: float | None = None, backup: LinkProfile | None = None,
+) -> float:
+    """The share of what a node observes (its full-row bytes per second) that its links can carry: what a
+    tiering policy's `budget_share` should be. The carry rate is the predicted passes' capacity over the horizon
+    when a schedule is given, else the profile's rate cap (times its contact duty cycle), replaced by the measured
+    data-plane rate when one is known, less its loss rate; a backup link adds its monthly budget spread over the
+    month. Planned with `PLAN_HEADROOM`, in (0, 1]."""
+    if raw_bytes_per_s <= 0:
+        raise ValueError(f"raw_bytes_per_s must be > 0, got {raw_bytes_per_s}")
+    if passes:
+        start = now or datetime.now(UTC)
+        end = start + timedelta(seconds=horizon_s)
+        carried = sum(p.capacity_bytes(profile.rate_cap_fraction, now=start) for p in passes if start < p.end
+                      and p.start < end)
+        rate = carried / horizon_s
+    else:
+        rate = profile.rate_cap_bytes_per_s if measured_bytes_per_s is None else measured_bytes_per_s
+        if profile.contact_period_s and profile.contact_duration_s:
+            rate *= profile.contact_duration_s / profile.contact_period_s
+    rate *= 1.0 - profile.loss_rate
+    if backup is not None and backup.monthly_budget_bytes:
+        rate += backup.monthly_budget_bytes / MONTH_S
+    return float(min(1.0, max(1e-6, PLAN_HEADROOM * rate / raw_bytes_per_s)))
 
 
 def plan_pass(

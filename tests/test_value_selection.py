@@ -1,0 +1,300 @@
+"""Selection that knows its byte budget and stays unbiased: every row's inclusion_p is its chance of reaching the
+centre (the tier draw and the link's thinning both), value raises it, coverage keeps a floor; and, on a kind
+written here (a pump's vibration sensors, rare bearing faults, no label read at the edge), the default scorer
+lands more rare events than a random sample of the same bytes, and the product's trainer learns at least as well
+from them."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgehaul.blocks import TieringPolicy
+from edgehaul.bundles import read_bundle
+from edgehaul.contracts import Contract, load_contract
+from edgehaul.edge.batch import ingest_batch
+from edgehaul.edge.preprocess import batch_key
+from edgehaul.edge.scorer_registry import ScorerContext, build_scorer, scorer_state_dir
+from edgehaul.edge.spool import Spool
+from edgehaul.edge.tiering import inclusion_probabilities, uniforms
+from edgehaul.training.data import sample_weights, trainable
+
+log = logging.getLogger(__name__)
+
+PUMP = """
+kind: pump_vibration
+version: 1
+description: A pump's vibration and temperature sensors, one row a second; bearing_fault 1 while a bearing fails.
+columns:
+  vib_x: {type: float32, unit: mm_s, min: -50, max: 50}
+  vib_y: {type: float32, unit: mm_s, min: -50, max: 50}
+  vib_z: {type: float32, unit: mm_s, min: -50, max: 50}
+  temp_bearing: {type: float32, unit: degC, min: 0, max: 150}
+  temp_motor: {type: float32, unit: degC, min: 0, max: 150}
+  current_a: {type: float32, unit: A, min: 0, max: 100}
+  pressure_bar: {type: float32, unit: bar, min: 0, max: 20}
+  flow_lpm: {type: float32, unit: lpm, min: 0, max: 500}
+label:
+  column: bearing_fault
+  kind: anomaly
+training:
+  model: mlp
+  model_name: pump-fault
+  epochs: 8
+  batch_size: 64
+  lr: 0.01
+  width: 16
+  balance_classes: true
+expectations:
+  - type: expect_column_values_to_be_unique
+    kwargs: {column: sample_id}
+"""
+_MEAN = np.array([0.0, 0.0, 0.0, 60.0, 55.0, 40.0, 8.0, 250.0])
+_SD = np.array([4.0, 4.0, 4.0, 5.0, 5.0, 4.0, 1.0, 20.0])
+FAULT_RATE = 0.02
+
+
+@pytest.fixture
+def pump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Contract:
+    d = tmp_path / "contracts"
+    d.mkdir()
+    (d / "pump_vibration.v1.yaml").write_text(PUMP)
+    monkeypatch.setenv("EDGEHAUL_CONTRACTS_DIR", str(d))
+    return load_contract("pump_vibration", directory=d)
+
+
+def pump_raw(contract: Contract, n: int, *, seed: int, start_seq: int = 0, node: str = "node-a") -> pa.Table:
+    """n readings; a bearing fault (share FAULT_RATE) shakes the pump and heats the bearing: about 3 sigma on
+    four sensors, so it stands out without being trivially far."""
+    rng = np.random.default_rng(seed)
+    fault = rng.random(n) < FAULT_RATE
+    x = rng.normal(_MEAN, _SD, (n, len(_MEAN)))
+    shift = np.array([3.0, 3.0, 2.5, 3.0, 0.0, 0.0, 0.0, 0.0]) * _SD
+    x[fault] += shift * rng.choice([-1.0, 1.0], (int(fault.sum()), len(_MEAN))) * np.array([1, 1, 1, 0, 0, 0, 0, 0]) \
+        + shift * np.array([0, 0, 0, 1, 0, 0, 0, 0])
+    seq = np.arange(start_seq, start_seq + n)
+    t0 = datetime(2026, 6, 1, tzinfo=UTC)
+    data: dict[str, pa.Array] = {
+        "sample_id": pa.array([f"{node}-pump-{s:09d}" for s in seq]),
+        "node_id": pa.array([node] * n),
+        "capture_time": pa.array([t0 + timedelta(seconds=int(s)) for s in seq], pa.timestamp("ms", tz="UTC")),
+        "seq": pa.array(seq, pa.int64()),
+        "bearing_fault": pa.array(fault.astype(np.int16)),
+    }
+    for j, c in enumerate(contract.columns):
+        data[c.name] = pa.array(x[:, j].astype(np.float32))
+    return pa.table(data).cast(contract.raw_schema)
+
+
+def run_edge(contract: Contract, policy: TieringPolicy, root: Path, *, n: int, batch: int, seed: int) -> Spool:
+    """The stream through the product's edge path (preprocess, the policy's scorer, tiering) into a spool."""
+    spool = Spool(root / "spool", cap_bytes=2**34, node_id="node-a", emit=lambda *a, **k: True)
+    ctx = ScorerContext(contract=contract, policy=policy, store=None,
+                        state_dir=scorer_state_dir(root / "spool", policy.scorer, contract))
+    scorer = build_scorer(policy.scorer, ctx)
+    for s in range(0, n, batch):
+        raw = pump_raw(contract, batch, seed=seed + s, start_seq=s)
+        key, hashes = batch_key(raw, contract.payload_column or "pixels")
+        ingest_batch(raw, contract, policy, spool, scorer, key=key, hashes=hashes, node_id="node-a")
+    return spool
+
+
+def landed(spool: Spool) -> pa.Table:
+    """Every waiting bundle's rows (what the link carries when everything fits)."""
+    parts = [read_bundle(spool.read(e.bundle_id), e.manifest) for e in spool.pending()]
+    return pa.concat_tables(parts).combine_chunks()
+
+
+# ------------------------------------------------------------------------------------------------- unit
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(5, 400), share=st.floats(0.01, 0.9), coverage=st.floats(0.0, 1.0), seed=st.integers(0, 999),
+       summary=st.booleans())
+def test_expected_bytes_meet_the_budget_and_p_follows_value_above_a_floor(n: int, share: float, coverage: float,
+                                                                          seed: int, summary: bool) -> None:
+    rng = np.random.default_rng(seed)
+    v = rng.random(n) ** 3
+    b = rng.integers(100, 3000, n).astype(np.float64)
+    s = (b / 10).round() if summary else np.zeros(n)
+    policy = TieringPolicy(budget_share=share, coverage=coverage, high_threshold=0.9, low_threshold=0.3)
+    urgent = min(float(b[v >= 0.9].sum()), 0.5 * share * b.sum())
+    if s[v < 0.9].sum() > 0.5 * (share * b.sum() - urgent):  # as plan_bytes: the budget buys rows first
+        s = np.zeros(n)
+    p = inclusion_probabilities(v, b, s, policy)
+    assert ((p >= 0) & (p <= 1)).all()
+    high = v >= policy.high_threshold
+    if (p[high] < 1).any():  # urgent rows over their share: sampled with the rest, summaries count for them too
+        high = np.zeros(n, dtype=bool)
+    expected = float((p * b).sum() + ((1 - p) * s)[~high].sum())
+    budget = share * b.sum()
+    if (p[~high] < 1).any():  # not everything fits: the budget is met exactly (in expectation)
+        assert expected == pytest.approx(budget, rel=1e-6, abs=1.0)
+    else:
+        assert expected <= budget * (1 + 1e-6) + 1.0
+    rest = ~high
+    assert (np.diff(p[np.argsort(v)]) >= -1e-12).all() or high.any()  # a higher value never lowers p
+    order = np.argsort(v[rest])
+    assert (np.diff(p[rest][order]) >= -1e-12).all()  # a higher value never lowers p
+    if coverage > 0 and rest.any() and budget > float(((p * b)[high]).sum() + s[rest].sum()):
+        assert (p[rest] > 0).all()  # the floor: every row can land
+
+
+def test_without_a_budget_p_is_one_above_the_low_threshold_and_the_rate_below() -> None:
+    v = np.array([0.1, 0.5, 0.95])
+    p = inclusion_probabilities(v, np.ones(3), np.zeros(3), TieringPolicy(sample_rate=0.07))
+    assert p.tolist() == [0.07, 1.0, 1.0]
+
+
+def test_uniforms_are_the_sha256_of_version_and_sample_id() -> None:
+    ids = [f"node-a-{i}" for i in range(50)]
+    u = uniforms(pa.array(ids), "v7")
+    want = [int.from_bytes(hashlib.sha256(f"v7|{i}".encode()).digest()[:8], "big") / 2**64 for i in ids]
+    assert np.allclose(u, want, atol=2**-52)
+
+
+def test_a_batch_sends_its_budget_and_p_is_the_chance_of_landing(pump: Contract, tmp_path: Path) -> None:
+    """Budget 5%: the full rows sent are ~5% of the full-row bytes; over 30 disjoint draws (policy versions),
+    each row lands about inclusion_p of the time; 1/p weights give the stream's fault rate back."""
+    raw = pump_raw(pump, 4000, seed=1)
+    from edgehaul.edge.preprocess import preprocess
+    from edgehaul.edge.tiering import Batcher, assign
+
+    rows = preprocess(raw, pump, node_id="node-a").accepted
+    v = np.random.default_rng(0).random(rows.num_rows) ** 4  # any values
+    hits = np.zeros(rows.num_rows)
+    p_ref = None
+    for k in range(30):
+        policy = TieringPolicy(version=f"v{k}", budget_share=0.05)
+        scored = assign(rows, v, policy, pump)
+        b = Batcher(policy, pump)
+        out = b.add(scored) + b.flush()
+        p = scored.column("inclusion_p").to_numpy().astype(np.float64)
+        p_ref = p if p_ref is None else p_ref
+        assert np.array_equal(p, p_ref)  # p depends on values and bytes, not on the draw
+        sent = {i for bb in out if bb.manifest.tier != "low" for i in bb.manifest.sample_ids}
+        hits += np.isin(rows.column("sample_id").to_numpy(zero_copy_only=False), list(sent))
+        assert b.report.summary_rows == 0  # a pump row's summary would cost as much as the row
+    assert p_ref is not None
+    assert abs(float(p_ref.sum()) / rows.num_rows - 0.05) < 0.01  # rows of equal size: 5% of them on average
+    # Landing frequency against p, pooled by p decile (binomial noise ~ sqrt(p/30n) per pool)
+    edges = np.quantile(p_ref, np.linspace(0, 1, 6))
+    for lo, hi in itertools.pairwise(edges):
+        m = (p_ref >= lo) & (p_ref <= hi)
+        assert abs(hits[m].mean() / 30 - p_ref[m].mean()) < 0.25 * p_ref[m].mean() + 0.01
+
+
+def test_a_pass_short_of_the_plan_thins_at_random_and_p_follows(pump: Contract, tmp_path: Path) -> None:
+    """The default policy (no budget) sends far more than the link carries: thin_to brings the waiting bytes
+    under capacity by a random draw per row (urgent bundles untouched), multiplies inclusion_p by keep, and moves
+    the rows thinned out to the raw store: every sample is sent or kept, never both, never lost."""
+    spool = run_edge(pump, TieringPolicy(), tmp_path, n=12_000, batch=4000, seed=5)
+    before = landed(spool)
+    before_p = dict(zip(before.column("sample_id").to_pylist(), before.column("inclusion_p").to_pylist(), strict=True))
+    urgent_before = {e.bundle_id for e in spool.pending() if e.tier == "high"}
+    total = sum(e.manifest.nbytes for e in spool.pending())
+    urgent = sum(e.manifest.nbytes for e in spool.pending() if e.tier == "high")
+    capacity = urgent + (total - urgent) // 4
+    rounds = spool.thin_to(capacity, salt="pass-1")
+    assert rounds and sum(e.manifest.nbytes for e in spool.pending()) <= capacity
+    assert urgent_before <= {e.bundle_id for e in spool.pending()}
+    after = landed(spool)
+    keep = float(np.prod([r.keep for r in rounds]))
+    ratios = {round(p / before_p[i], 5) for i, p, t in zip(after.column("sample_id").to_pylist(),
+                                                            after.column("inclusion_p").to_pylist(),
+                                                            after.column("tier").to_pylist(), strict=True)
+              if t != "high"}
+    assert all(r < 1 for r in ratios) and min(ratios) >= round(keep, 5) - 1e-4
+    raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
+    sent_ids = set(after.column("sample_id").to_pylist())
+    assert sent_ids.isdisjoint(raw_ids) and len(sent_ids) + len(raw_ids) == 12_000
+    # a rerun of the edge batches rebuilds the bundles thinned away: the spool does not take them back
+    again = run_edge(pump, TieringPolicy(), tmp_path, n=12_000, batch=4000, seed=5)
+    assert {e.bundle_id for e in again.pending()} == {e.bundle_id for e in spool.pending()}
+
+
+# ------------------------------------------------------------------------------------------ integration
+def _macro_f1(truth: np.ndarray, pred: np.ndarray) -> float:
+    f1 = []
+    for k in (0, 1):
+        tp = float(((pred == k) & (truth == k)).sum())
+        fp = float(((pred == k) & (truth != k)).sum())
+        fn = float(((pred != k) & (truth == k)).sum())
+        f1.append(2 * tp / (2 * tp + fp + fn) if tp else 0.0)
+    return float(np.mean(f1))
+
+
+@pytest.fixture
+def s3_store(stack: object) -> Iterator[object]:
+    from tests.conftest import store_for
+
+    yield store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")  # type: ignore[arg-type]
+
+
+@pytest.mark.integration
+def test_at_5_percent_the_default_scorer_lands_more_faults_than_random_and_trains_no_worse(
+        pump: Contract, tmp_path: Path, s3_store: object) -> None:
+    from deltalake import write_deltalake
+
+    from edgehaul.blocks import ObjectStore
+    from edgehaul.edge.model_scorer import ModelScorer
+    from edgehaul.edge.preprocess import preprocess
+    from edgehaul.training.trainer import TrainConfig, train
+
+    store = s3_store
+    assert isinstance(store, ObjectStore)
+    n, batch, share = 30_000, 3000, 0.05
+    policy = TieringPolicy(budget_share=share)  # the default scorer (novelty), no label read at the edge
+    assert policy.scorer == "novelty" and not policy.use_labels
+    spool = run_edge(pump, policy, tmp_path, n=n, batch=batch, seed=11)
+    sent = trainable(landed(spool).to_batches()[0], pump)
+    stream = pa.concat_tables([preprocess(pump_raw(pump, batch, seed=11 + s, start_seq=s), pump,
+                                          node_id="node-a").accepted for s in range(0, n, batch)])
+    faults_stream = int(pc.sum(stream.column("bearing_fault")).as_py())
+    # random at the same bytes: rows are all the same size, so the same number of rows, drawn uniformly
+    pick = np.sort(np.random.default_rng(3).choice(n, sent.num_rows, replace=False))
+    rnd = stream.take(pa.array(pick))
+    rnd = rnd.append_column("value", pa.array(np.zeros(len(pick), np.float32))).append_column(
+        "tier", pa.array(["normal"] * len(pick))).append_column(
+        "is_summary", pa.array(np.zeros(len(pick), bool))).append_column(
+        "inclusion_p", pa.array(np.full(len(pick), len(pick) / n, np.float32))).cast(pump.bundle_schema)
+    f_sent = int(pc.sum(sent.column("bearing_fault")).as_py())
+    f_rnd = int(pc.sum(rnd.column("bearing_fault")).as_py())
+    bytes_sent = sum(e.manifest.nbytes for e in spool.pending())
+    log.info("5%%: %d rows sent (%d B), %d faults; random %d faults; stream %d faults in %d", sent.num_rows,
+             bytes_sent, f_sent, f_rnd, faults_stream, n)
+    assert abs(sent.num_rows / n - share) < 0.01  # the budget, kept
+    assert f_sent > 1.5 * f_rnd  # more rare events than random
+    # 1/p weights give the stream's fault rate back (what training sees is the population, reweighted)
+    w = sample_weights(sent)
+    fault_rate = float(w[np.asarray(sent.column("bearing_fault").to_numpy()) == 1].sum() / w.sum())
+    assert abs(fault_rate - faults_stream / n) < 0.01
+
+    test = preprocess(pump_raw(pump, 8000, seed=999, start_seq=10**6), pump, node_id="node-a").accepted
+    truth = np.asarray(test.column("bearing_fault").to_numpy())
+    scores = {}
+    for name, rows in (("tiered", sent), ("random", rnd)):
+        uri = store.uri("curated", f"{pump.kind}-{name}")
+        write_deltalake(uri, rows.append_column("bundle_id", pa.array(["b"] * rows.num_rows)),
+                        storage_options=store.storage_options(), mode="append")
+        assert pump.training is not None
+        cfg = TrainConfig(run_id=f"pump-{name}", dataset_uri=uri, dataset_version=0, model_name=f"pump-{name}",
+                          contract_id=pump.id, seed=1, epochs=pump.training.epochs, batch_size=pump.training.batch_size,
+                          lr=pump.training.lr, width=pump.training.width, num_threads=1, emit_events=False,
+                          augment=False, val_fraction=0.1)
+        result = train(cfg, store)
+        model = ModelScorer(str(result.lineage["model_uri"]), store)
+        pred = np.argmax(model.probabilities(test), axis=1)
+        scores[name] = _macro_f1(truth, np.asarray(model.contract.label_values)[pred])
+    log.info("macro-F1 on %d held-out rows: %s", test.num_rows, scores)
+    assert scores["tiered"] >= scores["random"] - 0.01, scores
