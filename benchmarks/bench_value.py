@@ -246,6 +246,14 @@ def shuffled(batches: list[pa.Table], seed: int) -> list[pa.Table]:
     return [t.slice(a, size) for a in range(0, t.num_rows, size)]
 
 
+def thinned(spool: Spool, capacity: float, salt: str) -> list[SpoolEntry]:
+    """A tiered edge's answer to a link that carries less than waits: a recorded random thinning of the waiting
+    bundles down to `capacity` bytes (`Spool.thin_to`, updating each row's inclusion_p), never a cut by drain
+    order; what then waits, in drain order."""
+    spool.thin_to(int(capacity), salt=salt)
+    return spool.pending()
+
+
 def within(entries: list[SpoolEntry], budget: float) -> list[SpoolEntry]:
     """What the link carries: the drain order's prefix that fits the byte budget."""
     out, used = [], 0
@@ -563,7 +571,8 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         policy = policy_for("tier-novelty", cfg, budget).model_copy(update={"scorer": name})
         scorer = scorer_for(name, policy, None, work / f"{pol}-state-{round(budget * 100)}")
         for r, rb in enumerate(rounds):
-            spools[pol, r] = edge_round(rb, contract, policy, scorer, work / f"{pol}{r}-{round(budget * 100)}")
+            sp, _ = edge_round(rb, contract, policy, scorer, work / f"{pol}{r}-{round(budget * 100)}")
+            spools[pol, r] = sp, thinned(sp, budget * raw[r], f"bench-{pol}-{r}")
 
     cells: list[Cell] = []
 
@@ -638,7 +647,8 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         publish(st, model_name, mid)  # the registry's own publish: the loop is closed whatever its gate
         policy = policy_for("tier-model", cfg, budget)
         scorer = scorer_for("model", policy, st, work / f"model-state-{round(budget * 100)}")
-        sp2, order2 = edge_round(rounds[1], contract, policy, scorer, work / f"model{round(budget * 100)}")
+        sp2, _ = edge_round(rounds[1], contract, policy, scorer, work / f"model{round(budget * 100)}")
+        order2 = thinned(sp2, budget * raw[1], "bench-model-1")
         v2 = land(cell, st, sp2, order2, budget * raw[1])
         finish(cell, st, v2 if v2 is not None else v1)
         shutil.rmtree(work / f"model{round(budget * 100)}", ignore_errors=True)
