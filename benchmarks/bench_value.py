@@ -708,7 +708,7 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         base_pol = max(("fifo", "random"), key=lambda p: cells[p, b]["macro_f1_mean"])
         base = cells[base_pol, b]
         for pol in [p for p in result.get("policies", POLICIES) if p.startswith("tier-")]:
-            if (pol, b) not in cells or not cells[pol, b]["runs"]:
+            if (pol, b) not in cells or cells[pol, b].get("runs") == []:  # nothing landed, nothing trained
                 continue
             t = cells[pol, b]
             (tl, th), (bl, bh) = ci(t), ci(base)

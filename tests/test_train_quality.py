@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgehaul.blocks import ObjectStore
@@ -49,6 +49,7 @@ def _replace(t: pa.Table, name: str, values: pa.Array) -> pa.Table:
 
 
 # ---------------------------------------------------------------------------------------- units
+@settings(deadline=None)
 @given(st.integers(2, 12))
 def test_chance_of_k_balanced_classes_is_one_over_k(k: int) -> None:
     assert math.isclose(chance_macro_f1(np.full(k, 10.0)), 1 / k)
@@ -56,6 +57,7 @@ def test_chance_of_k_balanced_classes_is_one_over_k(k: int) -> None:
     assert math.isclose(chance_macro_f1(np.asarray([90.0, 10.0])), max(2 * 0.9 / 1.9 / 2, (1.8 / 2.8 + 0.2 / 1.2) / 2))
 
 
+@settings(deadline=None)
 @given(st.lists(st.integers(0, 500), min_size=2, max_size=10).filter(lambda s: sum(s) > 0))
 def test_a_perfect_model_beats_chance_and_a_constant_one_does_not(support: list[int]) -> None:
     s = np.asarray(support, dtype=np.float64)
