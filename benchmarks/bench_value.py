@@ -708,7 +708,11 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         base_pol = max(("fifo", "random"), key=lambda p: cells[p, b]["macro_f1_mean"])
         base = cells[base_pol, b]
         for pol in [p for p in result.get("policies", POLICIES) if p.startswith("tier-")]:
-            if (pol, b) not in cells or cells[pol, b].get("runs") == []:  # nothing landed, nothing trained
+            if (pol, b) not in cells:
+                continue
+            if cells[pol, b].get("runs") == []:  # nothing landed, nothing trained
+                out.append(f"{b:4.0%} {pol}: no model ({cells[pol, b].get('note') or 'nothing landed'}): loses to "
+                           f"the better of FIFO/random ({base_pol} {base['macro_f1_mean']:.3f})")
                 continue
             t = cells[pol, b]
             (tl, th), (bl, bh) = ci(t), ci(base)
@@ -809,8 +813,9 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
         "",
         "What the centre can train when the link carries only part of what the edge sees. Per kind, an edge "
         "stream in two rounds goes through the product's edge path (`edge.batch.ingest_batch` into a `Spool`; "
-        "tiered policies plan for the budget: `TieringPolicy.budget_share`, every row with its `inclusion_p`), "
-        "the link carries a share of each round's raw bytes in the spool's drain order, and the landed bundles "
+        "tiered policies plan for the budget: `TieringPolicy.budget_share`, every row with its `inclusion_p`, and "
+        "thin what still waits to the link's bytes: `Spool.thin_to`, recorded, p updated), the link carries a "
+        "share of each round's raw bytes (FIFO: oldest first; random: a uniform sample), and the landed bundles "
         "go through `Uplink.send`, Great Expectations and a Delta commit, then the `train_model` trainer "
         "(early stopping on a held-out stretch of the landed rows, balanced classes, 1/p weights), scored on "
         "rows the edge never saw. FIFO and random send the same bytes. Intervals: 90% bootstrap over the test "
@@ -823,12 +828,30 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
         "",
         "![Model quality per uplinked byte](docs/bench-value.png)",
         "",
+        "Plainly: " + plain_verdict(results),
+        "",
     ]
     for r in results:
         out += [f"**{r['kind']}** ({'skewed' if r['skewed'] else 'balanced'} classes; held out: {r['held_out']}; "
                 f"stream mix {r['stream_mix']}):", "", markdown(r), "", "Verdict:", "",
                 *[f"- {v}" for v in verdicts(r)], ""]
     return "\n".join(out)
+
+
+def plain_verdict(results: list[dict[str, Any]]) -> str:
+    """One sentence per kind: where tiering loses, wins, and whether the 10% target is met."""
+    out = []
+    for r in results:
+        lines = verdicts(r)
+        loses = [v.split(":")[0].strip() for v in lines if " loses to " in v]
+        wins = [v.split(":")[0].strip() for v in lines if " beats " in v]
+        target = next((v for v in lines if v.startswith("target")), "")
+        out.append(f"on {r['kind']} tiering loses in {len(loses)} cell(s)"
+                   + (f" ({', '.join(loses)})" if loses else "") + f", wins in {len(wins)}"
+                   + (f" ({', '.join(wins)})" if wins else "")
+                   + (f"; the 10% target is {'MET' if target.endswith('MET') else 'NOT met'}" if target else "")
+                   + ("; LOUD: the 100% model is not the best cell" if any(v.startswith("LOUD") for v in lines) else ""))
+    return "; ".join(out) + "."
 
 
 def write_docs(results: list[dict[str, Any]], png: Path, quick: bool) -> None:
