@@ -89,9 +89,9 @@ def test_landsat_weighted_class_mix_matches_the_node_within_2pp(tmp_path: Path) 
     # a known mix: 40% class 1, 40% class 5, 12% class 3, 5% class 4, 3% class 6 (weights per scene patch)
     patches = collections.Counter(real_patches().labels.tolist())
     mix = {1: 0.40, 5: 0.40, 3: 0.12, 4: 0.05, 6: 0.03}
-    policy = TieringPolicy(sample_rate=RATE)
+    policy = TieringPolicy(sample_rate=RATE, use_labels=True)  # labels at the edge, read: class rarity counts
     spool = _spool(tmp_path / "spool")
-    scorer = NoveltyScorer(LANDSAT)
+    scorer = NoveltyScorer(LANDSAT, use_labels=True)
     observed: collections.Counter[int] = collections.Counter()
     by_class: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for i, raw in enumerate(generate(40_000, "node-a", seed=11, batch_size=10_000,
