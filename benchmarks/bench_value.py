@@ -28,7 +28,10 @@ mean score of what is selected).
    per model (epochs = passes / rows), fixed seeds, evaluated on the held-out patches.
 
     python -m benchmarks value          # EDGEHAUL_BENCH_QUICK=1 (or --quick) for the CI variant
-Writes benchmarks/results/bench-value{,-quick}.{md,png,json}.
+Writes benchmarks/results/bench-value{,-quick}.{md,png,json}; the full run (or `--write-docs`) also
+docs/bench-value.{json,png} and README's "Model quality per uplinked byte" section. Each cell: bytes, rows,
+class mix landed and weighted by 1/inclusion_p against the stream's, macro-F1 and rare-class recall with
+90% bootstrap intervals over the test samples and the seeds.
 """
 
 from __future__ import annotations
@@ -65,7 +68,12 @@ if TYPE_CHECKING:
 
 KIND = "landsat_patch"
 NODE = "edge-bench"
-BUDGETS = (0.02, 0.05, 0.10, 0.25, 1.0)
+BUDGETS = (0.01, 0.02, 0.05, 0.10, 0.25, 1.0)
+QUICK_BUDGETS = (0.10, 1.0)
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+README = Path(__file__).resolve().parents[1] / "README.md"
+SECTION = "### Model quality per uplinked byte"
+BOOTSTRAP = 400  # resamples (test samples x seeds) per interval
 POLICIES = ("fifo", "random", "tier-novelty", "tier-model")
 RESULTS = Path(__file__).parent / "results"
 PATCH = 16  # landsat.real_patches() patch size and stride
@@ -79,14 +87,20 @@ class Config:
     sample_passes: int  # training samples seen per model, whatever the dataset's size
     width: int  # LandCoverNet width
     seeds: tuple[int, ...]  # training seeds of the evaluated models (round-1 models: the first)
+    budgets: tuple[float, ...] = BUDGETS
+    kinds: tuple[str, ...] = ("landsat_patch", "daphnet_gait", "digits_png")
+    gait_stream: int = 20_000  # readings in the gait edge stream
+    gait_test: int = 6_000
+    gait_anomaly: float = 0.05
     block: int = 4  # spatial block side, in patches
     test_share: float = 0.25
     split_seed: int = 0
     stream_seed: int = 0
 
 
-QUICK = Config(stream=6000, batch=500, bundle_rows=16, sample_passes=12_000, width=16, seeds=(0,))
-FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=32_000, width=32, seeds=(0, 1))
+QUICK = Config(stream=2000, batch=500, bundle_rows=16, sample_passes=3_000, width=8, seeds=(0,),
+               budgets=QUICK_BUDGETS, gait_stream=4_000, gait_test=2_000)
+FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=24_000, width=16, seeds=(0, 1, 2))
 
 
 # ---------------------------------------------------------------- ground truth held out by place
@@ -181,7 +195,7 @@ class ConstantScorer:
         return np.full(table.num_rows, 0.5, dtype=np.float32)
 
 
-def policy_for(name: str, cfg: Config) -> TieringPolicy:
+def policy_for(name: str, cfg: Config, budget: float | None = None) -> TieringPolicy:
     """The product's TieringPolicy with bundles of about `bundle_rows` rows (a patch of 1,536 B and
     its columns is under 2 KiB uncompressed), so a 2% budget still spans several bundles."""
     cap = 16 * 1024 + cfg.bundle_rows * 2 * 1024
@@ -189,6 +203,9 @@ def policy_for(name: str, cfg: Config) -> TieringPolicy:
                          urgent_max_bytes=cap)
     if name in ("fifo", "random"):
         return base.model_copy(update={"high_threshold": 1.0, "low_threshold": 0.0})
+    # tiering knows its budget: every row gets a known inclusion_p, solved so the expected bytes meet it
+    if budget is not None:
+        base = base.model_copy(update={"budget_share": budget})
     if name == "tier-novelty":
         return base
     return base.model_copy(update={"scorer": "model", "model_uri": "latest"})
@@ -227,6 +244,14 @@ def shuffled(batches: list[pa.Table], seed: int) -> list[pa.Table]:
     t = t.take(pa.array(np.random.default_rng([seed, 2]).permutation(t.num_rows)))
     size = batches[0].num_rows
     return [t.slice(a, size) for a in range(0, t.num_rows, size)]
+
+
+def thinned(spool: Spool, capacity: float, salt: str) -> list[SpoolEntry]:
+    """A tiered edge's answer to a link that carries less than waits: a recorded random thinning of the waiting
+    bundles down to `capacity` bytes (`Spool.thin_to`, updating each row's inclusion_p), never a cut by drain
+    order; what then waits, in drain order."""
+    spool.thin_to(int(capacity), salt=salt)
+    return spool.pending()
 
 
 def within(entries: list[SpoolEntry], budget: float) -> list[SpoolEntry]:
@@ -274,46 +299,89 @@ def land_and_commit(store: ObjectStore, spool: Spool, entries: list[SpoolEntry],
     return commit_bundles(store, contract, vbs).version if vbs else None
 
 
-def version_rows(store: ObjectStore, version: int) -> pa.Table:
-    from edgehaul.core.datasets import read_version
+def version_rows(store: ObjectStore, version: int, contract: Contract | None = None) -> pa.Table:
+    """A version's label (as `label`), content hash, summary flag and inclusion_p where the table has it."""
+    from edgehaul.core.datasets import open_uri, read_version, table_uri
+    from edgehaul.training.data import INCLUSION_P
 
-    return read_version(store, KIND, version, columns=["label", "content_sha256", "is_summary"])
+    kind = contract.kind if contract is not None else KIND
+    label = contract.label_column if contract is not None and contract.label_column else "label"
+    names = open_uri(table_uri(store, kind), store.storage_options(), version).schema().to_arrow().names
+    cols = [label, "content_sha256", "is_summary", *([INCLUSION_P] if INCLUSION_P in names else [])]
+    t = read_version(store, kind, version, columns=cols)
+    return t.rename_columns(["label" if c == label else c for c in t.column_names])
 
 
-def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int, run_id: str) -> str:
-    """The trainer the train_model flow runs, on one dataset version; returns the model URI."""
+def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int,
+             run_id: str, contract: Contract | None = None) -> tuple[str, dict[str, Any]]:
+    """The trainer the train_model flow runs, on one dataset version: (the model URI, its quality gate)."""
     from edgehaul.core.datasets import table_uri
     from edgehaul.training.launch import run
     from edgehaul.training.trainer import TrainConfig
 
+    # Early stopping on a held-out stretch of the landed rows keeps the best epoch; the gate is off so a cell
+    # that learns nothing is reported as such instead of ending the bench.
     tc = TrainConfig(
-        run_id=run_id, dataset_uri=table_uri(store, KIND), dataset_version=version, seed=seed,
-        epochs=max(1, math.ceil(cfg.sample_passes / max(rows, 1))), width=cfg.width, val_fraction=0.0,
-        num_threads=1, keep_checkpoints=1, emit_events=False,
+        run_id=run_id, dataset_uri=table_uri(store, contract.kind if contract else KIND), dataset_version=version,
+        seed=seed, contract_id=(contract or load_contract(KIND)).id,
+        model_name=((contract or load_contract(KIND)).training or _NO_TRAINING).model_name,
+        augment=((contract or load_contract(KIND)).training or _NO_TRAINING).augment,
+        batch_size=((contract or load_contract(KIND)).training or _NO_TRAINING).batch_size,
+        epochs=min(40, max(3, math.ceil(cfg.sample_passes / max(rows, 1)))), width=cfg.width, val_fraction=0.15,
+        patience=4, quality_gate=False, num_threads=1, keep_checkpoints=1, emit_events=False,
+        checkpoint_every_steps=100_000,
     )
-    return str(run(tc, store, 1).lineage["model_uri"])
+    lineage = run(tc, store, 1).lineage
+    return str(lineage["model_uri"]), dict(lineage.get("quality_gate", {}))
+
+
+def predict(store: ObjectStore, model_uri: str, test: Patches | pa.Table, contract: Contract) -> np.ndarray:
+    """The model's labels for the held-out rows (raw rows, or Landsat patches), its inputs standardised as it
+    was trained."""
+    import torch
+
+    from edgehaul.training.model import build_model, inputs
+    from edgehaul.training.registry import load_model_file
+
+    f = load_model_file(store, model_uri)
+    arch = dict(f["arch"])
+    model = build_model(arch)
+    model.load_state_dict(f["state_dict"])
+    model.eval()
+    raw = test if isinstance(test, pa.Table) else landsat.raw_table(test.pixels, test.labels, "test",
+                                                                     contract=contract)
+    with torch.no_grad():
+        pred_idx = np.concatenate([model(inputs(raw.slice(a, 2048), contract, arch)).argmax(1).numpy()
+                                   for a in range(0, raw.num_rows, 2048)])
+    return np.asarray(f["label_values"])[pred_idx]
 
 
 def evaluate(store: ObjectStore, model_uri: str, test: Patches, contract: Contract,
              rare: list[int]) -> dict[str, float]:
     """Macro-F1 over the classes present in the test set, mean recall of `rare`, accuracy."""
-    import torch
-
-    from edgehaul.training.model import build_model, pixels_to_tensor
-    from edgehaul.training.registry import load_model_file
-
-    f = load_model_file(store, model_uri)
-    model = build_model(dict(f["arch"]))
-    model.load_state_dict(f["state_dict"])
-    model.eval()
-    raw = landsat.raw_table(test.pixels, test.labels, "test", contract=contract)
-    with torch.no_grad():
-        pred_idx = model(pixels_to_tensor(raw.column("pixels"), contract)).argmax(1).numpy()
-    pred = np.asarray(f["label_values"])[pred_idx]
-    return scores(test.labels, pred, rare)
+    return scores(test.labels, predict(store, model_uri, test, contract), rare)
 
 
-def scores(truth: np.ndarray, pred: np.ndarray, rare: list[int]) -> dict[str, float]:
+def interval(truth: np.ndarray, preds: list[np.ndarray], rare: list[int], key: str, n: int = BOOTSTRAP,
+             seed: int = 0, anomaly: int | None = None) -> tuple[float, float]:
+    """90% bootstrap interval of the seed-mean `key`, resampling the test samples and the seeds."""
+    if not preds:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    vals = []
+    for _ in range(n):
+        idx = rng.integers(0, len(truth), len(truth))
+        which = rng.integers(0, len(preds), len(preds))
+        t = truth[idx]
+        present = [c for c in rare if (t == c).any()]
+        vals.append(np.mean([scores(t, preds[w][idx], present or rare, anomaly)[key] for w in which]))
+    lo, hi = np.nanpercentile(vals, [5, 95])
+    return (float(lo), float(hi))
+
+
+def scores(truth: np.ndarray, pred: np.ndarray, rare: list[int], anomaly: int | None = None) -> dict[str, float]:
+    """Macro-F1 over the classes present, mean recall of `rare`, accuracy; with `anomaly` (the anomaly
+    class's label) its precision and recall."""
     recall, f1 = {}, []
     for c in np.unique(truth):
         tp = int(((pred == c) & (truth == c)).sum())
@@ -321,8 +389,13 @@ def scores(truth: np.ndarray, pred: np.ndarray, rare: list[int]) -> dict[str, fl
         r = tp / int((truth == c).sum())
         recall[int(c)] = r
         f1.append(2 * p * r / (p + r) if p + r else 0.0)
-    return {"macro_f1": float(np.mean(f1)), "rare_recall": float(np.mean([recall[c] for c in rare])),
-            "accuracy": float((truth == pred).mean())}
+    out = {"macro_f1": float(np.mean(f1)), "rare_recall": float(np.mean([recall.get(c, 0.0) for c in rare])),
+           "accuracy": float((truth == pred).mean())}
+    if anomaly is not None:
+        tp = int(((pred == anomaly) & (truth == anomaly)).sum())
+        out["anomaly_precision"] = tp / max(int((pred == anomaly).sum()), 1)
+        out["anomaly_recall"] = tp / max(int((truth == anomaly).sum()), 1)
+    return out
 
 
 # ---------------------------------------------------------------- the experiment
@@ -336,6 +409,9 @@ class Cell:
     rows: int = 0  # trainable (full) rows landed, both rounds
     class_rows: dict[int, int] = field(default_factory=dict)
     runs: list[dict[str, float]] = field(default_factory=list)  # one per seed
+    weighted_mix: dict[int, float] = field(default_factory=dict)  # share per class, rows weighted 1/inclusion_p
+    ci: dict[str, tuple[float, float]] = field(default_factory=dict)  # 90% bootstrap intervals
+    gate_passed: int = 0  # seeds whose model beat a label-blind guesser on its own validation split
     note: str = ""
     quarantined: list[str] = field(default_factory=list)  # bundles landed but failing validation
 
@@ -383,25 +459,97 @@ class Guard:
         self.rows += rows.num_rows
 
 
-def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print) -> dict[str, Any]:
-    from edgehaul.edge.model_scorer import ModelScorer
-    from edgehaul.edge.scoring import NoveltyScorer
-    from edgehaul.training.registry import publish
+@dataclass
+class KindSetup:
+    """One kind's experiment: the edge stream (raw batches) and the rows held out from it."""
 
+    contract: Contract
+    batches: list[pa.Table]
+    test: pa.Table  # raw rows, never uplinked
+    held_out: str  # how the test rows were held out, in words
+    skewed: bool
+    scorers: tuple[str, ...] = ("novelty",)  # shipped scorers tiered with (the model scorer: the closed loop)
+    anomaly: int | None = None  # label of the anomaly class (an anomaly kind)
+    guard: Guard | None = None
+
+
+_NO_TRAINING = type("_NoTraining", (), {"model_name": "model", "augment": False, "batch_size": 64})()
+
+
+def landsat_setup(cfg: Config) -> KindSetup:
     contract = load_contract(KIND)
     split = spatial_split(landsat.real_patches(), block=cfg.block, test_share=cfg.test_share, seed=cfg.split_seed)
     batches = edge_stream(split, cfg.stream, batch=cfg.batch, seed=cfg.stream_seed, contract=contract)
+    test = landsat.raw_table(split.test.pixels, split.test.labels, "test", contract=contract)
+    return KindSetup(contract, batches, test, f"{len(split.test.labels)} real patches in "
+                     f"{len(split.test_blocks)} blocks of {cfg.block}x{cfg.block} patches (by place)", skewed=True,
+                     guard=Guard(pixel_hashes(split.test.pixels)))
+
+
+def gait_setup(cfg: Config) -> KindSetup:
+    """Daphnet gait readings resampled from the first 70% of the recording (the edge) and the last 30% (the
+    test), with synthetic freezing at `gait_anomaly` of readings (the recording has none)."""
+    from edgehaul_dev.kinds_data import generate_gait
+
+    contract = load_contract("daphnet_gait")
+    stream = pa.concat_tables(generate_gait(cfg.gait_stream, NODE, seed=cfg.stream_seed, anomaly_fraction=cfg.gait_anomaly,
+                                            contract=contract, span=(0.0, 0.7)))
+    test = pa.concat_tables(generate_gait(cfg.gait_test, "test", seed=cfg.stream_seed + 1,
+                                          anomaly_fraction=cfg.gait_anomaly, contract=contract, span=(0.7, 1.0)))
+    batches = [stream.slice(i, cfg.batch) for i in range(0, stream.num_rows, cfg.batch)]
+    return KindSetup(contract, batches, test, f"{test.num_rows:,} readings from the recording's last 30% (by time)",
+                     skewed=True, scorers=("novelty", "anomaly"), anomaly=1)
+
+
+def digits_setup(cfg: Config) -> KindSetup:
+    """The 1,797 real digits (balanced): the first 60% are the edge's stream, the rest the test."""
+    from edgehaul_dev.kinds_data import digits, png_bytes, raw_table
+
+    contract = load_contract("digits_png")
+    d = digits()
+    cut = int(0.6 * len(d.labels))
+    t0 = np.datetime64("2026-01-01T00:00:00", "ms")
+
+    def table(lo: int, hi: int, node: str) -> pa.Table:
+        times = t0 + np.arange(lo, hi).astype("timedelta64[s]")
+        return raw_table(contract, node, times, labels=d.labels[lo:hi], payload=[png_bytes(im) for im in d.images[lo:hi]],
+                         start_seq=lo)
+
+    stream = table(0, cut, NODE)
+    order = np.random.default_rng([cfg.stream_seed, 3]).permutation(stream.num_rows)
+    stream = stream.take(pa.array(order))
+    size = max(50, cfg.batch // 5)  # ~1,000 images: enough batches to split into two rounds evenly
+    batches = [stream.slice(i, size) for i in range(0, stream.num_rows, size)]
+    test = table(cut, len(d.labels), "test")
+    return KindSetup(contract, batches, test, f"{test.num_rows} real images never in the stream", skewed=False)
+
+
+SETUPS = {"landsat_patch": landsat_setup, "daphnet_gait": gait_setup, "digits_png": digits_setup}
+
+
+def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print,
+                   setup: KindSetup | None = None) -> dict[str, Any]:
+    from edgehaul.edge.scorer_registry import ScorerContext, build_scorer
+    from edgehaul.training.registry import publish
+
+    ks = setup or landsat_setup(cfg)
+    contract = ks.contract
+    assert contract.label_column is not None and contract.training is not None
+    model_name = contract.training.model_name
+    batches = ks.batches
     half = len(batches) // 2
     rounds = [batches[:half], batches[half:]]
-    stream_labels = np.concatenate([b.column("label").to_numpy() for b in batches])
+    stream_labels = np.concatenate([b.column(contract.label_column).to_numpy() for b in batches])
     mix = {int(c): int(n) for c, n in zip(*np.unique(stream_labels, return_counts=True), strict=True)}
-    present = sorted(int(c) for c in np.unique(split.test.labels))
-    rare = sorted(present, key=lambda c: mix.get(c, 0))[:3]
-    guard = Guard(pixel_hashes(split.test.pixels))
-    test_classes = {int(c): int(n) for c, n in zip(*np.unique(split.test.labels, return_counts=True), strict=True)}
-    log(f"split: {len(split.train.labels)} train / {len(split.test.labels)} test patches in "
-        f"{len(split.test_blocks)} blocks of {cfg.block}x{cfg.block} patches; test classes {test_classes}")
-    log(f"stream: {cfg.stream} samples in 2 rounds, class mix {mix}; rarest test classes {rare}")
+    truth = np.asarray(ks.test.column(contract.label_column).to_numpy(), dtype=np.int64)
+    present = sorted(int(c) for c in np.unique(truth))
+    rare = [ks.anomaly] if ks.anomaly is not None else sorted(present, key=lambda c: mix.get(c, 0))[
+        : max(1, len(present) // 4) if not ks.skewed else 3]
+    guard = ks.guard or Guard(set())
+    test_classes = {int(c): int(n) for c, n in zip(*np.unique(truth, return_counts=True), strict=True)}
+    log(f"{contract.kind}: held out {ks.held_out}; test classes {test_classes}")
+    log(f"stream: {len(stream_labels)} samples in 2 rounds, class mix {mix}; rare classes {rare}")
+    policies = ("fifo", "random", *(f"tier-{s}" for s in ks.scorers), "tier-model")
 
     t0 = time.perf_counter()
     spools: dict[tuple[str, int], tuple[Spool, list[SpoolEntry]]] = {}
@@ -409,12 +557,22 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         spools["fifo", r] = edge_round(rb, contract, policy_for("fifo", cfg), ConstantScorer(), work / f"fifo{r}")
         spools["random", r] = edge_round(shuffled(rb, r), contract, policy_for("random", cfg), ConstantScorer(),
                                          work / f"random{r}")
-    novelty = NoveltyScorer(contract)  # one edge: its sketch runs on across rounds
-    for r, rb in enumerate(rounds):
-        spools["tier-novelty", r] = edge_round(rb, contract, policy_for("tier-novelty", cfg), novelty,
-                                               work / f"novelty{r}")
     raw = [sum(e.manifest.nbytes for e in spools["fifo", r][1]) for r in (0, 1)]
-    log(f"edge: 3 policies x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}")
+    log(f"edge: FIFO and random x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}")
+
+    def scorer_for(name: str, policy: TieringPolicy, st: ObjectStore | None, where: Path) -> Any:
+        where.mkdir(parents=True, exist_ok=True)
+        return build_scorer(name, ScorerContext(contract, policy.model_copy(update={"scorer": name}), st, where))
+
+    def tier_rounds(pol: str, budget: float) -> None:
+        """The tiered edge plans for its budget, so it runs once per budget (one edge: a scorer's state runs on
+        across rounds)."""
+        name = pol.removeprefix("tier-")
+        policy = policy_for("tier-novelty", cfg, budget).model_copy(update={"scorer": name})
+        scorer = scorer_for(name, policy, None, work / f"{pol}-state-{round(budget * 100)}")
+        for r, rb in enumerate(rounds):
+            sp, _ = edge_round(rb, contract, policy, scorer, work / f"{pol}{r}-{round(budget * 100)}")
+            spools[pol, r] = sp, thinned(sp, budget * raw[r], f"bench-{pol}-{r}")
 
     cells: list[Cell] = []
 
@@ -422,76 +580,90 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         if version is None:
             cell.note = "nothing landed"
             return
-        rows = version_rows(st, version)
+        rows = version_rows(st, version, contract)
         guard.check(rows, f"{cell.policy}@{cell.budget:.0%}")
         full = rows.filter(pc.invert(rows.column("is_summary")))
         cell.rows = full.num_rows
-        labs, cnt = np.unique(full.column("label").to_numpy(), return_counts=True)
+        labels = full.column("label").to_numpy()
+        labs, cnt = np.unique(labels, return_counts=True)
         cell.class_rows = {int(c): int(n) for c, n in zip(labs, cnt, strict=True)}
+        w = (1.0 / np.asarray(full.column("inclusion_p").fill_null(1.0).to_numpy(), dtype=np.float64)
+             if "inclusion_p" in full.schema.names else np.ones(len(labels)))
+        cell.weighted_mix = {int(c): float(w[labels == c].sum() / w.sum()) for c in labs}
+        preds = []
         for seed in cfg.seeds:
-            uri = train_on(st, version, cell.rows, cfg, seed, f"{cell.policy}-{round(cell.budget * 100)}-s{seed}")
-            cell.runs.append(evaluate(st, uri, split.test, contract, rare))
+            uri, gate = train_on(st, version, cell.rows, cfg, seed,
+                                 f"{cell.policy}-{round(cell.budget * 100)}-s{seed}", contract)
+            cell.gate_passed += int(bool(gate.get("passed")))
+            preds.append(predict(st, uri, ks.test, contract))
+            cell.runs.append(scores(truth, preds[-1], rare, ks.anomaly))
+        keys = ["macro_f1", "rare_recall", *(["anomaly_precision", "anomaly_recall"] if ks.anomaly is not None else [])]
+        cell.ci = {k: interval(truth, preds, rare, k, anomaly=ks.anomaly) for k in keys}
         log(f"  {cell.policy:13s} {cell.budget:4.0%}: {cell.bytes:>10,} B, {cell.rows:5d} rows "
-            f"{cell.class_rows} -> macro-F1 {cell.mean('macro_f1'):.3f} rare recall {cell.mean('rare_recall'):.3f} "
-            f"acc {cell.mean('accuracy'):.3f}  ({time.perf_counter() - t0:.0f} s)")
+            f"{cell.class_rows} -> macro-F1 {cell.mean('macro_f1'):.3f} {cell.ci['macro_f1']} rare recall "
+            f"{cell.mean('rare_recall'):.3f} acc {cell.mean('accuracy'):.3f}  ({time.perf_counter() - t0:.0f} s)")
         for q in cell.quarantined:
             log(f"    quarantined: {q}")
 
-    for budget in BUDGETS:
-        for pol in ("fifo", "random", "tier-novelty"):
+    def land(cell: Cell, st: ObjectStore, sp: Spool, order: list[SpoolEntry], share: float) -> int | None:
+        sent = within(order, share)
+        cell.bytes += sum(e.manifest.nbytes for e in sent)
+        return land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
+
+    for budget in cfg.budgets:
+        for pol in policies[:-1]:
             cell = Cell(pol, budget)
             cells.append(cell)
             if pol == "random" and budget == 1.0:
                 # The same samples as FIFO at 100%, in another order: reported as FIFO's.
                 fifo = next(c for c in cells if c.policy == "fifo" and c.budget == 1.0)
                 cell.bytes, cell.rows, cell.class_rows, cell.runs = fifo.bytes, fifo.rows, fifo.class_rows, fifo.runs
+                cell.weighted_mix, cell.ci, cell.gate_passed = fifo.weighted_mix, fifo.ci, fifo.gate_passed
                 cell.note = "same samples as FIFO"
                 continue
+            if pol.startswith("tier-"):
+                tier_rounds(pol, budget)
             st = cell_store(store, f"{pol}-{round(budget * 100)}")
             version = None
             for r in (0, 1):
-                sp, order = spools[pol, r]
-                sent = within(order, budget * raw[r])
-                cell.bytes += sum(e.manifest.nbytes for e in sent)
-                v = land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
+                v = land(cell, st, *spools[pol, r], budget * raw[r])
                 version = v if v is not None else version
             finish(cell, st, version)
 
-        # Closed loop: round 1 as the novelty edge sent it; a model trained on that version is
-        # published to the edge and scores round 2.
+        # Closed loop: round 1 as the novelty edge sent it; a model trained on that version is published to
+        # the edge and scores round 2.
         cell = Cell("tier-model", budget)
         cells.append(cell)
         st = cell_store(store, f"model-{round(budget * 100)}")
-        sp, order = spools["tier-novelty", 0]
-        sent = within(order, budget * raw[0])
-        cell.bytes = sum(e.manifest.nbytes for e in sent)
-        v1 = land_and_commit(st, sp, sent, contract, work / "uplink", cell.quarantined)
+        v1 = land(cell, st, *spools["tier-novelty", 0], budget * raw[0])
         if v1 is None:
             cell.note = "round 1 landed nothing: no model to publish"
             continue
-        r1 = version_rows(st, v1)
+        r1 = version_rows(st, v1, contract)
         guard.check(r1, f"tier-model@{budget:.0%} round 1")
         n1 = r1.num_rows - int(pc.sum(r1.column("is_summary")).as_py() or 0)
         mid = f"round1-{round(budget * 100)}"
-        train_on(st, v1, n1, cfg, cfg.seeds[0], mid)
-        publish(st, "landcover", mid)
-        scorer = ModelScorer("latest", st)
-        sp2, order2 = edge_round(rounds[1], contract, policy_for("tier-model", cfg), scorer,
-                                 work / f"model{round(budget * 100)}")
-        sent2 = within(order2, budget * raw[1])
-        cell.bytes += sum(e.manifest.nbytes for e in sent2)
-        v2 = land_and_commit(st, sp2, sent2, contract, work / "uplink", cell.quarantined)
+        train_on(st, v1, n1, cfg, cfg.seeds[0], mid, contract)
+        publish(st, model_name, mid)  # the registry's own publish: the loop is closed whatever its gate
+        policy = policy_for("tier-model", cfg, budget)
+        scorer = scorer_for("model", policy, st, work / f"model-state-{round(budget * 100)}")
+        sp2, _ = edge_round(rounds[1], contract, policy, scorer, work / f"model{round(budget * 100)}")
+        order2 = thinned(sp2, budget * raw[1], "bench-model-1")
+        v2 = land(cell, st, sp2, order2, budget * raw[1])
         finish(cell, st, v2 if v2 is not None else v1)
         shutil.rmtree(work / f"model{round(budget * 100)}", ignore_errors=True)
 
+    stream_share = {c: n / sum(mix.values()) for c, n in mix.items()}
     return {
-        "config": asdict(cfg), "raw_bytes": sum(raw), "test_patches": len(split.test.labels),
-        "test_classes": test_classes,
-        "train_patches": len(split.train.labels), "stream_mix": mix, "rare_classes": rare,
+        "kind": contract.kind, "config": asdict(cfg), "raw_bytes": sum(raw), "stream_share": stream_share,
+        "held_out": ks.held_out, "skewed": ks.skewed, "policies": list(policies), "anomaly": ks.anomaly,
+        "test_patches": len(truth), "test_classes": test_classes,
+        "stream_mix": mix, "rare_classes": rare,
         "guard": {"versions_checked": guard.versions, "rows_checked": guard.rows,
                   "test_hashes": len(guard.test_hashes), "leaks": 0},
         "cells": [asdict(c) | {f"{k}_{s}": (c.mean(k) if s == "mean" else c.spread(k))
-                               for k in ("macro_f1", "rare_recall", "accuracy") for s in ("mean", "std")}
+                               for k in ("macro_f1", "rare_recall", "accuracy", "anomaly_precision", "anomaly_recall")
+                               for s in ("mean", "std") if not c.runs or k in c.runs[0]}
                   for c in cells],
         "seconds": time.perf_counter() - t0,
     }
@@ -500,70 +672,205 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
 # ---------------------------------------------------------------- report
 
 
+def _budgets(result: dict[str, Any]) -> list[float]:
+    return sorted({c["budget"] for c in result["cells"]})
+
+
+def mix_gap(cell: dict[str, Any], stream_share: dict[Any, float], key: str = "weighted_mix") -> float:
+    """Largest difference, in points, between a cell's class shares and the stream's."""
+    got = {int(k): float(v) for k, v in (cell.get(key) or {}).items()}
+    if not got:
+        return math.nan
+    return 100 * max(abs(got.get(int(c), 0.0) - float(v)) for c, v in stream_share.items())
+
+
+def landed_share(cell: dict[str, Any]) -> dict[int, float]:
+    rows = {int(k): int(v) for k, v in (cell.get("class_rows") or {}).items()}
+    n = sum(rows.values())
+    return {k: v / n for k, v in rows.items()} if n else {}
+
+
 def verdicts(result: dict[str, Any]) -> list[str]:
-    """Plain statements: does tiering beat FIFO and random at each budget; the 10% target."""
+    """Plain statements: tiering against FIFO and random per budget (a win or a loss only where the 90%
+    intervals do not overlap), the 100% model against every other cell, the 10% target."""
     cells = {(c["policy"], c["budget"]): c for c in result["cells"]}
-    full = cells["fifo", 1.0]["macro_f1_mean"]
+    budgets = _budgets(result)
     out = []
-    for b in BUDGETS:
-        base = max(cells["fifo", b]["macro_f1_mean"], cells["random", b]["macro_f1_mean"])
-        for pol in ("tier-novelty", "tier-model"):
-            t = cells[pol, b]["macro_f1_mean"]
-            word = "beats" if t > base + 0.02 else ("ties" if abs(t - base) <= 0.02 else "loses to")
-            out.append(f"{b:4.0%} {pol}: macro-F1 {t:.3f} {word} the better of FIFO/random ({base:.3f})")
-    best10 = max(cells["tier-novelty", 0.10]["macro_f1_mean"], cells["tier-model", 0.10]["macro_f1_mean"])
-    base10 = max(cells["fifo", 0.10]["macro_f1_mean"], cells["random", 0.10]["macro_f1_mean"])
-    met = best10 >= 0.95 * full and best10 > base10 + 0.02
-    out.append(f"target at 10%: tiered macro-F1 {best10:.3f} vs 0.95 x the 100% model {0.95 * full:.3f} and "
-               f"FIFO/random {base10:.3f}: {'MET' if met else 'NOT met'}")
+
+    def ci(c: dict[str, Any], k: str = "macro_f1") -> tuple[float, float]:
+        lo_hi = (c.get("ci") or {}).get(k)
+        m = c[f"{k}_mean"]
+        return (float(lo_hi[0]), float(lo_hi[1])) if lo_hi else (m, m)
+
+    for b in budgets:
+        if ("fifo", b) not in cells or ("random", b) not in cells:
+            continue
+        base_pol = max(("fifo", "random"), key=lambda p: cells[p, b]["macro_f1_mean"])
+        base = cells[base_pol, b]
+        for pol in [p for p in result.get("policies", POLICIES) if p.startswith("tier-")]:
+            if (pol, b) not in cells:
+                continue
+            if cells[pol, b].get("runs") == []:  # nothing landed, nothing trained
+                out.append(f"{b:4.0%} {pol}: no model ({cells[pol, b].get('note') or 'nothing landed'}): loses to "
+                           f"the better of FIFO/random ({base_pol} {base['macro_f1_mean']:.3f})")
+                continue
+            t = cells[pol, b]
+            (tl, th), (bl, bh) = ci(t), ci(base)
+            word = "beats" if tl > bh else ("loses to" if th < bl else "ties (intervals overlap)")
+            out.append(f"{b:4.0%} {pol}: macro-F1 {t['macro_f1_mean']:.3f} [{tl:.3f}, {th:.3f}] {word} the better "
+                       f"of FIFO/random ({base_pol} {base['macro_f1_mean']:.3f} [{bl:.3f}, {bh:.3f}])")
+    full = cells.get(("fifo", 1.0))
+    if full is not None:
+        fl, fh = ci(full)
+        above = [c for c in result["cells"] if c["budget"] < 1.0 and ci(c)[0] > fh]
+        if above:
+            out.append("LOUD: the 100% model is NOT the best cell within noise: "
+                       + ", ".join(f"{c['policy']}@{c['budget']:.0%} {c['macro_f1_mean']:.3f} [{ci(c)[0]:.3f}, "
+                                   f"{ci(c)[1]:.3f}]" for c in above)
+                       + f" lie wholly above the 100% model's {full['macro_f1_mean']:.3f} [{fl:.3f}, {fh:.3f}]")
+        else:
+            out.append(f"the 100% model ({full['macro_f1_mean']:.3f} [{fl:.3f}, {fh:.3f}]) is the best cell within noise")
+        if (0.10 in budgets) and ("tier-novelty", 0.10) in cells:
+            best10 = max(cells[p, 0.10]["macro_f1_mean"] for p in result.get("policies", POLICIES)
+                         if p.startswith("tier-") and (p, 0.10) in cells)
+            base10 = max(cells["fifo", 0.10]["macro_f1_mean"], cells["random", 0.10]["macro_f1_mean"])
+            met = best10 >= 0.95 * full["macro_f1_mean"] and best10 >= base10
+            out.append(f"target at 10%: tiered macro-F1 {best10:.3f} vs 0.95 x the 100% model "
+                       f"{0.95 * full['macro_f1_mean']:.3f} and FIFO/random {base10:.3f}: {'MET' if met else 'NOT met'}")
+    share = result.get("stream_share")
+    if share:
+        off = [f"{c['policy']}@{c['budget']:.0%} {mix_gap(c, share):.1f}" for c in result["cells"]
+               if c["policy"].startswith("tier") and mix_gap(c, share) > 2.0]
+        out.append("weighted class mix of every tiered cell within 2 points of the stream's" if not off else
+                   "weighted class mix more than 2 points off the stream's (points): " + ", ".join(off))
     return out
 
 
 def markdown(result: dict[str, Any]) -> str:
-    seeds = len(result["config"]["seeds"])
+    share = result.get("stream_share") or {}
     lines = [
-        "| budget | policy | bytes landed | rows | macro-F1 | rare recall | accuracy |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| budget | policy | bytes landed | rows | landed mix off (pts) | weighted mix off (pts) | macro-F1 [90% CI] "
+        "| rare recall [90% CI] | accuracy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def pm(c: dict[str, Any], k: str) -> str:
-        return f"{c[k + '_mean']:.3f}" + (f" ± {c[k + '_std']:.3f}" if seeds > 1 else "")
+        lo_hi = (c.get("ci") or {}).get(k)
+        return f"{c[k + '_mean']:.3f}" + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
 
     for c in result["cells"]:
         notes = [c["note"]] if c["note"] else []
         if c["quarantined"]:
             notes.append(f"{len(c['quarantined'])} bundles quarantined")
         note = f" ({'; '.join(notes)})" if notes else ""
-        lines.append(f"| {c['budget']:.0%} | {c['policy']}{note} | {c['bytes']:,} | {c['rows']:,} | "
-                     f"{pm(c, 'macro_f1')} | {pm(c, 'rare_recall')} | {pm(c, 'accuracy')} |")
+        landed = 100 * max((abs(landed_share(c).get(int(k), 0.0) - float(v)) for k, v in share.items()),
+                           default=math.nan)
+        lines.append(f"| {c['budget']:.0%} | {c['policy']}{note} | {c['bytes']:,} | {c['rows']:,} | {landed:.1f} | "
+                     f"{mix_gap(c, share):.1f} | {pm(c, 'macro_f1')} | {pm(c, 'rare_recall')} | "
+                     f"{c['accuracy_mean']:.3f} |")
     return "\n".join(lines)
 
 
-def chart(result: dict[str, Any], path: Path) -> None:
+def chart(results: list[dict[str, Any]] | dict[str, Any], path: Path) -> None:
+    """One row per kind: macro-F1 and rare-class recall by budget, per policy, with 90% intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, key, title in zip(axes, ("macro_f1", "rare_recall", "accuracy"),
-                              ("macro-F1", f"recall of rarest classes {result['rare_classes']}", "accuracy"),
-                              strict=True):
-        for pol in POLICIES:
-            cs = [c for c in result["cells"] if c["policy"] == pol]
-            ax.errorbar([c["budget"] * 100 for c in cs], [c[f"{key}_mean"] for c in cs],
-                        yerr=[c[f"{key}_std"] for c in cs], marker="o", capsize=3, label=pol)
-        ax.set_xscale("log")
-        ax.set_xticks([b * 100 for b in BUDGETS], [f"{b:.0%}" for b in BUDGETS])
-        ax.set_xlabel("link budget (share of raw bytes)")
-        ax.set_title(title)
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"Model quality per uplinked byte, held-out Landsat blocks ({result['test_patches']} real patches)")
+    results = [results] if isinstance(results, dict) else results
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.6 * len(results)), squeeze=False)
+    for row, result in zip(axes, results, strict=True):
+        budgets = _budgets(result)
+        rare = "anomaly recall" if result.get("anomaly") is not None else f"recall of rarest {result['rare_classes']}"
+        for ax, key, title in zip(row, ("macro_f1", "rare_recall"), ("macro-F1 (90% interval)", rare), strict=True):
+            for pol in result.get("policies", POLICIES):
+                cs = [c for c in result["cells"] if c["policy"] == pol and c["runs"]]
+                if not cs:
+                    continue
+                ys = [c[f"{key}_mean"] for c in cs]
+                lo = [max(0.0, y - (c.get("ci") or {}).get(key, (y, y))[0]) for y, c in zip(ys, cs, strict=True)]
+                hi = [max(0.0, (c.get("ci") or {}).get(key, (y, y))[1] - y) for y, c in zip(ys, cs, strict=True)]
+                ax.errorbar([c["budget"] * 100 for c in cs], ys, yerr=[lo, hi], marker="o", capsize=3, label=pol)
+            ax.set_xscale("log")
+            ax.set_xticks([b * 100 for b in budgets], [f"{b:.0%}" for b in budgets])
+            ax.set_xlabel("link budget (share of raw bytes)")
+            ax.set_title(f"{result.get('kind', KIND)}: {title}", fontsize=10)
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.suptitle("Model quality per uplinked byte (held-out rows)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
+    """README's section, regenerated from a run: what was measured, per kind the table and the verdict, the chart."""
+    cfg = results[0]["config"]
+    out = [
+        f"{SECTION} (`benchmarks/bench_value.py`)",
+        "",
+        "What the centre can train when the link carries only part of what the edge sees. Per kind, an edge "
+        "stream in two rounds goes through the product's edge path (`edge.batch.ingest_batch` into a `Spool`; "
+        "tiered policies plan for the budget: `TieringPolicy.budget_share`, every row with its `inclusion_p`, and "
+        "thin what still waits to the link's bytes: `Spool.thin_to`, recorded, p updated), the link carries a "
+        "share of each round's raw bytes (FIFO: oldest first; random: a uniform sample), and the landed bundles "
+        "go through `Uplink.send`, Great Expectations and a Delta commit, then the `train_model` trainer "
+        "(early stopping on a held-out stretch of the landed rows, balanced classes, 1/p weights), scored on "
+        "rows the edge never saw. FIFO and random send the same bytes. Intervals: 90% bootstrap over the test "
+        f"rows and the seeds {list(cfg['seeds'])}. Mix columns: the largest gap, in points, between a cell's "
+        "class shares (as landed; weighted by 1/inclusion_p) and the stream's. "
+        + ("**Quick variant** (`EDGEHAUL_BENCH_QUICK=1`: budgets "
+           f"{', '.join(f'{b:.0%}' for b in cfg['budgets'])}, one seed, smaller streams); the full run (budgets "
+           "1-100%, 3 seeds) was not made for these figures. " if quick else "")
+        + f"{sum(r['seconds'] for r in results):.0f} s on 2 shared cores.",
+        "",
+        "![Model quality per uplinked byte](docs/bench-value.png)",
+        "",
+        "Plainly: " + plain_verdict(results),
+        "",
+    ]
+    for r in results:
+        out += [f"**{r['kind']}** ({'skewed' if r['skewed'] else 'balanced'} classes; held out: {r['held_out']}; "
+                f"stream mix {r['stream_mix']}):", "", markdown(r), "", "Verdict:", "",
+                *[f"- {v}" for v in verdicts(r)], ""]
+    return "\n".join(out)
+
+
+def plain_verdict(results: list[dict[str, Any]]) -> str:
+    """One sentence per kind: where tiering loses, wins, and whether the 10% target is met."""
+    out = []
+    for r in results:
+        lines = verdicts(r)
+        loses = [v.split(":")[0].strip() for v in lines if " loses to " in v]
+        wins = [v.split(":")[0].strip() for v in lines if " beats " in v]
+        target = next((v for v in lines if v.startswith("target")), "")
+        out.append(f"on {r['kind']} tiering loses in {len(loses)} cell(s)"
+                   + (f" ({', '.join(loses)})" if loses else "") + f", wins in {len(wins)}"
+                   + (f" ({', '.join(wins)})" if wins else "")
+                   + (f"; the 10% target is {'MET' if target.endswith('MET') else 'NOT met'}" if target else "")
+                   + ("; LOUD: the 100% model is not the best cell" if any(v.startswith("LOUD") for v in lines) else ""))
+    return "; ".join(out) + "."
+
+
+def write_docs(results: list[dict[str, Any]], png: Path, quick: bool) -> None:
+    """docs/bench-value.{json,png} and README's section (up to the next heading of its level or above)."""
+    DOCS.mkdir(exist_ok=True)
+    entries = [{"kind": r["kind"], "budget": c["budget"], "policy": c["policy"], **{k: v for k, v in c.items()
+                                                                                    if k not in ("policy", "budget")}}
+               for r in results for c in r["cells"]]
+    (DOCS / "bench-value.json").write_text(json.dumps({
+        "quick": quick, "entries": entries,
+        "kinds": [{k: v for k, v in r.items() if k != "cells"} | {"verdicts": verdicts(r)} for r in results]},
+        indent=1))
+    shutil.copyfile(png, DOCS / "bench-value.png")
+    text = README.read_text()
+    if SECTION in text:
+        a = text.index(SECTION)
+        ends = [e for e in (text.find("\n## ", a), text.find("\n### ", a + len(SECTION))) if e != -1]
+        b = min(ends) + 1 if ends else len(text)
+        README.write_text(text[:a] + readme_section(results, quick) + "\n" + text[b:])
 
 
 def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> None:
@@ -575,10 +882,17 @@ def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> N
 
     if FlowRunContext.get() is None:
         return
-    rows = [{"budget": f"{c['budget']:.0%}", "policy": c["policy"], "bytes_landed": c["bytes"], "rows": c["rows"],
-             "macro_f1": round(c["macro_f1_mean"], 3), "rare_recall": round(c["rare_recall_mean"], 3),
-             "accuracy": round(c["accuracy_mean"], 3)} for c in result["cells"]]
-    summary_table("bench-value", rows, "model quality per uplinked byte, held-out Landsat blocks")
+    def ci(c: dict[str, Any], k: str) -> str:
+        lo_hi = (c.get("ci") or {}).get(k)
+        return f"[{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else ""
+
+    kinds = result.get("kinds", [result])
+    rows = [{"kind": r.get("kind", KIND), "budget": f"{c['budget']:.0%}", "policy": c["policy"],
+             "bytes_landed": c["bytes"], "rows": c["rows"],
+             "macro_f1": round(c["macro_f1_mean"], 3), "macro_f1_90ci": ci(c, "macro_f1"),
+             "rare_recall": round(c["rare_recall_mean"], 3), "rare_recall_90ci": ci(c, "rare_recall"),
+             "accuracy": round(c["accuracy_mean"], 3)} for r in kinds for c in r["cells"]]
+    summary_table("bench-value", rows, "model quality per uplinked byte, rows held out from the edge")
     b64 = base64.b64encode(png).decode()
     create_markdown_artifact(
         "### Model quality per uplinked byte\n\n" + "\n".join(f"- {v}" for v in lines)
@@ -593,25 +907,29 @@ def run(quick: bool) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     print(f"value benchmark ({'quick' if quick else 'full'}): {cfg}", flush=True)
+    results = []
     with tempfile.TemporaryDirectory(prefix="bench-value-") as d:
         root = Path(d)
         with s3_store(root / "stack") as store:
-            result = run_experiment(cfg, root / "work", store, log=lambda s: print(s, flush=True))
-    table = markdown(result)
-    lines = verdicts(result)
-    g = result["guard"]
-    print("\n" + table + "\n")
-    print("\n".join(lines))
-    print(f"split guard: {g['test_hashes']} held-out patch hashes, none in the {g['versions_checked']} training "
-          f"versions ({g['rows_checked']:,} rows) checked; {result['seconds']:.0f} s")
+            for kind in cfg.kinds:
+                setup = SETUPS[kind](cfg)
+                results.append(run_experiment(cfg, root / f"work-{kind}", store, log=lambda s: print(s, flush=True),
+                                              setup=setup))
+                r = results[-1]
+                print("\n" + markdown(r) + "\n\n" + "\n".join(verdicts(r)) + "\n", flush=True)
+    lines = [f"{r['kind']}: {v}" for r in results for v in verdicts(r)]
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"bench-value{'-quick' if quick else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(table + "\n\n" + "\n".join(f"- {v}" for v in lines) + "\n")
-    chart(result, stem.with_suffix(".png"))
+    combined = {"quick": quick, "kinds": results}
+    stem.with_suffix(".json").write_text(json.dumps(combined, indent=1))
+    stem.with_suffix(".md").write_text(readme_section(results, quick))
+    chart(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.{{json,md,png}}")
-    publish_artifacts(result, lines, stem.with_suffix(".png").read_bytes())
-    return result
+    if not quick or "--write-docs" in sys.argv:
+        write_docs(results, stem.with_suffix(".png"), quick)
+        print("wrote docs/bench-value.{json,png} and README's section")
+    publish_artifacts(combined, lines, stem.with_suffix(".png").read_bytes())
+    return combined
 
 
 def main() -> None:

@@ -200,7 +200,7 @@ class TrainingSpec:
     lr: float = 2e-3
     width: int = 32
     augment: bool = True  # random flips/rotations (cnn2d only): off where orientation is the label (digits)
-    balance_classes: bool = False  # weight each class's loss by its inverse share (rare anomalies still learnt)
+    balance_classes: bool = True  # weight each class's loss by its inverse share (rare classes still learnt)
 
 
 @dataclass(frozen=True)
@@ -571,7 +571,7 @@ class _Doc:
             epochs=self.integer(t.get("epochs", 3), "training.epochs"),
             batch_size=self.integer(t.get("batch_size", 64), "training.batch_size"), lr=lr,
             width=self.integer(t.get("width", 32), "training.width"), augment=self._bool(t, "augment", True, "training"),
-            balance_classes=self._bool(t, "balance_classes", False, "training"),
+            balance_classes=self._bool(t, "balance_classes", True, "training"),
         )
 
     def _bool(self, m: dict[str, Any], key: str, default: bool, where: str) -> bool:

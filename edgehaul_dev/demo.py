@@ -308,9 +308,17 @@ def summary_lines(out: dict[str, Any], ui_url: str) -> list[str]:
         f"{len(core.get('quarantined', []))} quarantined, {len(core.get('errors', []))} errors)"
     )
     tr = out.get("train", {})
-    last = (tr.get("history") or [{}])[-1]
-    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}
-    lines.append(f"model: {tr.get('model_id')} on dataset v{tr.get('dataset_version')}, last epoch {json.dumps(shown)}")
+    hist = tr.get("history") or [{}]
+    best = max(hist, key=lambda h: h.get("val_macro_f1", float("-inf")) if h.get("val_macro_f1") == h.get(
+        "val_macro_f1") else float("-inf"))  # the epoch the trainer registers (NaN never the best)
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in best.items()
+             if not k.startswith(("val_support_", "val_f1_"))}
+    lines.append(f"model: {tr.get('model_id')} on dataset v{tr.get('dataset_version')}, validation macro-F1 "
+                 f"{best.get('val_macro_f1', float('nan')):.3f} against {best.get('val_chance_macro_f1', float('nan')):.3f} "
+                 f"for a label-blind guesser (epoch {best.get('epoch')} of {len(hist)}); {json.dumps(shown)}")
+    unseen = [k.removeprefix("val_recall_") for k, v in best.items() if k.startswith("val_recall_") and v == 0]
+    if unseen:
+        lines.append(f"model: never right on classes {', '.join(unseen)} (each has validation support)")
     cost = out.get("cost", {})
     lines.append(f"cost report {cost.get('month', '')} (month to date): total {cost.get('total')} "
                  f"{cost.get('currency', '')}".rstrip())

@@ -150,11 +150,12 @@ def gait_table(node_id: str, *, end: datetime | None = None, start_seq: int = 0,
 
 def generate_gait(n: int, node_id: str = "node-a", *, seed: int = 0, anomaly_fraction: float | None = None,
                   start_seq: int = 0, batch_size: int = 50_000, end: datetime | None = None,
-                  contract: Contract | None = None) -> Iterator[pa.Table]:
+                  contract: Contract | None = None, span: tuple[float, float] = (0.0, 1.0)) -> Iterator[pa.Table]:
     """`n` readings resampled from the recording with +-3 mg noise, 64 Hz, ending at `end`. `anomaly_fraction`
     (default: the recording's own, 0) marks that share as synthetic freezing (the recording has none): the ankle
     and leg axes get a 6 Hz tremor of 300 mg (freezing of gait shows in the 3-8 Hz band) and the ankle a forward
-    tilt of 600 mg, so a model that sees one reading can tell them apart."""
+    tilt of 600 mg, so a model that sees one reading can tell them apart. `span`: the share of the recording
+    resampled (e.g. (0, 0.7) and (0.7, 1): two streams that share no reading, held out by time)."""
     contract = contract or load_contract("daphnet_gait")
     g = gait_recording()
     rng = np.random.default_rng(seed)
@@ -162,7 +163,7 @@ def generate_gait(n: int, node_id: str = "node-a", *, seed: int = 0, anomaly_fra
     done = 0
     while done < n:
         m = min(batch_size, n - done)
-        idx = rng.integers(0, len(g.anomaly), size=m)
+        idx = rng.integers(int(span[0] * len(g.anomaly)), int(span[1] * len(g.anomaly)), size=m)
         # ms before `end` (<= 0: the last reading is at `end`), 64 Hz as the recording
         offsets = np.rint((np.arange(done, done + m) - (n - 1)) * (1000 / DAPHNET_HZ)).astype(np.int64)
         cols = {k: v[idx] + rng.integers(-3, 4, size=m).astype(np.float32) for k, v in g.readings.items()}

@@ -162,7 +162,8 @@ def test_run_as_a_flow_the_table_and_chart_are_artifacts_with_the_verdicts(stack
     got = {a["key"]: a for a in httpx.post(f"{api}/artifacts/filter", json={
         "artifacts": {"key": {"any_": ["bench-value", "bench-value-chart"]}}}, timeout=10,
         auth=api_auth()).json()}
-    assert "10% tier-model: macro-F1 0.400 loses to the better of FIFO/random (0.500)" in got["bench-value-chart"]["data"]
+    assert ("10% tier-model: macro-F1 0.400 [0.400, 0.400] loses to the better of FIFO/random (fifo 0.500 "
+            "[0.500, 0.500])") in got["bench-value-chart"]["data"]
     assert "data:image/png;base64," in got["bench-value-chart"]["data"]
     table = got["bench-value"]["data"]
     assert "tier-novelty" in str(table) and "977 KiB" in str(table)  # bytes in units

@@ -24,10 +24,14 @@ from tests.train_support import make_dataset
 ROOT = Path(__file__).resolve().parent.parent
 
 
+GOOD = {"val_acc": 0.9, "val_macro_f1": 0.8, "val_chance_macro_f1": 0.2}
+WEAK = {"val_acc": 0.6, "val_macro_f1": 0.22, "val_chance_macro_f1": 0.2}
+
+
 def _small(store_block: str, quota_block: str, **kw: object) -> dict[str, object]:
     p: dict[str, object] = dict(
         team="geo", store_block=store_block, quota_block=quota_block, epochs=1, batch_size=32, width=8,
-        num_threads=1, checkpoint_every_steps=10, max_hours=0.5,
+        num_threads=1, checkpoint_every_steps=10, max_hours=0.5, quality_gate=False,  # plumbing, not learning
     )
     p.update(kw)
     return p
@@ -120,11 +124,20 @@ def test_local_run_trains_and_publish_model_swaps_the_edge_pointer(store: Object
     assert again["history"] == out["history"]
     with pytest.raises(QualityGateFailed, match="below the publish gate"):
         publish_model(PublishModelParams(model_id="a1", store_block=store_block, min_val_acc=1.0))
-    first = publish_model(PublishModelParams(model_id="a1", store_block=store_block))
-    assert first["model_id"] == "a1" and first["previous"] is None
-    registry.register_model(store, "landcover", "a2", {"x": 1}, {"team": "geo", "final": {"val_acc": 0.9}})
+    with pytest.raises(QualityGateFailed, match=r"macro-F1 .* below the publish gate"):
+        publish_model(PublishModelParams(model_id="a1", store_block=store_block, min_macro_f1_over_chance=1.0))
+    registry.register_model(store, "landcover", "a0", {"x": 1}, {"team": "geo", "final": GOOD})
+    first = publish_model(PublishModelParams(model_id="a0", store_block=store_block))
+    assert first["model_id"] == "a0" and first["previous"] is None
+    # the gate is on by default: a model at chance, or one never validated, is refused
+    registry.register_model(store, "landcover", "weak", {"x": 1}, {"team": "geo", "final": WEAK})
+    registry.register_model(store, "landcover", "unmeasured", {"x": 1}, {"team": "geo", "final": {"val_acc": 0.9}})
+    for mid in ("weak", "unmeasured"):
+        with pytest.raises(QualityGateFailed, match="below the publish gate"):
+            publish_model(PublishModelParams(model_id=mid, store_block=store_block))
+    registry.register_model(store, "landcover", "a2", {"x": 1}, {"team": "geo", "final": GOOD})
     second = publish_model(PublishModelParams(model_id="a2", store_block=store_block))
-    assert second["previous"] == "a1"
+    assert second["previous"] == "a0"
     pointer, _ = registry.read_json(store, registry.latest_uri(store))
     assert pointer["model_id"] == "a2"
 
@@ -137,7 +150,8 @@ def test_a_model_of_an_older_dataset_version_does_not_replace_a_newer_one(store:
     name, uri = "stale-check", "s3://curated/tables/stale-check"
     for model_id, version in (("v5", 5), ("v3", 3), ("v7", 7), ("other", 1)):
         registry.register_model(store, name, model_id, {"x": 1}, {"dataset_uri": uri if model_id != "other" else
-                                                                  uri + "-b", "dataset_version": version})
+                                                                  uri + "-b", "dataset_version": version,
+                                                                  "final": GOOD})
     assert publish_model(PublishModelParams(model_id="v5", model_name=name, store_block=store_block))["model_id"] == "v5"
     late = publish_model(PublishModelParams(model_id="v3", model_name=name, store_block=store_block))
     assert late["published"] is False and "version 3" in late["reason"] and "v5 (version 5)" in late["reason"]

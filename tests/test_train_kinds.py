@@ -213,7 +213,7 @@ def _config(uri: str, contract: Contract, run_id: str, **kw: Any) -> TrainConfig
         run_id=run_id, dataset_uri=uri, dataset_version=1, team="geo", seed=3, epochs=EPOCHS[contract.kind],
         batch_size=32, width=8, lr=1e-2, num_threads=1, checkpoint_every_steps=8, val_fraction=0.25,
         contract_id=contract.id, model_name=contract.training.model_name, augment=contract.training.augment,
-        emit_events=False,
+        emit_events=False, patience=0,  # every epoch run: the history's length is asserted
     )
     base.update(kw)
     return TrainConfig.model_validate(base)
@@ -331,13 +331,13 @@ def test_the_published_model_scores_its_kind_at_the_edge(runs: dict[str, KindRun
     assert values.shape == (90,) and ((values >= 0) & (values <= 1)).all()
     assert (values[summary] == 0).all() and values[~summary].std() > 0
     p = scorer.probabilities(rows)[~summary]
-    if r.contract.label.kind == "anomaly":  # the anomaly probability: anomalies score above normal rows
-        assert np.allclose(values[~summary], p[:, 1], atol=1e-6)
+    entropy = -(p * np.log(np.clip(p, 1e-30, 1))).sum(1) / np.log(scorer.n_classes)
+    if r.contract.label.kind == "anomaly":  # at least the anomaly probability: anomalies score above normal rows
+        assert np.allclose(values[~summary], np.maximum(entropy, p[:, 1]), atol=1e-5)
         lab = _labels(r.contract, 90)[~summary]
         assert values[~summary][lab == 1].mean() > values[~summary][lab == 0].mean() + 0.3
     else:
-        assert np.allclose(values[~summary], -(p * np.log(np.clip(p, 1e-30, 1))).sum(1) / np.log(scorer.n_classes),
-                           atol=1e-5)
+        assert np.allclose(values[~summary], entropy, atol=1e-5)
     # a policy's `latest` is the scored kind's own model (its contract's training.model_name)
     policy = TieringPolicy(scorer="model", model_uri="latest")
     ctx = ScorerContext(contract=r.contract, policy=policy, store=r.store, state_dir=tmp_path)
@@ -370,7 +370,7 @@ def test_train_model_trains_the_kind_with_the_contracts_defaults(store: ObjectSt
                                        publish=True))
     assert c.training is not None
     assert out["model_name"] == c.training.model_name == "gait-freeze" and out["model_family"] == "mlp"
-    assert len(out["history"]) == c.training.epochs and out["contract"] == "daphnet_gait.v1"
+    assert 1 <= len(out["history"]) <= c.training.epochs and out["contract"] == "daphnet_gait.v1"
     lin = registry.read_lineage(store, "gait-freeze", out["model_id"])
     assert lin is not None and lin["config"]["batch_size"] == c.training.batch_size
     assert "val_macro_f1" in lin["final"]

@@ -44,7 +44,8 @@ def test_train_model_run_name_progress_artifact_and_domain_log_lines(stack: loca
     assert progress is not None and progress.type == "progress" and progress.data == 100.0
     assert progress.description == (f"run {out['run_id']}: epoch 2/2: loss {out['history'][-1]['train_loss']:.4f}, "
                                     f"val_loss {out['history'][-1]['val_loss']:.4f}, "
-                                    f"val_acc {out['history'][-1]['val_acc']:.3f} (step {out['history'][-1]['step']})")
+                                    f"val_acc {out['history'][-1]['val_acc']:.3f}, "
+                                    f"macro-F1 {out['history'][-1]['val_macro_f1']:.3f} (step {out['history'][-1]['step']})")
 
     lines = run_log_lines(run_id, f"run {out['run_id']} epoch 1: loss")
     assert any(line.startswith("edgehaul.training.trainer: checkpoint committed run=") for line in lines), lines
@@ -63,6 +64,7 @@ def test_trainer_reports_epochs_and_checkpoints_and_a_failing_display_does_not_s
         raise RuntimeError("artifact API down")
 
     cfg = TrainConfig(run_id=f"p-{uuid.uuid4().hex[:8]}", dataset_uri=uri, dataset_version=0, epochs=2, batch_size=16,
+                      quality_gate=False,
                       width=8, num_threads=1, checkpoint_every_steps=4, emit_events=False)
     res = train(cfg, store, display)
     assert len(res.history) == 2 and res.steps > 0

@@ -152,16 +152,23 @@ def trained(stack: localstack.StackState) -> Iterator[Trained]:
 @pytest.mark.integration
 def test_stream_continues_exactly_from_a_position(trained: Trained) -> None:
     frags, columns = open_fragments(DatasetRef(trained.uri, 1, trained.store.storage_options()), CONTRACT)
-    assert columns == ["sample_id", "label", "pixels", "is_summary", "inclusion_p"]  # bundle rows carry p
+    # bundle rows carry p; node and seq place a row in time (the validation split)
+    assert columns == ["sample_id", "node_id", "seq", "label", "pixels", "is_summary", "inclusion_p"]
     assert len(frags) == 2
     files = shard(epoch_order(len(frags), 7, 0), 0, 1)
-    full = [(p, b.column("sample_id").to_pylist()) for p, b in stream(frags, files, Position(0), 50, columns)]
-    assert len(full) > 3
-    cut = full[len(full) // 2][0]
-    resumed = [b.column("sample_id").to_pylist() for _, b in stream(frags, files, cut, 50, columns)]
-    assert resumed == [ids for _, ids in full[len(full) // 2 + 1 :]]
-    ids = [i for _, b in full for i in b]
-    assert len(ids) == len(set(ids)) == 800  # version 1 = both appends, each row once per epoch
+    stored = [b.column("sample_id").to_pylist() for _, b in stream(frags, files, Position(0), 50, columns)]
+    for seed in (None, 7):  # stored order, and rows shuffled within each file
+        full = [(p, b.column("sample_id").to_pylist())
+                for p, b in stream(frags, files, Position(0), 50, columns, shuffle_seed=seed)]
+        assert len(full) > 3
+        cut = full[len(full) // 2][0]
+        resumed = [b.column("sample_id").to_pylist() for _, b in stream(frags, files, cut, 50, columns,
+                                                                           shuffle_seed=seed)]
+        assert resumed == [ids for _, ids in full[len(full) // 2 + 1 :]]
+        ids = [i for _, b in full for i in b]
+        assert len(ids) == len(set(ids)) == 800  # version 1 = both appends, each row once per epoch
+        if seed is not None:  # the same rows, not in the stored order
+            assert sorted(ids) == sorted(i for b in stored for i in b) and ids != [i for b in stored for i in b]
 
 
 @pytest.mark.integration

@@ -1,6 +1,8 @@
 """publish_model: make a registered model the one edge nodes score with.
 
-Reads the model's lineage.json, applies a quality gate (final validation accuracy), then swaps
+Reads the model's lineage.json, applies the quality gate (on by default: the registered epoch's validation
+macro-F1 must reach a uniform-prior guesser's plus `min_macro_f1_over_chance`, 0.05; optionally a
+val_acc floor; `registry.check_quality`), then swaps
 `models/<name>/latest.json` with a conditional write (create-if-absent or If-Match on the old
 ETag), so two publishers never overwrite each other silently. Edges load it through
 `edgehaul.edge.model_scorer.ModelScorer("latest")`. A model trained on an older version of the published
@@ -12,7 +14,6 @@ Blocks: ObjectStore `store_block`. Cache policy: none (publishing is idempotent 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -32,12 +33,14 @@ class PublishModelParams(BaseModel):
     model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     store_block: str = Field(default=StoreBlock.TRAINER)
     min_val_acc: float = Field(default=0.0, ge=0, le=1, description="Refuse models below this final val_acc.")
+    min_macro_f1_over_chance: float = Field(
+        default=registry.PUBLISH_MARGIN, ge=0, le=1,
+        description="Refuse models whose validation macro-F1 is below a uniform-prior guesser's plus this.")
     allow_older: bool = Field(default=False, description="Publish even if trained on an older dataset version "
                               "than the published model (a rollback).")
 
 
-class QualityGateFailed(RuntimeError):
-    """The model's validation accuracy is below the publish gate."""
+QualityGateFailed = registry.QualityGateFailed  # the model is below the publish gate
 
 
 @flow(name="publish_model", log_prints=True,
@@ -49,12 +52,8 @@ def publish_model(params: PublishModelParams) -> dict[str, Any]:
     lineage = registry.read_lineage(store, params.model_name, params.model_id)
     if lineage is None:
         raise registry.RegistryError(f"model {params.model_name}/{params.model_id} is not registered")
-    acc = float(lineage.get("final", {}).get("val_acc", math.nan))
-    if params.min_val_acc > 0 and not acc >= params.min_val_acc:
-        raise QualityGateFailed(
-            f"model {params.model_id}: final val_acc {acc:.3f} below the publish gate {params.min_val_acc:.3f}"
-        )
-    pointer = publish(store, params.model_name, params.model_id, allow_older=params.allow_older)
+    registry.check_quality(lineage, params.min_macro_f1_over_chance, params.min_val_acc)
+    pointer = publish(store, params.model_name, params.model_id, allow_older=params.allow_older, gate=False)
     if pointer.get("published") is not False:  # a stale model was refused by the task, which logged why
         get_run_logger().info("edge model %s is now %s (was %s)", params.model_name, params.model_id,
                               pointer.get("previous"))

@@ -62,7 +62,10 @@ class TrainModelParams(BaseModel):
     checkpoint_every_steps: int | None = Field(default=None, ge=1, description="None: adapt to a 5% cost.")
     num_threads: int | None = Field(default=None, ge=1, le=256)
     allow_local: bool = Field(default=False, description="Allow a run outside any work pool (local call).")
-    publish: bool = Field(default=False, description="Publish the model to the edge when done.")
+    publish: bool = Field(default=False, description="Publish the model to the edge when done (if it passes "
+                          "the publish gate).")
+    quality_gate: bool = Field(default=True, description="Register nothing when the best validation macro-F1 is "
+                               "not above a label-blind guesser's (off only for plumbing tests).")
     catch_up: bool = Field(default=True, description="Train the newest committed version, once: an older "
                            "dataset_version is superseded by the newest, and a newest version some registered "
                            "model of this name already covers is not trained again. False: train as asked.")
@@ -129,6 +132,7 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
         contract_id=contract.id, seed=p.seed, epochs=p.epochs or spec.epochs, batch_size=p.batch_size or spec.batch_size,
         lr=p.lr or spec.lr, width=width, augment=spec.augment, val_fraction=p.val_fraction,
         checkpoint_every_steps=p.checkpoint_every_steps, num_threads=p.num_threads, flow_run_id=flow_run.id,
+        quality_gate=p.quality_gate,
     )
     logger.info("team %s: %.3g accelerator-h used in %s; training %s (%s %s) on %s v%d in %s", p.team,
                 usage["accelerator_hours"], usage["month"], run_id, spec.model, model_name, uri, version, where)

@@ -72,10 +72,21 @@ def report_training(store: ObjectStore, result: dict[str, Any], model_name: str)
 
 
 @task(**IO_RETRY, cache_policy=NO_CACHE)
-def publish(store: ObjectStore, model_name: str, model_id: str, allow_older: bool = False) -> dict[str, Any]:
+def publish(store: ObjectStore, model_name: str, model_id: str, allow_older: bool = False,
+            gate: bool = True) -> dict[str, Any]:
     """The new latest.json pointer; a model trained on an older version of the published model's dataset
     (trainings can finish out of order) is not an error: the newer model stays published and the result
-    says why (`published: False`, `reason`)."""
+    says why (`published: False`, `reason`). With `gate`, a model below the publish gate
+    (`registry.check_quality`) is not published either, the result saying why."""
+    try:
+        if gate:
+            lineage = registry.read_lineage(store, model_name, model_id)
+            if lineage is None:
+                raise registry.RegistryError(f"model {model_name}/{model_id} is not registered")
+            registry.check_quality(lineage)
+    except registry.QualityGateFailed as e:
+        get_run_logger().warning("not published: %s", e)
+        return {"model_id": model_id, "published": False, "reason": str(e)}
     try:
         return registry.publish(store, model_name, model_id, allow_older=allow_older)
     except registry.StaleModel as e:

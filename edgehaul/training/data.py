@@ -25,15 +25,18 @@ import pyarrow.dataset as pds
 
 from edgehaul.contracts import Contract, ContractError
 from edgehaul.core.datasets import DatasetError, open_uri
+from edgehaul.edge.decode import DecodeError, decode_tensors
 
 INCLUSION_P = "inclusion_p"  # optional: the probability a row was sampled with (older tables lack it)
+SHUFFLE_ROWS = 8192  # rows permuted together within a file (bounds memory: one window at a time)
+VAL_BLOCK_ROWS = 64  # consecutive readings of a node held out together
 
 
 def columns_for(contract: Contract) -> list[str]:
     """The columns training reads of a contract's dataset (`inclusion_p` is added where the table has it)."""
     if contract.label_column is None:
         raise ContractError(f"contract {contract.id} has no label column to train on")
-    return ["sample_id", contract.label_column, *contract.payload_columns, "is_summary"]
+    return ["sample_id", "node_id", "seq", contract.label_column, *contract.payload_columns, "is_summary"]
 
 
 @dataclass(frozen=True)
@@ -89,14 +92,24 @@ def shard(order: list[int], rank: int, world: int) -> list[int]:
     return order[rank::world]
 
 
-def is_validation(sample_ids: pa.Array, val_fraction: float) -> np.ndarray:
-    """Stable hold-out by sample id (crc32), so a sample is on the same side in every epoch and run."""
-    if val_fraction <= 0:
-        return np.zeros(len(sample_ids), dtype=bool)
+def is_validation(batch: pa.RecordBatch | pa.Table, val_fraction: float,
+                  block_rows: int = VAL_BLOCK_ROWS) -> np.ndarray:
+    """Stable hold-out by time: a row is validation when the crc32 of its stretch (`node_id`,
+    `seq // block_rows`) falls under `val_fraction`, so a sample is on the same side in every epoch and run
+    and its neighbours in time are on its side. A batch without `node_id`/`seq` holds out by sample id."""
+    n = batch.num_rows
+    if val_fraction <= 0 or n == 0:
+        return np.zeros(n, dtype=bool)
     cut = int(val_fraction * 10_000)
-    return np.fromiter(
-        ((zlib.crc32(s.encode()) % 10_000) < cut for s in sample_ids.to_pylist()), dtype=bool, count=len(sample_ids)
-    )
+    names = batch.schema.names
+    if "node_id" in names and "seq" in names:
+        seq = np.asarray(batch.column("seq").to_numpy(zero_copy_only=False), dtype=np.int64) // block_rows
+        keys = [f"{node}|{b}" for node, b in zip(batch.column("node_id").to_pylist(), seq.tolist(), strict=True)]
+    else:
+        keys = batch.column("sample_id").to_pylist()
+    uniq, inverse = np.unique(np.asarray(keys, dtype=object), return_inverse=True)
+    held = np.fromiter(((zlib.crc32(str(k).encode()) % 10_000) < cut for k in uniq), dtype=bool, count=len(uniq))
+    return held[inverse]
 
 
 def trainable(batch: pa.RecordBatch, contract: Contract) -> pa.RecordBatch:
@@ -134,17 +147,50 @@ def sample_weights(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
 
 
 def stream(
-    fragments: list[pds.ParquetFileFragment], files: list[int], start: Position, batch_size: int, columns: list[str]
+    fragments: list[pds.ParquetFileFragment], files: list[int], start: Position, batch_size: int, columns: list[str],
+    shuffle_seed: int | None = None,
 ) -> Iterator[tuple[Position, pa.RecordBatch]]:
     """Yield (position after this batch, raw batch) from `files` (indices into `fragments`),
-    starting at `start`. Batches before `start.batch` of the first file are read and dropped
-    (bounded by one file), so a resumed stream continues with exactly the next batch."""
+    starting at `start`. With `shuffle_seed`, each window of `SHUFFLE_ROWS` rows of a file is permuted
+    (seeded by (seed, epoch, file, window)) before it is cut into batches; without, the stored order.
+    Batches before `start.batch` of the first file are read and dropped (bounded by one file), so a
+    resumed stream continues with exactly the next batch."""
     for fi in range(start.file, len(files)):
         skip = start.batch if fi == start.file else 0
         frag = fragments[files[fi]]
         # A file written before the table gained inclusion_p (schema merge) lacks it: its rows weigh 1.
-        cols = [c for c in columns if c != INCLUSION_P or c in frag.physical_schema.names]
-        for bi, batch in enumerate(frag.to_batches(columns=cols, batch_size=batch_size)):
-            if bi < skip or batch.num_rows == 0:
+        have = frag.physical_schema.names
+        cols = [c for c in columns if c != INCLUSION_P or c in have]
+        window = SHUFFLE_ROWS if shuffle_seed is not None else batch_size
+        bi = 0
+        for wi, chunk in enumerate(frag.to_batches(columns=cols, batch_size=window)):
+            if chunk.num_rows == 0:
                 continue
-            yield Position(start.epoch, fi, bi + 1), batch
+            if shuffle_seed is not None:
+                rng = np.random.default_rng([shuffle_seed, start.epoch, files[fi], wi])
+                chunk = chunk.take(pa.array(rng.permutation(chunk.num_rows)))
+            for a in range(0, chunk.num_rows, batch_size):
+                bi += 1
+                if bi <= skip:
+                    continue
+                yield Position(start.epoch, fi, bi), chunk.slice(a, batch_size)
+
+
+def decodable(rows: pa.RecordBatch, contract: Contract) -> tuple[pa.RecordBatch, list[dict[str, str]]]:
+    """(the rows whose payload decodes, [{sample_id, reason}] of those that do not). A tensor or file kind's
+    payload comes from a node: one that passed the core but does not decode (junk bytes behind an image
+    signature) is skipped and named, never allowed to fail the run. Row by row: callers decode the whole
+    batch first and come here only when that failed, to find which rows."""
+    if contract.layout == "columns" or rows.num_rows == 0:
+        return rows, []
+    col = rows.column(contract.payload_columns[0])
+    ok = np.ones(rows.num_rows, dtype=bool)
+    skipped: list[dict[str, str]] = []
+    ids = rows.column("sample_id")
+    for i in range(rows.num_rows):  # the failure path only: find the rows that do not decode
+        try:
+            decode_tensors(col.slice(i, 1), contract)
+        except DecodeError as e:
+            ok[i] = False
+            skipped.append({"sample_id": str(ids[i].as_py()), "reason": str(e).split(": ", 1)[-1]})
+    return rows.filter(pa.array(ok)), skipped

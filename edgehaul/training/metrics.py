@@ -52,3 +52,29 @@ def rare_labels(row: dict[str, float], label_values: tuple[int, ...] | list[int]
     """The label values `val_rare_recall` of a history row averages over."""
     support = np.asarray([row.get(f"val_support_{v}", 0.0) for v in label_values], dtype=np.float64)
     return [int(label_values[i]) for i in rare_classes(support)]
+
+
+def chance_macro_f1(support: np.ndarray, n_classes: int | None = None) -> float:
+    """Expected macro-F1 (over the classes present) of the better of two label-blind guessers: one with a
+    uniform prior (each row gets one of `n_classes`, default the length of `support`, at random: a present
+    class of share s has precision s and recall 1/K, F1 = 2s / (K s + 1); on K balanced classes 1/K), and
+    one that always answers the commonest class (F1 2s/(1+s) for it, 0 for the rest; on a skewed kind it
+    beats the uniform guesser). A model that does not beat both has learnt nothing from its inputs. NaN
+    without support."""
+    support = np.asarray(support, dtype=np.float64)
+    total = support.sum()
+    k = n_classes or len(support)
+    present = support > 0
+    if total <= 0 or k < 1:
+        return math.nan
+    share = support[present] / total
+    uniform = float(np.mean(2 * share / (k * share + 1)))
+    top = float(share.max())
+    commonest = 2 * top / (1 + top) / len(share)
+    return max(uniform, commonest)
+
+
+def chance_of(row: dict[str, float], label_values: tuple[int, ...] | list[int]) -> float:
+    """`chance_macro_f1` of a history row's validation support."""
+    support = np.asarray([row.get(f"val_support_{v}", 0.0) for v in label_values], dtype=np.float64)
+    return chance_macro_f1(support)

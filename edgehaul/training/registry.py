@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import subprocess
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -168,6 +169,39 @@ class StaleModel(RegistryError):
 def _trained_on(lineage: dict[str, Any]) -> tuple[str, int] | None:
     uri, version = lineage.get("dataset_uri"), lineage.get("dataset_version")
     return (str(uri), int(version)) if uri is not None and version is not None else None
+
+
+PUBLISH_MARGIN = 0.05  # the publish gate's floor: validation macro-F1 at least chance + this
+
+
+class QualityGateFailed(RegistryError):
+    """A model's validation macro-F1 is below the publish gate's floor (or was never measured)."""
+
+
+def check_quality(lineage: dict[str, Any], margin: float = PUBLISH_MARGIN, min_val_acc: float = 0.0) -> dict[str, Any]:
+    """The publish gate, on by default: a model reaches the edge only when the validation macro-F1 of its
+    registered (best) epoch is at least a uniform-prior guesser's plus `margin`, and its val_acc at least
+    `min_val_acc`. A model without validation (trained with val_fraction 0) has no measure and is refused.
+    Returns the figures it judged; raises `QualityGateFailed` naming them."""
+    from edgehaul.training.metrics import chance_of
+
+    final = lineage.get("final", {}) or {}
+    mid = lineage.get("model_id", "?")
+    f1 = float(final.get("val_macro_f1", math.nan))
+    chance = final.get("val_chance_macro_f1")
+    labels = [int(k.removeprefix("val_support_")) for k in final if k.startswith("val_support_")]
+    chance = float(chance) if chance is not None else chance_of(final, labels)
+    acc = float(final.get("val_acc", math.nan))
+    out = {"val_macro_f1": f1, "chance_macro_f1": chance, "floor": chance + margin, "val_acc": acc}
+    if not (math.isfinite(f1) and math.isfinite(chance)):
+        raise QualityGateFailed(f"model {mid}: no validation macro-F1 to judge (trained without validation rows): "
+                                "below the publish gate")
+    if not f1 >= chance + margin:
+        raise QualityGateFailed(f"model {mid}: validation macro-F1 {f1:.3f} below the publish gate "
+                                f"{chance + margin:.3f} (chance {chance:.3f} + {margin:.2f})")
+    if min_val_acc > 0 and not acc >= min_val_acc:
+        raise QualityGateFailed(f"model {mid}: final val_acc {acc:.3f} below the publish gate {min_val_acc:.3f}")
+    return out
 
 
 def publish(store: ObjectStore, name: str, model_id: str, allow_older: bool = False) -> dict[str, Any]:

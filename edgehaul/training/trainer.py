@@ -10,17 +10,28 @@ over the global batch even when a rank's shard ran dry (it then steps with an em
 were filtered out. The epoch ends when every rank's shard is exhausted.
 
 What is trained follows the contract (`cfg.contract_id`): the model family of its training section,
-inputs decoded by `edgehaul.edge.decode`, the label column it names; each row's loss weighs
-1/inclusion_p (`data.sample_weights`). Each epoch records, besides loss and accuracy, per-class
-validation metrics (recall per class, macro-F1, recall of the rarest classes; `metrics.class_metrics`).
+inputs decoded by `edgehaul.edge.decode` and standardised by statistics measured on the data, the label
+column it names. The estimator: each row's loss weighs 1/inclusion_p (Horvitz-Thompson: a row the edge
+kept with probability p stands for 1/p rows of the stream, so the weighted data has the stream's mix),
+times its class's weight where `training.balance_classes` (on by default) asks for balanced training:
+the inverse of the class's Horvitz-Thompson share, so every class weighs the same in the loss.
+
+The run, in phases (`train`): set up (model, optimiser, data, statistics, class weights), resume from
+the last checkpoint, epochs (shuffled batches, validation metrics per class, checkpoints) until the
+epochs are done or `patience` epochs bring no better validation macro-F1, then the best epoch's weights
+are checked and registered. A run registers nothing when its loss is not finite (`NonFiniteLoss`) or when
+its best validation macro-F1 is not above a uniform-prior guesser's (`QualityGateFailed`). A row whose
+payload does not decode is skipped and named in the lineage (`skipped_samples`), never a failed run.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -35,12 +46,14 @@ from pydantic import BaseModel, Field
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, contract_by_id
+from edgehaul.edge.decode import DecodeError
 from edgehaul.platform.settings import torchrun_env
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointError, CheckpointStore, IntervalController, check_resumable
 from edgehaul.training.data import (
     DatasetRef,
     Position,
+    decodable,
     epoch_order,
     is_validation,
     open_fragments,
@@ -49,7 +62,7 @@ from edgehaul.training.data import (
     stream,
     trainable,
 )
-from edgehaul.training.metrics import class_metrics, rare_labels
+from edgehaul.training.metrics import chance_of, class_metrics, rare_labels
 from edgehaul.training.model import (
     arch_for,
     build_model,
@@ -60,6 +73,23 @@ from edgehaul.training.model import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_SKIPPED_NAMED = 100  # undecodable samples named in the lineage (all are counted)
+
+
+class TrainingFailed(RuntimeError):
+    """The run ended without a model worth registering; nothing was registered. Not retryable: the same data
+    gives the same outcome."""
+
+    retryable = False
+
+
+class NonFiniteLoss(TrainingFailed):
+    """A batch's loss (or the final weights) is NaN or infinite."""
+
+
+class QualityGateFailed(TrainingFailed):
+    """The best validation macro-F1 is not above a uniform-prior guesser's."""
 
 
 class TrainConfig(BaseModel):
@@ -78,7 +108,13 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(default=1e-4, ge=0, le=1)
     width: int = Field(default=32, ge=4, le=512)
     augment: bool = Field(default=True, description="Random flips/rotations per batch (seeded; cnn2d only).")
-    val_fraction: float = Field(default=0.1, ge=0, lt=1, description="Held-out share by sample-id hash.")
+    val_fraction: float = Field(default=0.1, ge=0, lt=1,
+                                description="Held-out share, by stretches of consecutive readings per node.")
+    patience: int = Field(default=3, ge=0, le=10_000, description="Stop after this many epochs without a better "
+                          "validation macro-F1 (the best epoch's weights are registered); 0: never stop early.")
+    quality_gate: bool = Field(default=True, description="Register nothing when the best validation macro-F1 "
+                               "is not above a uniform-prior guesser's (`metrics.chance_macro_f1`).")
+    shuffle: bool = Field(default=True, description="Permute rows within each file (seeded per epoch).")
     checkpoint_every_steps: int | None = Field(default=None, ge=1, description="Fixed interval; None adapts.")
     max_checkpoint_share: float = Field(default=0.05, gt=0, lt=1, description="Checkpoint cost cap per interval.")
     first_checkpoint_steps: int = Field(default=20, ge=1, description="Calibration interval when adapting.")
@@ -224,17 +260,39 @@ class _Part:
 
 def _part(rows: pa.RecordBatch, contract: Contract, arch: dict[str, Any], device: torch.device) -> _Part:
     assert contract.label_column is not None
+    with np.errstate(over="ignore"):
+        w = sample_weights(rows).astype(np.float32)
+    if not np.isfinite(w).all():  # 1/p overflows float32 (p below ~3e-39): it would make the loss or metrics NaN
+        i = int(np.flatnonzero(~np.isfinite(w))[0])
+        raise NonFiniteLoss(f"sample {rows.column('sample_id')[i].as_py()}: loss weight 1/inclusion_p is not finite "
+                            f"in float32 ({int((~np.isfinite(w)).sum())} of {len(w)} rows of the batch): "
+                            "nothing registered")
     return _Part(inputs(rows, contract, arch).to(device),
                  labels_to_targets(rows.column(contract.label_column), contract).to(device),
-                 torch.from_numpy(sample_weights(rows).astype(np.float32)).to(device))
+                 torch.from_numpy(w).to(device))
+
+
+def _decoded(rows: pa.RecordBatch, contract: Contract, arch: dict[str, Any], device: torch.device,
+             skipped: dict[str, str]) -> _Part:
+    """`_part`, skipping (and adding to `skipped`: sample id -> why) rows whose payload does not decode."""
+    try:
+        return _part(rows, contract, arch, device)
+    except DecodeError:
+        good, bad = decodable(rows, contract)
+        for b in bad:
+            if b["sample_id"] not in skipped:
+                log.warning("sample %s skipped: its payload does not decode (%s)", b["sample_id"], b["reason"])
+            skipped[b["sample_id"]] = b["reason"]
+        return _part(good, contract, arch, device)
 
 
 def _prepare(batch: pa.RecordBatch, contract: Contract, arch: dict[str, Any], val_fraction: float,
-             device: torch.device) -> tuple[_Part, _Part]:
+             device: torch.device, skipped: dict[str, str] | None = None) -> tuple[_Part, _Part]:
     rows = trainable(batch, contract)
-    val = is_validation(rows.column("sample_id"), val_fraction)
+    val = is_validation(rows, val_fraction)
     tr, va = rows.take(pa.array(np.flatnonzero(~val))), rows.take(pa.array(np.flatnonzero(val)))
-    return _part(tr, contract, arch, device), _part(va, contract, arch, device)
+    sk = skipped if skipped is not None else {}
+    return _decoded(tr, contract, arch, device, sk), _decoded(va, contract, arch, device, sk)
 
 
 def _empty(contract: Contract, arch: dict[str, Any], device: torch.device) -> _Part:
@@ -247,49 +305,48 @@ def weighted_loss_sum(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) ->
     return (F.cross_entropy(logits, y, reduction="none") * w).sum()
 
 
-# Families whose inputs are standardised by statistics measured on the data (images are already in [0, 1];
-# Landsat's model stays as it was).
-STANDARDISED_FAMILIES = ("mlp", "cnn1d")
+def _sample_rows(fragments: list[Any], columns: list[str], contract: Contract, max_rows: int,
+                 batch_size: int = 4096) -> Iterator[pa.RecordBatch]:
+    """Trainable rows from the data files in path order (every rank and a resumed run read the same), up
+    to about `max_rows`."""
+    n = 0
+    for frag in fragments:
+        have = frag.physical_schema.names  # a file from before a column was added lacks it
+        for batch in frag.to_batches(columns=[c for c in columns if c in have], batch_size=batch_size):
+            rows = trainable(batch, contract)
+            if rows.num_rows:
+                yield rows
+                n += rows.num_rows
+            if n >= max_rows:
+                return
 
 
 def _input_statistics(fragments: list[Any], columns: list[str], contract: Contract, arch: dict[str, Any],
                       max_rows: int = 8192) -> dict[str, list[float]]:
-    """Input mean/std from the trainable rows of the first data file (sorted by path, so every rank and a
-    resumed run measure the same), for `model.standardise`."""
-    parts: list[np.ndarray] = []
-    n = 0
-    have = fragments[0].physical_schema.names  # a file from before a column was added lacks it
-    for batch in fragments[0].to_batches(columns=[c for c in columns if c in have], batch_size=2048):
-        rows = trainable(batch, contract)
-        if rows.num_rows:
-            parts.append(inputs(rows, contract, arch).numpy())
-            n += rows.num_rows
-        if n >= max_rows:
-            break
+    """Input mean/std of up to `max_rows` trainable rows, for `model.standardise`. Every family is
+    standardised: a small net learns slowly from inputs far from zero mean and unit spread."""
+    parts = [_decoded(rows, contract, arch, torch.device("cpu"), {}).x.numpy()
+             for rows in _sample_rows(fragments, columns, contract, max_rows)]
+    parts = [p for p in parts if len(p)]
     if not parts:
         return {}
     return input_statistics(np.concatenate(parts)[:max_rows])
 
 
 def _class_weights(fragments: list[Any], columns: list[str], contract: Contract, n_classes: int,
-                   max_rows: int = 65_536) -> torch.Tensor:
-    """Inverse population share per class (weighted by 1/inclusion_p), from the first data file, scaled so
-    the commonest class weighs 1; a class absent there weighs as much as the rarest present."""
+                   max_rows: int = 65_536, max_weight: float = 100.0) -> torch.Tensor:
+    """Inverse population share per class (counts weighted by 1/inclusion_p), scaled so the commonest class
+    weighs 1 and capped at `max_weight`; a class absent from the sample weighs as much as the rarest present."""
     assert contract.label_column is not None
     counts = np.zeros(n_classes, dtype=np.float64)
-    n = 0
-    have = fragments[0].physical_schema.names
-    for batch in fragments[0].to_batches(columns=[c for c in columns if c in have], batch_size=8192):
-        rows = trainable(batch, contract)
+    for rows in _sample_rows(fragments, columns, contract, max_rows, batch_size=8192):
         y = labels_to_targets(rows.column(contract.label_column), contract).numpy()
-        np.add.at(counts, y, sample_weights(rows))
-        n += rows.num_rows
-        if n >= max_rows:
-            break
+        w = sample_weights(rows)
+        np.add.at(counts, y, np.where(np.isfinite(w), w, 0.0))
     present = counts > 0
     w = np.ones(n_classes, dtype=np.float64)
     if present.any():
-        w[present] = counts[present].max() / counts[present]
+        w[present] = np.minimum(counts[present].max() / counts[present], max_weight)
         w[~present] = w[present].max()
     log.info("class weights %s", [round(float(v), 3) for v in w])
     return torch.from_numpy(w.astype(np.float32))
@@ -299,226 +356,336 @@ ProgressFn = Callable[[float, str], None]
 """Rank 0's progress: (percent of the run's epochs done, what just happened), e.g. for a progress artifact."""
 
 
-def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = None) -> TrainResult:
-    """Train (or resume) run `cfg.run_id`; rank 0 registers the model and emits MODEL_READY, and reports
-    each epoch and committed checkpoint to `progress` (never allowed to stop training)."""
-    started = datetime.now(UTC)
-    t_start = time.perf_counter()
-    d = DistContext.from_env(cfg.device)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    contract = contract_by_id(cfg.contract_id)
-    arch = arch_for(contract, cfg.width)
-    n_classes = int(arch["n_classes"])
-    augment = cfg.augment and arch["family"] == "cnn2d"  # flips/rotations only make sense for images
-    done = d.broadcast(registry.read_lineage(store, cfg.model_name, cfg.run_id) if d.rank == 0 else None)
-    if done is not None:
-        # A retried flow whose run already registered its model: nothing to train again.
-        log.info("run %s already registered model %s; not training again", cfg.run_id, done["model_uri"])
-        return TrainResult(
-            run_id=cfg.run_id, model_id=cfg.run_id, history=done.get("metrics", []), steps=int(done.get("steps", 0)),
-            resumed_from_step=None, world_size=d.world, checkpoint=done.get("checkpoint_share", {}),
-            checkpoint_failures=0, samples_per_s=0.0, accelerator_hours=0.0, lineage=done, rank_files=[],
+@dataclass
+class _Best:
+    """The best epoch so far by validation macro-F1, with its weights (rank 0's copy on the CPU)."""
+
+    epoch: int = -1
+    macro_f1: float = -math.inf
+    state: dict[str, Any] | None = None
+    stopped_early: bool = False
+
+
+class _Run:
+    """One training run's state, advanced phase by phase by `train`."""
+
+    def __init__(self, cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None) -> None:
+        self.cfg, self.store, self.progress = cfg, store, progress
+        self.started = datetime.now(UTC)
+        self.t_start = time.perf_counter()
+        self.d = DistContext.from_env(cfg.device)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.contract = contract_by_id(cfg.contract_id)
+        self.arch = arch_for(self.contract, cfg.width)
+        self.n_classes = int(self.arch["n_classes"])
+        self.augment = cfg.augment and self.arch["family"] == "cnn2d"  # flips/rotations only make sense for images
+        self.step, self.pos = 0, Position()
+        self.history: list[dict[str, float]] = []
+        self.acc = _Acc.restore({}, self.n_classes)
+        self.best = _Best()
+        self.elapsed_before = 0.0
+        self.resumed_from: int | None = None
+        self.samples, self.train_s = 0, 0.0
+        self.since_steps, self.since_train_s = 0, 0.0
+        self.rank_files: dict[str, list[str]] = {}
+        self.skipped: dict[str, str] = {}  # sample id -> why its payload does not decode
+
+    # ---- phase 1: set up
+    def registered(self) -> dict[str, Any] | None:
+        d, cfg = self.d, self.cfg
+        return d.broadcast(registry.read_lineage(self.store, cfg.model_name, cfg.run_id) if d.rank == 0 else None)
+
+    def setup(self) -> None:
+        cfg, d, contract = self.cfg, self.d, self.contract
+        # Same seed on every rank for the initial weights; then a per-rank stream for augmentation/dropout.
+        torch.manual_seed(cfg.seed)
+        self.raw_model = build_model(self.arch).to(d.device)
+        self.model: torch.nn.Module = self.raw_model
+        if d.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.raw_model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        self.opt = torch.optim.AdamW(self.raw_model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        rank_seed = cfg.seed * 1000 + d.rank + 1
+        torch.manual_seed(rank_seed)
+        np.random.seed(rank_seed)
+        random.seed(rank_seed)
+        self.ckpts = CheckpointStore(self.store, cfg.run_id, keep=cfg.keep_checkpoints, emit_events=cfg.emit_events)
+        ref = DatasetRef(cfg.dataset_uri, cfg.dataset_version, self.store.storage_options())
+        self.fragments, self.columns = open_fragments(ref, contract)
+        # every rank reads the same rows: the same statistics and weights
+        self.arch.update(_input_statistics(self.fragments, self.columns, contract, self.arch))
+        balance = contract.training is None or contract.training.balance_classes
+        self.class_w = (_class_weights(self.fragments, self.columns, contract, self.n_classes).to(d.device)
+                        if balance else None)
+        self.ctl = IntervalController(
+            target_share=cfg.max_checkpoint_share,
+            interval=cfg.checkpoint_every_steps or cfg.first_checkpoint_steps,
+            fixed=cfg.checkpoint_every_steps is not None,
         )
+        self.meta = {"dataset_uri": cfg.dataset_uri, "dataset_version": cfg.dataset_version, "world_size": d.world,
+                     "seed": cfg.seed, "config": cfg.model_dump(mode="json")}
 
-    # Same seed on every rank for the initial weights; then a per-rank stream for augmentation/dropout.
-    torch.manual_seed(cfg.seed)
-    raw_model = build_model(arch).to(d.device)
-    model: torch.nn.Module = raw_model
-    if d.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    # ---- phase 2: resume
+    def resume(self) -> None:
+        cfg, d = self.cfg, self.d
+        latest = d.broadcast(self.ckpts.latest() if d.rank == 0 else None)
+        if latest is not None:
+            check_resumable(latest.meta, cfg.dataset_uri, cfg.dataset_version, d.world)
+            state = self.ckpts.load(latest)
+            self.raw_model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+            mine = state["ranks"][d.rank]
+            _set_rng_state(mine["rng"], d.device)
+            self.pos = Position.from_dict(mine["position"])
+            self.acc = _Acc.restore(mine["acc"], self.n_classes)
+            self.skipped = dict(mine.get("skipped", {}))
+            self.step = int(state["step"])
+            self.history = list(state["history"])
+            self.elapsed_before = float(state["elapsed_s"])
+            if "best" in state:
+                self.best = _Best(**state["best"])
+            if not self.ctl.fixed:
+                self.ctl.interval = int(state["interval"])
+            self.resumed_from = self.step
+            log.info("run %s rank %d resumes at step %d epoch %d file %d batch %d", cfg.run_id, d.rank, self.step,
+                     self.pos.epoch, self.pos.file, self.pos.batch)
+            self.report(100.0 * self.pos.epoch / cfg.epochs,
+                        f"resumed at step {self.step}, epoch {self.pos.epoch + 1}/{cfg.epochs}")
+        if d.rank == 0:
+            cleaned = self.ckpts.clean_orphans()
+            if any(cleaned.values()):
+                log.info("run %s: removed orphans of killed writers %s", cfg.run_id, cleaned)
 
-        model = DDP(raw_model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
-    opt = torch.optim.AdamW(raw_model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    rank_seed = cfg.seed * 1000 + d.rank + 1
-    torch.manual_seed(rank_seed)
-    np.random.seed(rank_seed)
-    random.seed(rank_seed)
-
-    ckpts = CheckpointStore(store, cfg.run_id, keep=cfg.keep_checkpoints, emit_events=cfg.emit_events)
-    ref = DatasetRef(cfg.dataset_uri, cfg.dataset_version, store.storage_options())
-    fragments, columns = open_fragments(ref, contract)
-    if arch["family"] in STANDARDISED_FAMILIES:  # every rank reads the same first file: the same statistics
-        arch.update(_input_statistics(fragments, columns, contract, arch))
-    class_w = _class_weights(fragments, columns, contract, n_classes) if (
-        contract.training is not None and contract.training.balance_classes) else None
-    ctl = IntervalController(
-        target_share=cfg.max_checkpoint_share,
-        interval=cfg.checkpoint_every_steps or cfg.first_checkpoint_steps,
-        fixed=cfg.checkpoint_every_steps is not None,
-    )
-
-    latest = d.broadcast(ckpts.latest() if d.rank == 0 else None)
-    step, pos, acc, history = 0, Position(), _Acc.restore({}, n_classes), []
-    elapsed_before = 0.0
-    resumed_from: int | None = None
-    if latest is not None:
-        check_resumable(latest.meta, cfg.dataset_uri, cfg.dataset_version, d.world)
-        state = ckpts.load(latest)
-        raw_model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        mine = state["ranks"][d.rank]
-        _set_rng_state(mine["rng"], d.device)
-        pos = Position.from_dict(mine["position"])
-        acc = _Acc.restore(mine["acc"], n_classes)
-        step = int(state["step"])
-        history = list(state["history"])
-        elapsed_before = float(state["elapsed_s"])
-        if not ctl.fixed:
-            ctl.interval = int(state["interval"])
-        resumed_from = step
-        log.info("run %s rank %d resumes at step %d epoch %d file %d batch %d", cfg.run_id, d.rank, step,
-                 pos.epoch, pos.file, pos.batch)
-    if d.rank == 0:
-        cleaned = ckpts.clean_orphans()
-        if any(cleaned.values()):
-            log.info("run %s: removed orphans of killed writers %s", cfg.run_id, cleaned)
-
-    def report(pct: float, what: str) -> None:
-        if progress is not None and d.rank == 0:
+    def report(self, pct: float, what: str) -> None:
+        if self.progress is not None and self.d.rank == 0:
             try:
-                progress(pct, what)
+                self.progress(pct, what)
             except Exception as e:  # a progress display is worth less than the training it shows
-                log.warning("run %s: progress not reported: %s", cfg.run_id, e)
+                log.warning("run %s: progress not reported: %s", self.cfg.run_id, e)
 
-    if resumed_from is not None:
-        report(100.0 * pos.epoch / cfg.epochs, f"resumed at step {step}, epoch {pos.epoch + 1}/{cfg.epochs}")
-    meta = {"dataset_uri": cfg.dataset_uri, "dataset_version": cfg.dataset_version, "world_size": d.world,
-            "seed": cfg.seed, "config": cfg.model_dump(mode="json")}
-    since_steps, since_train_s = 0, 0.0
-    samples = 0
-    rank_files: dict[str, list[str]] = {}
-    train_s = 0.0
-
-    def checkpoint() -> None:
-        nonlocal since_steps, since_train_s
+    def checkpoint(self) -> None:
+        d, cfg = self.d, self.cfg
         t0 = time.perf_counter()
-        mine = {"rng": _rng_state(d.device), "position": pos.to_dict(), "acc": acc.__dict__.copy()}
+        mine = {"rng": _rng_state(d.device), "position": self.pos.to_dict(), "acc": self.acc.__dict__.copy(),
+                "skipped": dict(self.skipped)}
         ranks = d.gather(mine)
-        interval = ctl.interval
+        interval = self.ctl.interval
         if d.rank == 0:
             state = {
-                "model": raw_model.state_dict(), "optimizer": opt.state_dict(), "ranks": ranks, "step": step,
-                "history": history, "interval": ctl.interval,
-                "elapsed_s": elapsed_before + time.perf_counter() - t_start,
+                "model": self.raw_model.state_dict(), "optimizer": self.opt.state_dict(), "ranks": ranks,
+                "step": self.step, "history": self.history, "interval": self.ctl.interval,
+                "elapsed_s": self.elapsed_before + time.perf_counter() - self.t_start, "best": self.best.__dict__,
             }
             try:
-                ckpts.write(state, step, {**meta, "epoch": pos.epoch})
+                self.ckpts.write(state, self.step, {**self.meta, "epoch": self.pos.epoch})
                 committed = True
             except CheckpointError as e:
                 # Training goes on; the next interval tries again (each failure already emitted an event).
                 log.error("%s", e)
                 committed = False
-            interval = ctl.observe(time.perf_counter() - t0, since_train_s, since_steps)
+            interval = self.ctl.observe(time.perf_counter() - t0, self.since_train_s, self.since_steps)
             if committed:
-                log.info("checkpoint committed run=%s step=%d interval=%d", cfg.run_id, step, interval)
-                report(100.0 * pos.epoch / cfg.epochs,
-                       f"epoch {pos.epoch + 1}/{cfg.epochs}, checkpoint committed at step {step}")
-        ctl.interval = int(d.broadcast(interval))
-        since_steps, since_train_s = 0, 0.0
+                log.info("checkpoint committed run=%s step=%d interval=%d", cfg.run_id, self.step, interval)
+                self.report(100.0 * self.pos.epoch / cfg.epochs,
+                            f"epoch {self.pos.epoch + 1}/{cfg.epochs}, checkpoint committed at step {self.step}")
+        self.ctl.interval = int(d.broadcast(interval))
+        self.since_steps, self.since_train_s = 0, 0.0
 
-    for epoch in range(pos.epoch, cfg.epochs):
-        files = shard(epoch_order(len(fragments), cfg.seed, epoch), d.rank, d.world)
-        rank_files[str(epoch)] = [fragments[i].path for i in files]
-        it = stream(fragments, files, pos if pos.epoch == epoch else Position(epoch), cfg.batch_size, columns)
+    # ---- phase 3: epochs
+    def validate(self, va: _Part) -> None:
+        acc, n = self.acc, self.n_classes
+        self.raw_model.eval()
+        with torch.no_grad():
+            lv = self.raw_model(va.x)
+            pred = lv.argmax(1)
+            acc.val_loss += float(F.cross_entropy(lv, va.y, reduction="sum"))
+            acc.val_correct += float((pred == va.y).sum())
+            acc.val_n += len(va.y)
+            cm = torch.zeros(n * n, dtype=torch.float64)
+            cm.index_add_(0, (va.y * n + pred).cpu(), va.w.double().cpu())
+            acc.val_confusion = [a + b for a, b in zip(acc.val_confusion, cm.tolist(), strict=True)]
+        self.raw_model.train()
+
+    def step_on(self, tr: _Part, global_w: float) -> None:
+        x = _augment(tr.x) if self.augment and len(tr.y) else tr.x
+        logits = self.model(x)
+        loss_sum = weighted_loss_sum(logits, tr.y, tr.w)
+        if not torch.isfinite(loss_sum):
+            raise NonFiniteLoss(
+                f"run {self.cfg.run_id}: loss {float(loss_sum)} at step {self.step} (epoch {self.pos.epoch}, "
+                f"{len(tr.y)} rows, weights up to {float(tr.w.max()) if len(tr.w) else 0:.3g}): nothing registered")
+        loss = loss_sum * (self.d.world / global_w)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        acc = self.acc
+        acc.loss += float(loss_sum.detach())
+        acc.wsum += float(tr.w.sum())
+        acc.correct += float((logits.detach().argmax(1) == tr.y).sum())
+        acc.n += len(tr.y)
+        self.samples += len(tr.y)
+
+    def epoch(self, epoch: int) -> dict[str, float]:
+        cfg, d, contract = self.cfg, self.d, self.contract
+        files = shard(epoch_order(len(self.fragments), cfg.seed, epoch), d.rank, d.world)
+        self.rank_files[str(epoch)] = [self.fragments[i].path for i in files]
+        start = self.pos if self.pos.epoch == epoch else Position(epoch)
+        it = stream(self.fragments, files, start, cfg.batch_size, self.columns,
+                    shuffle_seed=cfg.seed if cfg.shuffle else None)
         while True:
             t0 = time.perf_counter()
             nxt = next(it, None)
-            tr = va = _empty(contract, arch, d.device)
+            tr = va = _empty(contract, self.arch, d.device)
             if nxt is not None:
-                pos, batch = nxt
-                tr, va = _prepare(batch, contract, arch, cfg.val_fraction, d.device)
-                if class_w is not None:  # the loss only: validation metrics stay weighted to the population
-                    tr.w = tr.w * class_w.to(d.device)[tr.y]
+                self.pos, batch = nxt
+                tr, va = _prepare(batch, contract, self.arch, cfg.val_fraction, d.device, self.skipped)
+                if self.class_w is not None:  # the loss only: validation metrics stay weighted to the population
+                    tr.w = tr.w * self.class_w[tr.y]
             has_batch, global_n, global_w = d.all_sum([float(nxt is not None), float(len(tr.y)), float(tr.w.sum())])
             if has_batch == 0:
                 break
             if len(va.y):
-                raw_model.eval()
-                with torch.no_grad():
-                    lv = raw_model(va.x)
-                    pred = lv.argmax(1)
-                    acc.val_loss += float(F.cross_entropy(lv, va.y, reduction="sum"))
-                    acc.val_correct += float((pred == va.y).sum())
-                    acc.val_n += len(va.y)
-                    cm = torch.zeros(n_classes * n_classes, dtype=torch.float64)
-                    cm.index_add_(0, (va.y * n_classes + pred).cpu(), va.w.double().cpu())
-                    acc.val_confusion = [a + b for a, b in zip(acc.val_confusion, cm.tolist(), strict=True)]
-                raw_model.train()
+                self.validate(va)
             if global_n > 0:
-                x = _augment(tr.x) if augment and len(tr.y) else tr.x
-                logits = model(x)
-                loss_sum = weighted_loss_sum(logits, tr.y, tr.w)
-                loss = loss_sum * (d.world / global_w)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                acc.loss += float(loss_sum.detach())
-                acc.wsum += float(tr.w.sum())
-                acc.correct += float((logits.detach().argmax(1) == tr.y).sum())
-                acc.n += len(tr.y)
-                samples += len(tr.y)
-            step += 1
-            acc.steps += 1
+                self.step_on(tr, global_w)
+            self.step += 1
+            self.acc.steps += 1
             dt = time.perf_counter() - t0
-            since_steps += 1
-            since_train_s += dt
-            train_s += dt
-            if since_steps >= ctl.interval:
-                checkpoint()
-        s = d.all_sum(acc.as_list())
+            self.since_steps += 1
+            self.since_train_s += dt
+            self.train_s += dt
+            if self.since_steps >= self.ctl.interval:
+                self.checkpoint()
+        s = d.all_sum(self.acc.as_list())
         row = {
-            "epoch": epoch, "step": step,
+            "epoch": epoch, "step": self.step,
             "train_loss": s[0] / s[6] if s[6] else float("nan"), "train_acc": s[1] / s[2] if s[2] else float("nan"),
             "val_loss": s[3] / s[5] if s[5] else float("nan"), "val_acc": s[4] / s[5] if s[5] else float("nan"),
             "train_samples": s[2], "val_samples": s[5],
-            **class_metrics(np.asarray(s[7:]).reshape(n_classes, n_classes), contract.label_values),
+            **class_metrics(np.asarray(s[7:]).reshape(self.n_classes, self.n_classes), contract.label_values),
         }
-        history.append(row)
+        row["val_chance_macro_f1"] = chance_of(row, contract.label_values)
+        self.history.append(row)
         if d.rank == 0:
-            log.info("run %s epoch %d: loss %.4f acc %.3f val_loss %.4f val_acc %.3f macro_f1 %.3f rare_recall %.3f "
-                     "(%d samples)", cfg.run_id, epoch, row["train_loss"], row["train_acc"], row["val_loss"],
-                     row["val_acc"], row["val_macro_f1"], row["val_rare_recall"], int(s[2]))
-            report(100.0 * (epoch + 1) / cfg.epochs, f"epoch {epoch + 1}/{cfg.epochs}: loss {row['train_loss']:.4f}, "
-                   f"val_loss {row['val_loss']:.4f}, val_acc {row['val_acc']:.3f} (step {step})")
-        acc = _Acc.restore({}, n_classes)
-        pos = Position(epoch + 1)
+            log.info("run %s epoch %d: loss %.4f acc %.3f val_loss %.4f val_acc %.3f macro_f1 %.3f (chance %.3f) "
+                     "rare_recall %.3f (%d samples)", cfg.run_id, epoch, row["train_loss"], row["train_acc"],
+                     row["val_loss"], row["val_acc"], row["val_macro_f1"], row["val_chance_macro_f1"],
+                     row["val_rare_recall"], int(s[2]))
+            self.report(100.0 * (epoch + 1) / cfg.epochs, f"epoch {epoch + 1}/{cfg.epochs}: loss "
+                        f"{row['train_loss']:.4f}, val_loss {row['val_loss']:.4f}, val_acc {row['val_acc']:.3f}, "
+                        f"macro-F1 {row['val_macro_f1']:.3f} (step {self.step})")
+        self.acc = _Acc.restore({}, self.n_classes)
+        self.pos = Position(epoch + 1)
+        return row
 
-    all_files = d.gather(rank_files)
-    finished = datetime.now(UTC)
-    elapsed = elapsed_before + time.perf_counter() - t_start
-    acc_hours = elapsed * d.world / 3600
-    lineage: dict[str, Any] = {}
-    if d.rank == 0:
-        model_file = {
-            "arch": arch, "state_dict": raw_model.state_dict(), "contract": contract.id,
-            "label_values": list(contract.label_values), "label_kind": contract.label.kind,
-            "model_id": cfg.run_id, "model_name": cfg.model_name,
-        }
-        lineage = {
-            "run_id": cfg.run_id, "flow_run_id": cfg.flow_run_id, "team": cfg.team, "accelerator_hours": acc_hours,
-            "accelerators": d.world, "device": d.device.type, "dataset_uri": cfg.dataset_uri,
-            "dataset_version": cfg.dataset_version, "contract": contract.id, "kind": contract.kind,
-            "model_family": arch["family"], "code_version": registry.code_version(),
-            "seed": cfg.seed, "config": cfg.model_dump(mode="json"), "metrics": history,
-            "final": history[-1] if history else {}, "checkpoint_share": ctl.report(),
-            "rare_classes": rare_labels(history[-1], contract.label_values) if history else [],
-            "started": started.isoformat(), "finished": finished.isoformat(), "steps": step,
-        }
-        lineage["storage_bytes"] = ckpts.retained_bytes()
-        lineage = registry.register_model(store, cfg.model_name, cfg.run_id, model_file, lineage)
-        if cfg.emit_events:
-            events.emit(
-                events.MODEL_READY, f"edgehaul.model.{cfg.model_name}.{cfg.run_id}",
-                {"model_id": cfg.run_id, "model_name": cfg.model_name, "model_uri": lineage["model_uri"],
-                 "dataset_version": cfg.dataset_version, "team": cfg.team, "final": lineage["final"]},
-            )
-    result = TrainResult(
-        run_id=cfg.run_id, model_id=cfg.run_id, history=history, steps=step, resumed_from_step=resumed_from,
-        world_size=d.world, checkpoint=ctl.report(), checkpoint_failures=ckpts.failures,
-        samples_per_s=samples / train_s if train_s else 0.0, accelerator_hours=acc_hours, lineage=lineage,
-        rank_files=all_files,
-    )
-    if d.world > 1:
-        dist.barrier()
-    return result
+    def keep_best(self, row: dict[str, float]) -> bool:
+        """Remember the epoch if its validation macro-F1 is the best; True when training should stop (no
+        better epoch for `patience` epochs). Without validation rows every epoch is 'best': the last is kept."""
+        f1 = row["val_macro_f1"]
+        if not math.isfinite(f1) or f1 > self.best.macro_f1:
+            self.best = _Best(int(row["epoch"]), f1 if math.isfinite(f1) else -math.inf,
+                              copy.deepcopy(self.raw_model.state_dict()) if self.d.rank == 0 else None)
+            return False
+        stop = self.cfg.patience > 0 and row["epoch"] - self.best.epoch >= self.cfg.patience
+        if stop:
+            self.best.stopped_early = True
+            log.info("run %s: no better validation macro-F1 than epoch %d's %.3f for %d epochs: stopping",
+                     self.cfg.run_id, self.best.epoch, self.best.macro_f1, self.cfg.patience)
+        return stop
+
+    # ---- phase 4: check and register
+    def best_row(self) -> dict[str, float]:
+        return next((h for h in self.history if h["epoch"] == self.best.epoch), self.history[-1]) if self.history \
+            else {}
+
+    def gate(self) -> dict[str, Any]:
+        """The quality gate's verdict on the best epoch; raises when it fails (and the gate is on)."""
+        row = self.best_row()
+        f1, chance = float(row.get("val_macro_f1", math.nan)), float(row.get("val_chance_macro_f1", math.nan))
+        measured = math.isfinite(f1) and math.isfinite(chance)
+        verdict = {"measured": measured, "val_macro_f1": f1 if measured else None,
+                   "chance_macro_f1": chance if measured else None, "passed": measured and f1 > chance,
+                   "epoch": self.best.epoch}
+        if self.cfg.quality_gate and measured and not f1 > chance:
+            raise QualityGateFailed(
+                f"run {self.cfg.run_id}: best validation macro-F1 {f1:.3f} (epoch {self.best.epoch}) is not above "
+                f"a uniform-prior guesser's {chance:.3f}: the model learnt nothing usable, nothing registered")
+        return verdict
+
+    def finish(self) -> TrainResult:
+        cfg, d, contract = self.cfg, self.d, self.contract
+        if self.best.state is not None:
+            self.raw_model.load_state_dict(self.best.state)
+        if not all(bool(torch.isfinite(p).all()) for p in self.raw_model.parameters()):
+            raise NonFiniteLoss(f"run {cfg.run_id}: the trained weights are not finite: nothing registered")
+        skipped = {k: v for m in d.gather(self.skipped) for k, v in m.items()}
+        all_files = d.gather(self.rank_files)
+        finished = datetime.now(UTC)
+        elapsed = self.elapsed_before + time.perf_counter() - self.t_start
+        acc_hours = elapsed * d.world / 3600
+        lineage: dict[str, Any] = {}
+        if d.rank == 0:
+            gate = self.gate()
+            model_file = {
+                "arch": self.arch, "state_dict": self.raw_model.state_dict(), "contract": contract.id,
+                "label_values": list(contract.label_values), "label_kind": contract.label.kind,
+                "model_id": cfg.run_id, "model_name": cfg.model_name,
+            }
+            final = self.best_row()
+            lineage = {
+                "run_id": cfg.run_id, "flow_run_id": cfg.flow_run_id, "team": cfg.team,
+                "accelerator_hours": acc_hours, "accelerators": d.world, "device": d.device.type,
+                "dataset_uri": cfg.dataset_uri, "dataset_version": cfg.dataset_version, "contract": contract.id,
+                "kind": contract.kind, "model_family": self.arch["family"], "code_version": registry.code_version(),
+                "seed": cfg.seed, "config": cfg.model_dump(mode="json"), "metrics": self.history,
+                "final": final, "best_epoch": self.best.epoch, "stopped_early": self.best.stopped_early,
+                "quality_gate": gate, "checkpoint_share": self.ctl.report(),
+                "rare_classes": rare_labels(final, contract.label_values) if final else [],
+                "skipped_rows": len(skipped),
+                "skipped_samples": [{"sample_id": k, "reason": v} for k, v in sorted(skipped.items())][
+                    :MAX_SKIPPED_NAMED],
+                "started": self.started.isoformat(), "finished": finished.isoformat(), "steps": self.step,
+            }
+            lineage["storage_bytes"] = self.ckpts.retained_bytes()
+            lineage = registry.register_model(self.store, cfg.model_name, cfg.run_id, model_file, lineage)
+            if cfg.emit_events:
+                events.emit(
+                    events.MODEL_READY, f"edgehaul.model.{cfg.model_name}.{cfg.run_id}",
+                    {"model_id": cfg.run_id, "model_name": cfg.model_name, "model_uri": lineage["model_uri"],
+                     "dataset_version": cfg.dataset_version, "team": cfg.team, "final": lineage["final"]},
+                )
+        result = TrainResult(
+            run_id=cfg.run_id, model_id=cfg.run_id, history=self.history, steps=self.step,
+            resumed_from_step=self.resumed_from, world_size=d.world, checkpoint=self.ctl.report(),
+            checkpoint_failures=self.ckpts.failures,
+            samples_per_s=self.samples / self.train_s if self.train_s else 0.0, accelerator_hours=acc_hours,
+            lineage=lineage, rank_files=all_files,
+        )
+        if d.world > 1:
+            dist.barrier()
+        return result
+
+
+def train(cfg: TrainConfig, store: ObjectStore, progress: ProgressFn | None = None) -> TrainResult:
+    """Train (or resume) run `cfg.run_id`; rank 0 registers the best epoch's model and emits MODEL_READY, and
+    reports each epoch and committed checkpoint to `progress` (never allowed to stop training). Raises
+    `NonFiniteLoss` or `QualityGateFailed` (nothing registered) when the run has no model worth keeping."""
+    run = _Run(cfg, store, progress)
+    done = run.registered()
+    if done is not None:
+        # A retried flow whose run already registered its model: nothing to train again.
+        log.info("run %s already registered model %s; not training again", cfg.run_id, done["model_uri"])
+        return TrainResult(
+            run_id=cfg.run_id, model_id=cfg.run_id, history=done.get("metrics", []), steps=int(done.get("steps", 0)),
+            resumed_from_step=None, world_size=run.d.world, checkpoint=done.get("checkpoint_share", {}),
+            checkpoint_failures=0, samples_per_s=0.0, accelerator_hours=0.0, lineage=done, rank_files=[],
+        )
+    run.setup()
+    run.resume()
+    if not run.best.stopped_early:
+        for epoch in range(run.pos.epoch, cfg.epochs):
+            if run.keep_best(run.epoch(epoch)):
+                break
+    return run.finish()

@@ -61,9 +61,9 @@ def _w_train(store_d: dict[str, str], cfg: dict[str, Any], record: str, out: Any
     fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     read = trainer.stream
 
-    def observed(fragments: Any, files: list[int], start: Position, batch_size: int, columns: list[str]
-                 ) -> Iterator[tuple[Position, pa.RecordBatch]]:
-        for pos, batch in read(fragments, files, start, batch_size, columns):
+    def observed(fragments: Any, files: list[int], start: Position, batch_size: int, columns: list[str],
+                 shuffle_seed: int | None = None) -> Iterator[tuple[Position, pa.RecordBatch]]:
+        for pos, batch in read(fragments, files, start, batch_size, columns, shuffle_seed=shuffle_seed):
             # one write(2) per batch: it survives the kill -9 (a torn last line is ignored)
             os.write(fd, json.dumps({"pos": pos.to_dict(), "ids": batch.column("sample_id").to_pylist()}).encode() + b"\n")
             yield pos, batch
@@ -101,7 +101,7 @@ def drill_trainer_kill(env: DrillEnv, rng: random.Random, data: ObjectStore) -> 
     cfg = {"run_id": run_id, "dataset_uri": datasets.table_uri(data, KIND), "dataset_version": version,
            "epochs": epochs, "batch_size": BATCH, "width": 8, "seed": rng.randrange(1000),
            "checkpoint_every_steps": rng.randint(1, 4), "keep_checkpoints": 2, "device": "cpu", "num_threads": 1,
-           "emit_events": False}
+           "emit_events": False, "quality_gate": False, "patience": 0}  # kills and resumes, not learning
     ds = dataset_ids(data)
     d = env.trial_dir("train")
     killed_log, resumed_log = d / "killed.jsonl", d / "resumed.jsonl"

@@ -1,0 +1,176 @@
+"""A trainer that learns what it is given, and registers nothing it should not: balanced loss on skewed kinds,
+early stopping, the quality gate against a uniform-prior guesser, non-finite losses, undecodable rows."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgehaul.blocks import ObjectStore
+from edgehaul.contracts import Contract, load_contract
+from edgehaul.training import registry
+from edgehaul.training.data import is_validation
+from edgehaul.training.metrics import chance_macro_f1, class_metrics
+from edgehaul.training.model import build_model, inputs
+from edgehaul.training.trainer import NonFiniteLoss, QualityGateFailed, TrainConfig, train
+from tests.train_support import kind_rows
+
+GAIT = load_contract("daphnet_gait")
+MOTIONS = load_contract("basic_motions")
+DIGITS = load_contract("digits_png")
+
+
+def _write(store: ObjectStore, contract: Contract, tables: list[pa.Table]) -> str:
+    from deltalake import write_deltalake
+
+    uri = store.uri("curated", f"{contract.kind}-{uuid.uuid4().hex[:6]}")
+    for t in tables:
+        write_deltalake(uri, t, storage_options=store.storage_options(), mode="append")
+    return uri
+
+
+def _cfg(uri: str, contract: Contract, run_id: str, **kw: object) -> TrainConfig:
+    base: dict[str, object] = dict(run_id=run_id, dataset_uri=uri, dataset_version=0, contract_id=contract.id,
+                                   model_name=f"m-{run_id}", epochs=6, batch_size=32, width=16, num_threads=1,
+                                   val_fraction=0.25, emit_events=False, checkpoint_every_steps=10_000)
+    base.update(kw)
+    return TrainConfig.model_validate(base)
+
+
+def _replace(t: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    return t.set_column(t.schema.get_field_index(name), name, values)
+
+
+# ---------------------------------------------------------------------------------------- units
+@settings(deadline=None)
+@given(st.integers(2, 12))
+def test_chance_of_k_balanced_classes_is_one_over_k(k: int) -> None:
+    assert math.isclose(chance_macro_f1(np.full(k, 10.0)), 1 / k)
+    # on a skewed kind, always answering the commonest class is the guesser to beat
+    assert math.isclose(chance_macro_f1(np.asarray([90.0, 10.0])), max(2 * 0.9 / 1.9 / 2, (1.8 / 2.8 + 0.2 / 1.2) / 2))
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 500), min_size=2, max_size=10).filter(lambda s: sum(s) > 0))
+def test_a_perfect_model_beats_chance_and_a_constant_one_does_not(support: list[int]) -> None:
+    s = np.asarray(support, dtype=np.float64)
+    chance = chance_macro_f1(s)
+    assert 0 < chance <= 1
+    perfect = class_metrics(np.diag(s), list(range(len(s))))["val_macro_f1"]
+    assert perfect == 1.0
+    if (s > 0).sum() >= 2:  # the commonest class always predicted: a label-blind guesser, no better than chance
+        constant = np.zeros((len(s), len(s)))
+        constant[:, int(np.argmax(s))] = s
+        assert class_metrics(constant, list(range(len(s))))["val_macro_f1"] <= chance + 1e-9
+
+
+def test_validation_holds_out_whole_stretches_of_a_nodes_readings() -> None:
+    n = 64 * 200
+    rows = pa.table({"sample_id": [f"a-{i}" for i in range(n)], "node_id": ["a"] * n, "seq": np.arange(n)})
+    val = is_validation(rows, 0.2, block_rows=64)
+    blocks = val.reshape(200, 64)
+    assert (blocks.all(axis=1) | ~blocks.any(axis=1)).all()  # a stretch is on one side
+    assert 0.1 < val.mean() < 0.3
+    assert (is_validation(rows.slice(640, 640), 0.2, block_rows=64) == val[640:1280]).all()  # stable
+    assert not is_validation(rows, 0.0).any()
+
+
+def test_balanced_training_is_the_default_for_every_kind() -> None:
+    for kind in ("landsat_patch", "basic_motions", "digits_png", "daphnet_gait"):
+        spec = load_contract(kind).training
+        assert spec is not None and spec.balance_classes
+
+
+def test_the_publish_gate_judges_macro_f1_against_chance_plus_its_floor() -> None:
+    good = {"model_id": "g", "final": {"val_macro_f1": 0.61, "val_chance_macro_f1": 0.5, "val_acc": 0.7}}
+    assert registry.check_quality(good)["floor"] == pytest.approx(0.5 + registry.PUBLISH_MARGIN)
+    with pytest.raises(registry.QualityGateFailed, match=r"macro-F1 0.520 below the publish gate 0.550"):
+        registry.check_quality({"model_id": "w", "final": {"val_macro_f1": 0.52, "val_chance_macro_f1": 0.5}})
+    with pytest.raises(registry.QualityGateFailed, match="no validation macro-F1"):
+        registry.check_quality({"model_id": "u", "final": {"val_acc": 0.99}})
+    # a lineage without the chance figure: computed from the support it records
+    legacy = {"model_id": "l", "final": {"val_macro_f1": 0.9, "val_support_1": 50.0, "val_support_2": 50.0}}
+    assert registry.check_quality(legacy)["chance_macro_f1"] == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------------------- real runs
+def _skewed_motions(n: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    labels = rng.choice(np.asarray([1, 2, 3, 4]), size=n, p=[0.82, 0.1, 0.05, 0.03])
+    return kind_rows(MOTIONS, n, seed=seed, labels=labels, unusable_every=10_000)
+
+
+@pytest.mark.integration
+def test_a_skewed_kind_learns_every_class_with_a_falling_loss(store: ObjectStore) -> None:
+    uri = _write(store, MOTIONS, [_skewed_motions(1600, 1)])
+    res = train(_cfg(uri, MOTIONS, "skewed", patience=3), store)
+    h = res.history
+    assert h[-1]["train_loss"] < h[0]["train_loss"]
+    lin = res.lineage
+    gate = lin["quality_gate"]
+    assert gate["passed"] and gate["val_macro_f1"] > gate["chance_macro_f1"] + 0.2
+    # the registered model predicts every class of a fresh skewed stream, the rarest included
+    f = registry.load_model_file(store, lin["model_uri"])
+    model = build_model(dict(f["arch"]))
+    model.load_state_dict(f["state_dict"])
+    model.eval()
+    test = _skewed_motions(1200, 99)
+    with torch.no_grad():
+        pred = model(inputs(test, MOTIONS, dict(f["arch"]))).argmax(1).numpy()
+    assert MOTIONS.label_column is not None
+    truth = np.asarray(test.column(MOTIONS.label_column).to_pylist()) - 1
+    for c in range(4):
+        assert ((pred == c) & (truth == c)).sum() / max((truth == c).sum(), 1) > 0.5, c
+
+
+@pytest.mark.integration
+def test_a_model_no_better_than_chance_registers_nothing_and_early_stopping_keeps_the_best(
+        store: ObjectStore) -> None:
+    t = kind_rows(GAIT, 800, seed=3, labels=np.arange(800) % 2, unusable_every=10_000)
+    for c in GAIT.numeric_columns:  # inputs that say nothing about the label
+        t = _replace(t, c, pa.array(np.ones(t.num_rows), t.schema.field(c).type))
+    uri = _write(store, GAIT, [t])
+    with pytest.raises(QualityGateFailed, match="not above a uniform-prior guesser"):
+        train(_cfg(uri, GAIT, "chance", epochs=4, patience=2), store)
+    assert registry.read_lineage(store, "m-chance", "chance") is None
+    # with the gate off it registers, and the run stopped once `patience` epochs brought nothing better
+    res = train(_cfg(uri, GAIT, "nogate", epochs=20, patience=2, quality_gate=False), store)
+    assert res.lineage["stopped_early"] and len(res.history) == res.lineage["best_epoch"] + 3 < 20
+    assert res.lineage["quality_gate"] == {**res.lineage["quality_gate"], "measured": True, "passed": False}
+
+
+@pytest.mark.integration
+def test_a_non_finite_loss_fails_the_run_and_registers_nothing(store: ObjectStore) -> None:
+    p = np.full(600, 0.5)
+    p[::50] = 1e-40  # in (0, 1], but 1/p overflows float32
+    uri = _write(store, GAIT, [kind_rows(GAIT, 600, seed=4, labels=np.arange(600) % 2, inclusion_p=p)])
+    with pytest.raises(NonFiniteLoss, match=r"1/inclusion_p is not finite.*nothing registered"):
+        train(_cfg(uri, GAIT, "poisoned", epochs=2), store)
+    assert registry.read_lineage(store, "m-poisoned", "poisoned") is None
+
+
+@pytest.mark.integration
+def test_an_undecodable_file_payload_is_skipped_and_named(store: ObjectStore) -> None:
+    t = kind_rows(DIGITS, 400, seed=5, unusable_every=10_000)
+    col = t.column(DIGITS.payload_columns[0]).to_pylist()
+    junk = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+    bad = [7, 150]
+    for i in bad:
+        col[i] = junk
+    t = _replace(t, DIGITS.payload_columns[0], pa.array(col, t.schema.field(DIGITS.payload_columns[0]).type))
+    uri = _write(store, DIGITS, [t])
+    res = train(_cfg(uri, DIGITS, "junk", epochs=3, quality_gate=False), store)
+    lin = res.lineage
+    ids = t.column("sample_id").to_pylist()
+    assert lin["skipped_rows"] == 2
+    assert [s["sample_id"] for s in lin["skipped_samples"]] == sorted(ids[i] for i in bad)
+    assert all("not a readable image" in s["reason"] for s in lin["skipped_samples"])
+    assert registry.read_lineage(store, "m-junk", "junk") is not None
+    assert sum(h["train_samples"] + h["val_samples"] for h in res.history[:1]) == 398
