@@ -113,14 +113,17 @@ def test_failed_validation_never_enters_a_version(store: ObjectStore) -> None:
 @pytest.mark.integration
 def test_claims_defer_a_live_run_and_take_over_a_dead_one(store: ObjectStore) -> None:
     dt = ensure_table(store, CONTRACT)
-    c1 = claim_bundles(store, dt, KIND, ["b-1", "b-2"], "run-live")
-    assert c1.claimed == ["b-1", "b-2"]
-    c2 = claim_bundles(store, dt, KIND, ["b-1"], "run-other", lease_s=600)
-    assert c2.deferred == ["b-1"] and not c2.claimed
+    b1, b2 = ("node-a", "b-1"), ("node-a", "b-2")
+    c1 = claim_bundles(store, dt, KIND, [b1, b2], "run-live")
+    assert c1.claimed == [b1, b2]
+    c2 = claim_bundles(store, dt, KIND, [b1], "run-other", lease_s=600)
+    assert c2.deferred == [b1] and not c2.claimed
+    # the same bundle id from another node is another bundle: its own claim
+    assert claim_bundles(store, dt, KIND, [("node-b", "b-1")], "run-other", lease_s=600).claimed == [("node-b", "b-1")]
     time.sleep(0.2)
-    c3 = claim_bundles(store, dt, KIND, ["b-2"], "run-other", lease_s=0.1)  # run-live presumed dead
-    assert c3.claimed == ["b-2"]
-    assert claim_bundles(store, dt, KIND, ["b-2"], "run-other").claimed == ["b-2"]  # own claim: retry ok
+    c3 = claim_bundles(store, dt, KIND, [b2], "run-other", lease_s=0.1)  # run-live presumed dead
+    assert c3.claimed == [b2]
+    assert claim_bundles(store, dt, KIND, [b2], "run-other").claimed == [b2]  # own claim: retry ok
 
 
 @pytest.mark.integration
@@ -129,11 +132,12 @@ def test_an_empty_claim_left_by_a_claimant_killed_mid_put_expires_like_any_other
 
     dt = ensure_table(store, CONTRACT)
     # some S3 servers keep a 0-byte object when the client dies after the PUT's headers
-    store.client().put_object(Bucket=store.bucket("curated"), Key=_claim_key(store, KIND, "b-empty"), Body=b"")
-    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next", lease_s=600).deferred == ["b-empty"]
+    b = ("node-a", "b-empty")
+    store.client().put_object(Bucket=store.bucket("curated"), Key=_claim_key(store, KIND, b), Body=b"")
+    assert claim_bundles(store, dt, KIND, [b], "run-next", lease_s=600).deferred == [b]
     time.sleep(1.1)  # LastModified has one-second resolution
-    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next", lease_s=1.0).claimed == ["b-empty"]
-    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next").claimed == ["b-empty"]  # now a real claim
+    assert claim_bundles(store, dt, KIND, [b], "run-next", lease_s=1.0).claimed == [b]
+    assert claim_bundles(store, dt, KIND, [b], "run-next").claimed == [b]  # now a real claim
 
 
 @pytest.mark.integration
@@ -160,7 +164,7 @@ def test_a_failed_commit_releases_its_claims_so_the_next_run_commits_at_once(
     s3 = store.client()
     for vb in vbs:
         with pytest.raises(s3.exceptions.NoSuchKey):
-            s3.get_object(Bucket=store.bucket("curated"), Key=ds._claim_key(store, KIND, vb.manifest.bundle_id))
+            s3.get_object(Bucket=store.bucket("curated"), Key=ds._claim_key(store, KIND, ds.bundle_ref(vb.manifest)))
     res = commit_bundles(store, CONTRACT, vbs, run_id="run-next", lease_s=600)
     assert not res.deferred and sorted(res.bundles) == sorted(vb.manifest.bundle_id for vb in vbs)
     assert read_version(store, KIND).num_rows == 40
