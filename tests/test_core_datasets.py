@@ -13,6 +13,7 @@ import pytest
 from deltalake import CommitProperties, Transaction, write_deltalake
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.bundles import write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.core.datasets import (
     BUNDLE_ID_COLUMN,
@@ -24,6 +25,7 @@ from edgehaul.core.datasets import (
     dataset_schema,
     forget_handle,
     open_table,
+    read_version,
     table_handle,
     table_uri,
     txn_app_id,
@@ -95,3 +97,33 @@ def test_committed_bundle_without_its_claim_is_still_a_no_op(store: ObjectStore)
         again = commit_bundles(store, CONTRACT, [vb], run_id="run-2")
         assert again.version is None and again.already_committed == [vb.manifest.bundle_id]
     assert open_table(store, KIND).version() == 1
+
+
+def test_ids_owned_by_a_dead_run_are_taken_over_and_by_a_live_run_wait(store: ObjectStore) -> None:
+    """The id index is written before the Delta commit: a run that reserved ids and died keeps them only while
+    its claim is live. A later bundle carrying those ids is deferred while it is, and takes them over (all its
+    rows kept) once the claim is gone or stale; the dead run's bundle, retried, then drops them as duplicates."""
+    from edgehaul.core.datasets import _ensure_id_index, _reserve_ids, bundle_ref, claim_bundles
+
+    dead = _validated(1)
+    h = table_handle(store, CONTRACT)
+    s3 = store.client()
+    with h.lock:  # the dead run: claim, reserve its ids, then nothing (killed before its Delta commit)
+        _ensure_id_index(store, CONTRACT, h, s3)
+        assert claim_bundles(store, h.dt, KIND, [bundle_ref(dead.manifest)], "run-dead", s3=s3, handle=h).claimed
+        res = _reserve_ids(store, h, [dead], "run-dead", 600, s3)
+        assert not res.held and not res.deferred
+    # the same rows in another bundle (other policy: another bundle id) carry the same sample ids
+    data, m = write_bundle(dead.table, CONTRACT, tier="normal", policy_fingerprint="other")
+    table, result = validate_bundle(data, m)
+    assert table is not None and m.bundle_id != dead.manifest.bundle_id
+    later = ValidatedBundle(m, table, result)
+    waiting = commit_bundles(store, CONTRACT, [later], run_id="run-later", lease_s=600)
+    assert waiting.version is None and waiting.deferred == [m.bundle_id]  # run-dead's claim is still live
+    took = commit_bundles(store, CONTRACT, [later], run_id="run-later", lease_s=0.01)  # now presumed dead
+    assert took.version is not None and took.rows == 8 and not took.duplicates
+    retried = commit_bundles(store, CONTRACT, [dead], run_id="run-retry", lease_s=0.01)
+    assert retried.version is None and retried.already_committed == [dead.manifest.bundle_id]
+    assert sorted(retried.duplicates[f"node-a/{dead.manifest.bundle_id}"]) == sorted(dead.manifest.sample_ids)
+    ids = read_version(store, KIND, columns=["sample_id"]).column("sample_id").to_pylist()
+    assert sorted(ids) == sorted(dead.manifest.sample_ids)  # each id once

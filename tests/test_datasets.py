@@ -281,3 +281,37 @@ def test_compaction_is_its_own_commit_and_keeps_every_version(store: ObjectStore
     with pytest.raises(DatasetError, match="target_size"):
         compact(store, KIND, target_size=10)
 
+
+
+@pytest.mark.integration
+def test_an_s3_error_inside_the_commit_releases_the_claims_so_the_next_run_commits_at_once(store: ObjectStore) -> None:
+    """The store refuses the duplicate record a commit writes (a real S3 error from the server: the record is
+    sent to a bucket that does not exist): the error reaches the caller, nothing is in the table, the run's
+    claims are gone, and the next run commits those bundles at once instead of deferring them for the lease.
+    main: the claims were released only on Delta and OS errors; this one kept them for the whole lease."""
+    from botocore.exceptions import ClientError
+
+    import edgehaul.core.datasets as ds
+
+    first = _validated(10, "node-a", 51)
+    commit_bundles(store, CONTRACT, [first])
+    # a bundle re-sending 10 committed ids (so the commit records duplicates) and one of another node
+    resend = _validated(30, "node-a", 51)
+    other = _validated(20, "node-b", 52)
+    assert set(first.manifest.sample_ids) < set(resend.manifest.sample_ids)
+    s3 = store.client()
+
+    def missing_bucket(params: dict[str, object], **_: object) -> None:
+        if "/_duplicates/" in str(params.get("Key", "")):
+            params["Bucket"] = "edgehaul-no-such-bucket"
+
+    s3.meta.events.register("before-parameter-build.s3.PutObject", missing_bucket)
+    with pytest.raises(ClientError, match="NoSuchBucket"):
+        commit_bundles(store, CONTRACT, [resend, other], run_id="run-failed", lease_s=600, s3=s3)
+    for vb in (resend, other):
+        with pytest.raises(s3.exceptions.NoSuchKey):
+            s3.get_object(Bucket=store.bucket("curated"), Key=ds._claim_key(store, KIND, ds.bundle_ref(vb.manifest)))
+    assert open_table(store, KIND).version() == 1
+    res = commit_bundles(store, CONTRACT, [resend, other], run_id="run-next", lease_s=600)
+    assert not res.deferred and sorted(res.bundles) == sorted([resend.manifest.bundle_id, other.manifest.bundle_id])
+    assert res.rows == 20 + 20 and read_version(store, KIND).num_rows == 10 + 40

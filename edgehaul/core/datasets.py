@@ -213,6 +213,7 @@ class TableHandle:
         self.indexed_upto = -1  # the txn index holds every txn of versions <= this
         self.exact = True  # False: the index could not be built; fall back to delta-rs lookups
         self.ids_ready = False  # the sample id index exists (its marker was seen by this process)
+        self.legacy: dict[str, set[str]] = {}  # bundle id -> nodes, committed before txn ids were scoped by node
         self.shards: collections.OrderedDict[tuple[str, str], _Shard] = collections.OrderedDict()
 
     def _txn_index(self, s3: S3Client) -> dict[str, int] | None:
@@ -245,6 +246,8 @@ class TableHandle:
         self._index(s3)
 
     def is_committed(self, ref: Ref, s3: S3Client) -> bool:
+        if ref[0] in self.legacy.get(ref[1], ()):
+            return True  # its rows were in the table when the id index was built
         txns = self._txn_index(s3)
         if txns is not None:
             return txn_app_id(*ref) in txns
@@ -507,21 +510,32 @@ def _reserve_ids(store: ObjectStore, h: TableHandle, todo: list[ValidatedBundle]
     raise DatasetError(f"dataset {h.kind}: sample id index contended {INDEX_ATTEMPTS} times, nothing written")
 
 
+def _load_ids_marker(store: ObjectStore, h: TableHandle, s3: S3Client) -> bool:
+    """Whether the kind's id index exists (one GET); loads the map of bundles committed before ids were
+    scoped by node when it has one."""
+    bucket = store.bucket("curated")
+    try:
+        doc = json.loads(s3.get_object(Bucket=bucket, Key=_ids_key(store, h.kind, "_index.json"))["Body"].read())
+    except ClientError as e:
+        if error_code(e) in ("NoSuchKey", "404", "NotFound"):
+            return False
+        raise
+    if doc.get("legacy_bundles"):
+        raw = s3.get_object(Bucket=bucket, Key=_ids_key(store, h.kind, "_legacy_bundles.json"))["Body"].read()
+        h.legacy = {b: set(ns) for b, ns in json.loads(raw).items()}
+    h.ids_ready = True
+    return True
+
+
 def _ensure_id_index(store: ObjectStore, contract: Contract, h: TableHandle, s3: S3Client) -> None:
     """The kind's id index exists (one HEAD per process), else build it from the table, once, under a lock."""
     if h.ids_ready:
         return
-    bucket, marker, lock = store.bucket("curated"), _ids_key(store, h.kind, "_index.json"), _ids_key(store, h.kind,
-                                                                                                  "_rebuild.json")
+    bucket, lock = store.bucket("curated"), _ids_key(store, h.kind, "_rebuild.json")
     deadline = time.monotonic() + REBUILD_WAIT_S
     while True:
-        try:
-            s3.head_object(Bucket=bucket, Key=marker)
-            h.ids_ready = True
+        if _load_ids_marker(store, h, s3):
             return
-        except ClientError as e:
-            if error_code(e) not in ("NoSuchKey", "404", "NotFound"):
-                raise
         body = json.dumps({"run": uuid.uuid4().hex, "at": time.time()}).encode()
         try:
             s3.put_object(Bucket=bucket, Key=lock, Body=body, IfNoneMatch="*")
@@ -553,8 +567,9 @@ def rebuild_id_index(store: ObjectStore, contract: Contract, *, s3: S3Client | N
     """Build the kind's sample id index from the table: every (node, sample id) of the latest version and the
     bundle holding it. The one full scan of the table, done once: by the first commit after an upgrade to
     identity-scoped ids (under a lock, see `_ensure_id_index`), or by an operator after deleting rows (with
-    core ingest stopped). It also gives every committed bundle its node-scoped Delta txn id (a commit with no
-    data, only when some bundle lacks it: tables written before the ids were scoped). Returns counts."""
+    core ingest stopped). Bundles committed before txn ids were scoped by node are listed beside it
+    (`_legacy_bundles.json`: bundle id -> the nodes whose rows carry it), so "already committed?" stays
+    exact for them. Returns counts."""
     s3 = s3 or store.client()
     kind = contract.kind
     h = handle or TableHandle(store, kind, open_table(store, kind))
@@ -573,18 +588,19 @@ def rebuild_id_index(store: ObjectStore, contract: Contract, *, s3: S3Client | N
     for (node, name), ids in shards.items():
         s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, f"{node}/{name}.json"), Body=_shard_body(ids))
     h.shards.clear()
-    missing = sorted(r for r in pairs if not h.is_committed(r, s3))
-    if missing:
-        dt.create_write_transaction(
-            [], mode="append", schema=dt.schema(),
-            commit_properties=CommitProperties(
-                custom_metadata={"edgehaul.operation": "scope-bundle-ids", "edgehaul.bundles_scoped": str(len(missing))},
-                app_transactions=[Transaction(app_id=txn_app_id(*r), version=1) for r in missing]))
-        h.txns = None  # rebuilt on next need, with the new txns
-        log.info("dataset %s: %d committed bundles given node-scoped txn ids at v%d", kind, len(missing), dt.version())
+    # Bundles committed before txn ids were scoped by node carry `edgehaul/bundle/<bundle>`: which node's
+    # bundle each was is what their rows say. Kept beside the index (never a new version of the table).
+    legacy: dict[str, list[str]] = {}
+    for node, b in sorted(pairs):
+        if not h.is_committed((node, b), s3):
+            legacy.setdefault(b, []).append(node)
+    if legacy:
+        s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, "_legacy_bundles.json"),
+                      Body=json.dumps(legacy, separators=(",", ":")).encode())
     doc = {"v": ID_INDEX_VERSION, "version": dt.version(), "ids": n, "shards": len(shards),
-           "nodes": len({k[0] for k in shards}), "built_at": datetime.now(UTC).isoformat()}
+           "nodes": len({k[0] for k in shards}), "legacy_bundles": len(legacy), "built_at": datetime.now(UTC).isoformat()}
     s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, "_index.json"), Body=json.dumps(doc).encode())
+    h.legacy = {b: set(ns) for b, ns in legacy.items()}
     h.ids_ready = True
     log.info("dataset %s: sample id index built from v%d: %d ids of %d nodes in %d shards", kind, doc["version"], n,
              doc["nodes"], len(shards))
@@ -969,6 +985,8 @@ def committed_bundle_ids(store: ObjectStore, kind: str, refs: list[Ref], *,
     yet); answered from the process's transaction index, not one log scan per bundle."""
     s3 = s3 or store.client()
     with _locked_handle(store, kind, s3, lambda: open_table(store, kind)) as h:
+        if not h.ids_ready:
+            _load_ids_marker(store, h, s3)  # bundles committed before ids were scoped by node
         return {r for r in refs if h.is_committed(r, s3)}
 
 
