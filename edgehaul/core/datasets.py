@@ -215,6 +215,7 @@ class TableHandle:
         self.ids_ready = False  # the sample id index exists (its marker was seen by this process)
         self.legacy: dict[str, set[str]] = {}  # bundle id -> nodes, committed before txn ids were scoped by node
         self.shards: collections.OrderedDict[tuple[str, str], _Shard] = collections.OrderedDict()
+        self.opened_at: float | None = time.monotonic()  # a table opened just now needs no refresh
 
     def _txn_index(self, s3: S3Client) -> dict[str, int] | None:
         if self.txns is None and self.exact:
@@ -832,7 +833,9 @@ def _locked_handle(
         h = _handle(store, kind, opener)
         with h.lock:
             try:
-                h.refresh(s3)
+                if h.opened_at is None or time.monotonic() - h.opened_at > 1.0:
+                    h.refresh(s3)
+                h.opened_at = None
             except (DeltaError, DatasetError, ClientError, OSError) as e:
                 forget_handle(store, kind)
                 if attempt == 2:
