@@ -348,6 +348,7 @@ HASH_SHARDS = 256  # other ids: spread over this many shards per node
 SHARD_CACHE = 64  # shards a process keeps (LRU): at most 64 x 4,096 numbered ids in memory
 INDEX_ATTEMPTS = 20  # lost races on a shard (a concurrent run wrote it) before a commit gives up
 REBUILD_WAIT_S = 120.0  # how long a commit waits for another process's index rebuild
+LIVE_OWNER_WAIT_S = 10.0  # how long a commit waits for a live run to commit ids it owns, before deferring
 _NUMBERED = re.compile(r"(.*[^0-9A-Za-z])(\d{1,18})")
 
 
@@ -409,19 +410,25 @@ class _LostRace(Exception):
 def _holder_state(store: ObjectStore, h: TableHandle, ref: Ref, run_id: str, lease_s: float,
                   s3: S3Client) -> Literal["committed", "live", "stale"]:
     """Whether the bundle that owns an id in the index committed it, is being committed by a live run (its
-    index write comes before its Delta commit), or died before committing (its ownership lapses)."""
-    if h.is_committed(ref, s3):
-        return "committed"
-    try:
-        held = s3.get_object(Bucket=store.bucket("curated"), Key=_claim_key(store, h.kind, ref))
-    except ClientError as e:
-        if error_code(e) in ("NoSuchKey", "404", "NotFound"):
+    index write comes before its Delta commit, usually by well under a second: waited for up to
+    LIVE_OWNER_WAIT_S), or died before committing (its ownership lapses)."""
+    deadline = time.monotonic() + LIVE_OWNER_WAIT_S
+    while True:
+        if h.is_committed(ref, s3):
+            return "committed"
+        try:
+            held = s3.get_object(Bucket=store.bucket("curated"), Key=_claim_key(store, h.kind, ref))
+        except ClientError as e:
+            if error_code(e) in ("NoSuchKey", "404", "NotFound"):
+                return "stale"
+            raise
+        doc = _claim_doc(held["Body"].read(), held["LastModified"])
+        if doc.get("run") == run_id or time.time() - float(doc.get("at", 0)) >= lease_s or doc.get("settled"):
             return "stale"
-        raise
-    doc = _claim_doc(held["Body"].read(), held["LastModified"])
-    if doc.get("run") != run_id and time.time() - float(doc.get("at", 0)) < lease_s and not doc.get("settled"):
-        return "live"
-    return "stale"
+        if time.monotonic() > deadline:
+            return "live"
+        time.sleep(random.uniform(0.05, 0.25))
+        h.refresh(s3)  # the owner's commit, when it lands
 
 
 @dataclass
