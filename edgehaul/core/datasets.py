@@ -215,7 +215,6 @@ class TableHandle:
         self.ids_ready = False  # the sample id index exists (its marker was seen by this process)
         self.legacy: dict[str, set[str]] = {}  # bundle id -> nodes, committed before txn ids were scoped by node
         self.shards: collections.OrderedDict[tuple[str, str], _Shard] = collections.OrderedDict()
-        self.opened_at: float | None = time.monotonic()  # a table opened just now needs no refresh
 
     def _txn_index(self, s3: S3Client) -> dict[str, int] | None:
         if self.txns is None and self.exact:
@@ -291,14 +290,20 @@ def table_handle(store: ObjectStore, contract: Contract) -> TableHandle:
 
 
 def _handle(store: ObjectStore, kind: str, opener: Callable[[], DeltaTable]) -> TableHandle:
+    return _opened_handle(store, kind, opener)[0]
+
+
+def _opened_handle(store: ObjectStore, kind: str, opener: Callable[[], DeltaTable]) -> tuple[TableHandle, bool]:
+    """The process's handle, and whether this call opened it."""
     key = _handle_key(store, kind)
     with _HANDLES_LOCK:
         h = _HANDLES.get(key)
-    if h is None:
-        h = TableHandle(store, kind, opener())
-        with _HANDLES_LOCK:
-            h = _HANDLES.setdefault(key, h)
-    return h
+    if h is not None:
+        return h, False
+    mine = TableHandle(store, kind, opener())
+    with _HANDLES_LOCK:
+        h = _HANDLES.setdefault(key, mine)
+    return h, h is mine
 
 
 def forget_handle(store: ObjectStore, kind: str) -> None:
@@ -837,12 +842,11 @@ def _locked_handle(
     """The process's handle, locked and refreshed; a handle that cannot refresh (table deleted or
     recreated) is replaced by a freshly opened one."""
     for attempt in (1, 2):
-        h = _handle(store, kind, opener)
+        h, opened = _opened_handle(store, kind, opener)
         with h.lock:
             try:
-                if h.opened_at is None or time.monotonic() - h.opened_at > 1.0:
+                if not opened:  # a table this call opened is current: no second LIST
                     h.refresh(s3)
-                h.opened_at = None
             except (DeltaError, DatasetError, ClientError, OSError) as e:
                 forget_handle(store, kind)
                 if attempt == 2:

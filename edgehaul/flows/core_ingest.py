@@ -297,9 +297,9 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         "core-ingest-validation", _artifact_rows(list(passed.values()), list(rejected.values())),
         f"core_ingest: {len(passed)} bundles valid, {len(rejected)} quarantined, {len(errors)} errors",
     )
-    deferred = sorted(r for c in commits for r in c.refs.get("deferred", []))  # `<node>/<bundle>`
-    key_of = {f"{r.node_id}/{r.bundle_id}": k for k, r in passed.items()}
-    unsettled = {*scan.waiting, *errors, *(key_of[b] for b in deferred if b in key_of)}
+    deferred = sorted(b for c in commits for b in c.deferred)
+    key_of = {f"{r.node_id}/{r.bundle_id}": k for k, r in passed.items()}  # a bundle id is unique per node only
+    unsettled = {*scan.waiting, *errors, *(key_of[r] for c in commits for r in c.refs.get("deferred", []) if r in key_of)}
     covered = _complete_covered(store, settled_batches(taken, unsettled), run_id) if taken else 0
     if taken:
         # Every claim goes now, completed or not: a claim only keeps runs starting together apart. A batch
