@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Container, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -573,6 +574,7 @@ def _ensure_id_index(store: ObjectStore, contract: Contract, h: TableHandle, s3:
 
 
 REBUILD_LEASE_S = 1800.0
+REBUILD_PART_IDS = 1_000_000  # ids a rebuild holds at once (about 360 bytes each): more ids, more scans
 
 
 def rebuild_id_index(store: ObjectStore, contract: Contract, *, s3: S3Client | None = None,
@@ -587,19 +589,30 @@ def rebuild_id_index(store: ObjectStore, contract: Contract, *, s3: S3Client | N
     kind = contract.kind
     h = handle or TableHandle(store, kind, open_table(store, kind))
     dt = h.dt
-    shards: dict[tuple[str, str], dict[str, str]] = {}
-    pairs: set[Ref] = set()
-    n = 0
-    cols = ["node_id", "sample_id", BUNDLE_ID_COLUMN]
-    for batch in dt.to_pyarrow_dataset().to_batches(columns=cols):
-        nodes, sids, bids = (batch.column(c).to_pylist() for c in cols)
-        for node, sid, b in zip(nodes, sids, bids, strict=True):
-            shards.setdefault((node, id_shard(sid)), {}).setdefault(sid, sys.intern(b))
-            pairs.add((node, b))
-        n += batch.num_rows
     bucket = store.bucket("curated")
-    for (node, name), ids in shards.items():
-        s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, f"{node}/{name}.json"), Body=_shard_body(ids))
+    pairs: set[Ref] = set()
+    n = n_shards = 0
+    nodes_seen: set[str] = set()
+    cols = ["node_id", "sample_id", BUNDLE_ID_COLUMN]
+    rows = sum(int(r or 0) for r in dt.get_add_actions(flatten=True).column("num_records").to_pylist())
+    # Memory is bounded by scanning once per part of the shards, each part holding about REBUILD_PART_IDS ids
+    parts = max(1, -(-rows // REBUILD_PART_IDS))
+    for part in range(parts):
+        shards: dict[tuple[str, str], dict[str, str]] = {}
+        for batch in dt.to_pyarrow_dataset().to_batches(columns=cols):
+            nodes, sids, bids = (batch.column(c).to_pylist() for c in cols)
+            for node, sid, b in zip(nodes, sids, bids, strict=True):
+                k = (node, id_shard(sid))
+                if parts > 1 and zlib.crc32(f"{k[0]}/{k[1]}".encode()) % parts != part:
+                    continue
+                shards.setdefault(k, {}).setdefault(sid, sys.intern(b))
+                pairs.add((node, b))
+                n += 1
+        for (node, name), ids in shards.items():
+            s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, f"{node}/{name}.json"), Body=_shard_body(ids))
+        n_shards += len(shards)
+        nodes_seen.update(k[0] for k in shards)
+        del shards
     h.shards.clear()
     # Bundles committed before txn ids were scoped by node carry `edgehaul/bundle/<bundle>`: which node's
     # bundle each was is what their rows say. Kept beside the index (never a new version of the table).
@@ -610,13 +623,13 @@ def rebuild_id_index(store: ObjectStore, contract: Contract, *, s3: S3Client | N
     if legacy:
         s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, "_legacy_bundles.json"),
                       Body=json.dumps(legacy, separators=(",", ":")).encode())
-    doc = {"v": ID_INDEX_VERSION, "version": dt.version(), "ids": n, "shards": len(shards),
-           "nodes": len({k[0] for k in shards}), "legacy_bundles": len(legacy), "built_at": datetime.now(UTC).isoformat()}
+    doc = {"v": ID_INDEX_VERSION, "version": dt.version(), "ids": n, "shards": n_shards, "nodes": len(nodes_seen),
+           "legacy_bundles": len(legacy), "scans": parts, "built_at": datetime.now(UTC).isoformat()}
     s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, "_index.json"), Body=json.dumps(doc).encode())
     h.legacy = {b: set(ns) for b, ns in legacy.items()}
     h.ids_ready = True
-    log.info("dataset %s: sample id index built from v%d: %d ids of %d nodes in %d shards", kind, doc["version"], n,
-             doc["nodes"], len(shards))
+    log.info("dataset %s: sample id index built from v%d: %d ids of %d nodes in %d shards (%d scans)", kind,
+             doc["version"], n, doc["nodes"], n_shards, parts)
     return {k: int(v) for k, v in doc.items() if isinstance(v, int)}
 
 
