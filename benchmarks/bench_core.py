@@ -9,7 +9,10 @@ Every figure is printed beside a baseline measured in the same run:
    by a small HTTP proxy between the clients (boto3 and deltalake's Rust client) and the S3 server,
    also by kind of object (method + key pattern); warm (table open in the process) over a full
    checkpoint cycle, and cold (first commit of a process); baseline: one plain PUT of a bundle-sized object;
-4. time-travel read of an old version against a read of the latest, in pyarrow, polars and DuckDB.
+4. time-travel read of an old version against a read of the latest, in pyarrow, polars and DuckDB;
+5. the cold commit of a fresh process against tables holding 100k to 10M sample ids (1M in the quick
+   variant): its requests and its process's peak memory (VmHWM), which the sample id index keeps flat;
+   baseline: the same process's peak after opening the table, before committing.
 
 Runs against a private SeaweedFS it starts itself. EDGEHAUL_BENCH_QUICK=1 (or --quick) for CI.
 """
@@ -22,6 +25,7 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -49,11 +53,17 @@ from edgehaul.contracts import Contract, load_contract
 from edgehaul.core import landed
 from edgehaul.core.datasets import (
     CHECKPOINT_INTERVAL,
+    ID_INDEX_VERSION,
+    SHARD_SPAN,
     ValidatedBundle,
+    _ids_key,
+    _shard_body,
     commit_bundles,
     dataset_schema,
     ensure_table,
     forget_handle,
+    id_shard,
+    open_table,
     read_version,
     table_uri,
 )
@@ -358,15 +368,21 @@ def bench_commits(
     have, k = 0, 0
     rows = []
     by_pattern: dict[int, Counter[str]] = {}
+    ratios = []
 
     def one_bundle() -> ValidatedBundle:
         nonlocal k
-        k += 1
-        d, m = write_bundle(_tiled(base, bundle_rows, f"commit-{k}"), c, tier="normal")
+        k += 1  # ids as a node numbers its samples: node-a-<seq>, each bundle the next 50
+        t = _tiled(base, bundle_rows, "x")
+        t = t.set_column(t.schema.get_field_index("sample_id"), "sample_id",
+                         pa.array([f"node-a-{k * bundle_rows + i:012d}" for i in range(bundle_rows)]))
+        d, m = write_bundle(t, c, tier="normal")
         tbl, res = validate_bundle(d, m)
         assert tbl is not None
         return ValidatedBundle(m, tbl, res)
 
+    # the table's sample id index exists (built by its first commit), as in any table after its first commit
+    assert commit_bundles(store, c, [one_bundle()]).version is not None
     for level in (10, 100, 1000):
         _add_files(store, c, level - have, sample, stats)
         have = level
@@ -387,6 +403,7 @@ def bench_commits(
         assert commit_bundles(proxy_store, c, [vb]).version is not None
         proxy.snapshot()
         cold_reqs, cold_kib = sum(proxy.counts.values()), proxy.bytes / 1024
+        cold_patterns = Counter(proxy.patterns)
         for _ in range(per_level):
             vb = one_bundle()
             proxy.reset()
@@ -401,21 +418,30 @@ def bench_commits(
         by_pattern[files] = patterns
         med, mean = statistics.median(lat), statistics.mean(lat)
         rows.append((files, med, mean, statistics.mean(reqs)))
+        ratios.append((files, cold_reqs, statistics.mean(reqs)))
         print(f"  {files:6d} {1000 * med:7.1f} {1000 * mean:8.1f} {med / put_s:6.1f} {statistics.mean(reqs):9.1f} "
               f"{min(reqs):4d} {max(reqs):4d} {kinds['GET'] / per_level:5.1f} {kinds['PUT'] / per_level:5.1f} "
               f"{kinds['LIST'] / per_level:5.1f} {statistics.mean(kib):6.0f} {1000 * cold_s:8.1f} {cold_reqs:9d} "
               f"{cold_kib:9.0f}")
     print(f"  1000 files vs 10 (warm): median latency {rows[-1][1] / rows[0][1]:.2f}x, "
           f"mean {rows[-1][2] / rows[0][2]:.2f}x, requests {rows[-1][3] / rows[0][3]:.2f}x")
+    for files, cold, warm in ratios:
+        print(f"  cold / warm requests at {files} files: {cold} / {warm:.1f} = {cold / warm:.2f}x "
+              f"({'within' if cold <= 2 * warm else 'OVER'} the 2x target)")
+    print(f"  the cold commit at {files} files by kind of object:")
+    for pat, n in sorted(cold_patterns.items()):
+        print(f"    {n:5d}  {pat}")
     first, last = min(by_pattern), max(by_pattern)
     print(f"  warm requests per commit by kind of object, {first} vs {last} files:")
     for pat in sorted(set(by_pattern[first]) | set(by_pattern[last])):
         print(f"    {by_pattern[first][pat] / per_level:5.1f} {by_pattern[last][pat] / per_level:5.1f}  {pat}")
-    print(f"  A warm commit: 1 claim PUT per bundle, data PUT, commit PUT (If-None-Match), LISTs of _delta_log after the"
-          f" last version, its own commit JSON (lineage check, txn index). Every {CHECKPOINT_INTERVAL}th commit also"
-          " writes a checkpoint: its bytes (and the ranged GETs delta-rs makes of the previous one) grow with files;"
-          " that is Delta's design, amortised in the mean. A cold commit opens the table (reads the checkpoint) and"
-          " builds the txn index once per process.")
+    print(f"  A warm commit: 1 claim PUT per bundle, the id index shard PUT (If-Match), data PUT, commit PUT"
+          f" (If-None-Match), LISTs of _delta_log after the last version, the log delta-rs re-reads after a write."
+          f" Every {CHECKPOINT_INTERVAL}th commit also writes a checkpoint: its bytes (and the ranged GETs delta-rs"
+          " makes of the previous one) grow with files; that is Delta's design, amortised in the mean. A cold commit"
+          " opens the table (delta-rs reads the checkpoint and the commits after it: the part of the cold cost that"
+          " moves with the position in the checkpoint cycle), reads the id index marker and the shard its bundle's"
+          " ids fall in; it reads no data file, whatever the table's size.")
 
 
 def bench_time_travel(store: ObjectStore, c: Contract) -> None:
@@ -433,6 +459,103 @@ def bench_time_travel(store: ObjectStore, c: Contract) -> None:
         print(f"  {reader:8} {t_old:7.2f} {old.num_rows:8d} {t_new:9.2f} {new.num_rows:8d} {t_old / t_new:15.2f}")
 
 
+def _ids_table(store: ObjectStore, c: Contract, n_ids: int, per_file: int = 1_000_000) -> None:
+    """A table holding n_ids sample ids of node-a (`node-a-<seq>`, one bundle per file; files carry the id
+    columns only, which is all a commit reads of them), with its id index written as commits write it."""
+    ensure_table(store, c)
+    s3 = store.client()
+    actions: list[AddAction | RemoveAction] = []
+    now = int(time.time() * 1000)
+    for f, start in enumerate(range(0, n_ids, per_file)):
+        seqs = range(start, min(n_ids, start + per_file))
+        t = pa.table({"sample_id": pa.array([f"node-a-{i:012d}" for i in seqs]),
+                      "node_id": pa.array(["node-a"] * len(seqs)), "bundle_id": pa.array([f"bulk-{f}"] * len(seqs))})
+        sink = io.BytesIO()
+        pq.write_table(t, sink)
+        name = f"part-ids-{uuid.uuid4().hex}.parquet"
+        s3.put_object(Bucket=store.bucket("curated"), Key=store.key("curated", f"{c.kind}/{name}"), Body=sink.getvalue())
+        actions.append(AddAction(name, sink.tell(), {}, now, True, json.dumps({"numRecords": len(seqs)})))
+        for block in range(start // SHARD_SPAN, -(-(start + len(seqs)) // SHARD_SPAN)):
+            ids = {f"node-a-{i:012d}": f"bulk-{f}" for i in range(max(start, block * SHARD_SPAN),
+                                                                   min(start + len(seqs), (block + 1) * SHARD_SPAN))}
+            name = id_shard(next(iter(ids)))
+            key = _ids_key(store, c.kind, f"node-a/{name}.json")
+            if block * SHARD_SPAN < start:  # a block shared with the previous file
+                ids |= json_shard(s3, store, key)
+            s3.put_object(Bucket=store.bucket("curated"), Key=key, Body=_shard_body(ids))
+    DeltaTable(table_uri(store, c.kind), storage_options=store.storage_options()).create_write_transaction(
+        actions, mode="append", schema=dataset_schema(c))
+    s3.put_object(Bucket=store.bucket("curated"), Key=_ids_key(store, c.kind, "_index.json"),
+                  Body=json.dumps({"v": ID_INDEX_VERSION, "version": 1, "ids": n_ids}).encode())
+
+
+def json_shard(s3: Any, store: ObjectStore, key: str) -> dict[str, str]:
+    doc = json.loads(s3.get_object(Bucket=store.bucket("curated"), Key=key)["Body"].read())
+    return {sid: doc["bundles"][i] for sid, i in doc["ids"].items()}
+
+
+def _cold_child(store_doc: dict[str, Any], vb: ValidatedBundle, conn: Any) -> None:
+    """A fresh process: open the table (the floor), then commit one validated bundle; peak RSS of each."""
+    store = ObjectStore(**store_doc)
+    c = load_contract("landsat_patch")
+    open_table(store, c.kind)
+    floor = _peak_kib()
+    t0 = time.perf_counter()
+    r = commit_bundles(store, c, [vb])
+    assert r.version is not None and r.rows == vb.table.num_rows
+    conn.send((floor, _peak_kib(), time.perf_counter() - t0))
+
+
+def _peak_kib() -> int:
+    """This process's peak RSS (VmHWM): unlike ru_maxrss, not inherited from the parent across fork + exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _bundle_of_ids(c: Contract, first: int, n: int = 50) -> ValidatedBundle:
+    t = processed_rows(n, seed=2)
+    t = t.set_column(t.schema.get_field_index("sample_id"), "sample_id",
+                     pa.array([f"node-a-{i:012d}" for i in range(first, first + n)]))
+    d, m = write_bundle(t, c, tier="normal")
+    tbl, res = validate_bundle(d, m)
+    assert tbl is not None and res.success, res.error
+    return ValidatedBundle(m, tbl, res)
+
+
+def bench_id_memory(proxy: CountingProxy, store_at: Any, c: Contract, sizes: tuple[int, ...]) -> None:
+    print(f"\n[5] cold commit of one 50-row bundle (a fresh process) vs sample ids in the table "
+          f"(id index shards of {SHARD_SPAN:,} ids); peak RSS of the process")
+    print(f"  {'ids':>11} {'set-up s':>9} {'commit s':>9} {'requests':>9} {'KiB':>7} {'peak MiB':>9} "
+          f"{'floor MiB':>10} {'peak - floor':>13}")
+    ctx = multiprocessing.get_context("spawn")
+    peaks = []
+    for n in sizes:
+        prefix = f"ids-{n}"
+        t0 = time.perf_counter()
+        _ids_table(store_at(None, prefix), c, n)
+        setup = time.perf_counter() - t0
+        via = store_at(proxy.url, prefix)
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_cold_child, args=(_store_doc(via), _bundle_of_ids(c, n), child))
+        proxy.reset()  # counts the child's table open too: all a fresh process does
+        p.start()
+        floor, peak, secs = parent.recv()
+        p.join(60)
+        proxy.snapshot()
+        peaks.append(peak)
+        print(f"  {n:11,d} {setup:9.1f} {secs:9.2f} {sum(proxy.counts.values()):9d} {proxy.bytes / 1024:7.0f} "
+              f"{peak / 1024:9.0f} {floor / 1024:10.0f} {(peak - floor) / 1024:13.0f}")
+    print(f"  peak RSS at {sizes[-1]:,} ids / at {sizes[0]:,}: {peaks[-1] / peaks[0]:.2f}x (flat: the commit reads"
+          " the shards its ids fall in, never the table's ids)")
+
+
+def _store_doc(store: ObjectStore) -> dict[str, Any]:
+    return {"endpoint_url": store.endpoint_url, "access_key_id": store.access_key_id,
+            "secret_access_key": store.secret_access_key, "prefix": store.prefix}
+
+
 def main() -> None:
     quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
     val_rows = 200_000 if quick else 1_000_000
@@ -446,9 +569,10 @@ def main() -> None:
         root = Path(d)
         state = localstack.new_state(root, fixed_ports=False)
         state.save()
-        localstack.start_s3(state)
-        proxy = CountingProxy(state.s3_endpoint)
+        proxy = None
         try:
+            localstack.start_s3(state)  # inside: a start that times out still stops what it started
+            proxy = CountingProxy(state.s3_endpoint)
             cred = state.identities["admin"]
 
             def store_at(endpoint: str, prefix: str) -> ObjectStore:
@@ -460,8 +584,11 @@ def main() -> None:
             bench_time_travel(ingest, c)
             direct, via_proxy = store_at(state.s3_endpoint, "commits"), store_at(proxy.url, "commits")
             bench_commits(proxy, via_proxy, direct, c, base, per_level)
+            bench_id_memory(proxy, lambda e, p: store_at(e or state.s3_endpoint, p), c,
+                            (100_000, 1_000_000) if quick else (100_000, 1_000_000, 10_000_000))
         finally:
-            proxy.close()
+            if proxy is not None:
+                proxy.close()
             localstack.down(root)
 
 

@@ -75,11 +75,11 @@ def _scaled_bundle(node: str, seed: int) -> tuple[bytes, BundleManifest]:
     return write_bundle(t, CONTRACT, tier="normal")
 
 
-def _hold_claim(store: ObjectStore, bundle_id: str) -> None:
+def _hold_claim(store: ObjectStore, node_id: str, bundle_id: str) -> None:
     """Another live run's claim on a bundle: core_ingest validates it and defers its commit, so the bundle
     stays uncommitted and the next run validates it again (a committed bundle is never validated again)."""
     store.client().put_object(Bucket=store.bucket("curated"),
-                              Key=store.key("curated", f"_claims/{CONTRACT.kind}/{bundle_id}.json"),
+                              Key=store.key("curated", f"_claims/{CONTRACT.kind}/{node_id}/{bundle_id}.json"),
                               Body=json.dumps({"run": "another-live-run", "at": time.time()}).encode())
 
 
@@ -197,7 +197,7 @@ def test_a_cached_validation_is_bound_to_the_landed_bytes_not_to_the_manifest(st
     admin = store_for(stack, prefix=f"t-{tag}")
     data, m = bundle(30, _nodes(stack)[0], seed=21)
     key = land(admin, data, m)
-    _hold_claim(admin, m.bundle_id)  # validated (and cached), not committed: the next run validates it again
+    _hold_claim(admin, m.node_id, m.bundle_id)  # validated (and cached), not committed: the next run validates it again
     first = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[key], result_storage=results))
     assert first["valid"] == 1 and first["deferred"] == [m.bundle_id]
     swapped = data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:]
@@ -261,7 +261,7 @@ def test_flows_save_no_block_and_cached_results_are_json(stack: localstack.Stack
     assert again["already_committed"] == sorted(g[1].bundle_id for g in good) and again["valid"] == 0
     d, late = bundle(10, node, seed=44, start_seq=300)
     late_key = land(admin, d, late)
-    _hold_claim(admin, late.bundle_id)
+    _hold_claim(admin, late.node_id, late.bundle_id)
     for _ in range(2):
         rerun = core_ingest(CoreIngestParams(store_block=block, bundle_keys=[late_key], result_storage=results))
         assert rerun["valid"] == 1 and rerun["deferred"] == [late.bundle_id]

@@ -202,14 +202,14 @@ def test_property_duplicate_split_accounts_for_every_sample_id(bundles: list[lis
                            min_capture_time="", max_capture_time="", value_sum=0.0, max_value=0.0)
         todo.append(ValidatedBundle(m, t, None))  # type: ignore[arg-type]
     held_ids = {f"node-a-{s:012d}": "old" for s in held}
-    data, kept, dups = datasets._without_duplicates(CONTRACT, todo, held_ids)
+    data, kept, dups = datasets._without_duplicates(CONTRACT, todo, {("node-a", s) for s in held_ids})
     rows = data.column("sample_id").to_pylist()
     assert len(rows) == len(set(rows)) and not set(rows) & set(held_ids)
     for vb in todo:
-        b = vb.manifest.bundle_id
+        b, ref = vb.manifest.bundle_id, datasets.bundle_ref(vb.manifest)
         mine = data.filter(pc.equal(data.column(BUNDLE_ID_COLUMN), b)).column("sample_id").to_pylist()
-        assert len(mine) == kept[b]
-        assert sorted(mine + dups.get(b, [])) == sorted(vb.manifest.sample_ids)  # nothing lost, nothing twice
+        assert len(mine) == kept[ref]
+        assert sorted(mine + dups.get(ref, [])) == sorted(vb.manifest.sample_ids)  # nothing lost, nothing twice
     assert set(rows) | set(held_ids) == {i for vb in todo for i in vb.manifest.sample_ids} | set(held_ids)
 
 
@@ -349,7 +349,7 @@ def test_a_resent_sample_id_is_a_recorded_duplicate_not_a_second_row(stack: loca
     assert state.is_completed()
     c = summary["commits"][0]
     assert c["bundles"] == [m2.bundle_id] and c["rows"] == 10
-    assert sorted(c["duplicates"][m2.bundle_id]) == sorted(m1.sample_ids)
+    assert sorted(c["duplicates"][f"node-a/{m2.bundle_id}"]) == sorted(m1.sample_ids)
     ids = _dataset_ids(stack)
     assert len(ids) == len(set(ids)) and set(m2.sample_ids) <= set(ids)
     ingest_store = store_for(stack, "ingest")
@@ -399,7 +399,7 @@ def test_concurrent_commits_keep_sample_ids_unique(stack: localstack.StackState,
     for vb in all_bundles:  # every sample id of every bundle: a row of its own, or named as a duplicate
         b = vb.manifest.bundle_id
         mine = data.filter(pc.equal(data.column(BUNDLE_ID_COLUMN), b)).column("sample_id").to_pylist()
-        assert sorted(mine + dups.get(b, [])) == sorted(vb.manifest.sample_ids)
+        assert sorted(mine + dups.get(f"{vb.manifest.node_id}/{b}", [])) == sorted(vb.manifest.sample_ids)
     assert len(ids) == 3 * 50
     races = sum("lost the race" in r.getMessage() for r in caplog.records)
     print(f"concurrent commits: {sum(len(v) for v in dups.values())} duplicate ids dropped, {races} lost races "

@@ -143,7 +143,7 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     d, late_m = bundle(20, "node-b", seed=8, start_seq=600)
     late_key = land(store, d, late_m)
     store.client().put_object(Bucket=store.bucket("curated"),
-                              Key=store.key("curated", f"_claims/landsat_patch/{late_m.bundle_id}.json"),
+                              Key=store.key("curated", f"_claims/landsat_patch/node-b/{late_m.bundle_id}.json"),
                               Body=json.dumps({"run": "another-live-run", "at": time.time()}).encode())
     summary3, _ = _run(CoreIngestParams(store_block=block, bundle_keys=[late_key]), core_ingest)
     assert summary3["deferred"] == [late_m.bundle_id] and summary3["cached"] == 0

@@ -113,14 +113,17 @@ def test_failed_validation_never_enters_a_version(store: ObjectStore) -> None:
 @pytest.mark.integration
 def test_claims_defer_a_live_run_and_take_over_a_dead_one(store: ObjectStore) -> None:
     dt = ensure_table(store, CONTRACT)
-    c1 = claim_bundles(store, dt, KIND, ["b-1", "b-2"], "run-live")
-    assert c1.claimed == ["b-1", "b-2"]
-    c2 = claim_bundles(store, dt, KIND, ["b-1"], "run-other", lease_s=600)
-    assert c2.deferred == ["b-1"] and not c2.claimed
+    b1, b2 = ("node-a", "b-1"), ("node-a", "b-2")
+    c1 = claim_bundles(store, dt, KIND, [b1, b2], "run-live")
+    assert c1.claimed == [b1, b2]
+    c2 = claim_bundles(store, dt, KIND, [b1], "run-other", lease_s=600)
+    assert c2.deferred == [b1] and not c2.claimed
+    # the same bundle id from another node is another bundle: its own claim
+    assert claim_bundles(store, dt, KIND, [("node-b", "b-1")], "run-other", lease_s=600).claimed == [("node-b", "b-1")]
     time.sleep(0.2)
-    c3 = claim_bundles(store, dt, KIND, ["b-2"], "run-other", lease_s=0.1)  # run-live presumed dead
-    assert c3.claimed == ["b-2"]
-    assert claim_bundles(store, dt, KIND, ["b-2"], "run-other").claimed == ["b-2"]  # own claim: retry ok
+    c3 = claim_bundles(store, dt, KIND, [b2], "run-other", lease_s=0.1)  # run-live presumed dead
+    assert c3.claimed == [b2]
+    assert claim_bundles(store, dt, KIND, [b2], "run-other").claimed == [b2]  # own claim: retry ok
 
 
 @pytest.mark.integration
@@ -129,11 +132,12 @@ def test_an_empty_claim_left_by_a_claimant_killed_mid_put_expires_like_any_other
 
     dt = ensure_table(store, CONTRACT)
     # some S3 servers keep a 0-byte object when the client dies after the PUT's headers
-    store.client().put_object(Bucket=store.bucket("curated"), Key=_claim_key(store, KIND, "b-empty"), Body=b"")
-    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next", lease_s=600).deferred == ["b-empty"]
+    b = ("node-a", "b-empty")
+    store.client().put_object(Bucket=store.bucket("curated"), Key=_claim_key(store, KIND, b), Body=b"")
+    assert claim_bundles(store, dt, KIND, [b], "run-next", lease_s=600).deferred == [b]
     time.sleep(1.1)  # LastModified has one-second resolution
-    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next", lease_s=1.0).claimed == ["b-empty"]
-    assert claim_bundles(store, dt, KIND, ["b-empty"], "run-next").claimed == ["b-empty"]  # now a real claim
+    assert claim_bundles(store, dt, KIND, [b], "run-next", lease_s=1.0).claimed == [b]
+    assert claim_bundles(store, dt, KIND, [b], "run-next").claimed == [b]  # now a real claim
 
 
 @pytest.mark.integration
@@ -160,7 +164,7 @@ def test_a_failed_commit_releases_its_claims_so_the_next_run_commits_at_once(
     s3 = store.client()
     for vb in vbs:
         with pytest.raises(s3.exceptions.NoSuchKey):
-            s3.get_object(Bucket=store.bucket("curated"), Key=ds._claim_key(store, KIND, vb.manifest.bundle_id))
+            s3.get_object(Bucket=store.bucket("curated"), Key=ds._claim_key(store, KIND, ds.bundle_ref(vb.manifest)))
     res = commit_bundles(store, CONTRACT, vbs, run_id="run-next", lease_s=600)
     assert not res.deferred and sorted(res.bundles) == sorted(vb.manifest.bundle_id for vb in vbs)
     assert read_version(store, KIND).num_rows == 40
@@ -277,3 +281,37 @@ def test_compaction_is_its_own_commit_and_keeps_every_version(store: ObjectStore
     with pytest.raises(DatasetError, match="target_size"):
         compact(store, KIND, target_size=10)
 
+
+
+@pytest.mark.integration
+def test_an_s3_error_inside_the_commit_releases_the_claims_so_the_next_run_commits_at_once(store: ObjectStore) -> None:
+    """The store refuses the duplicate record a commit writes (a real S3 error from the server: the record is
+    sent to a bucket that does not exist): the error reaches the caller, nothing is in the table, the run's
+    claims are gone, and the next run commits those bundles at once instead of deferring them for the lease.
+    main: the claims were released only on Delta and OS errors; this one kept them for the whole lease."""
+    from botocore.exceptions import ClientError
+
+    import edgehaul.core.datasets as ds
+
+    first = _validated(10, "node-a", 51)
+    commit_bundles(store, CONTRACT, [first])
+    # a bundle re-sending 10 committed ids (so the commit records duplicates) and one of another node
+    resend = _validated(30, "node-a", 51)
+    other = _validated(20, "node-b", 52)
+    assert set(first.manifest.sample_ids) < set(resend.manifest.sample_ids)
+    s3 = store.client()
+
+    def missing_bucket(params: dict[str, object], **_: object) -> None:
+        if "/_duplicates/" in str(params.get("Key", "")):
+            params["Bucket"] = "edgehaul-no-such-bucket"
+
+    s3.meta.events.register("before-parameter-build.s3.PutObject", missing_bucket)
+    with pytest.raises(ClientError, match="NoSuchBucket"):
+        commit_bundles(store, CONTRACT, [resend, other], run_id="run-failed", lease_s=600, s3=s3)
+    for vb in (resend, other):
+        with pytest.raises(s3.exceptions.NoSuchKey):
+            s3.get_object(Bucket=store.bucket("curated"), Key=ds._claim_key(store, KIND, ds.bundle_ref(vb.manifest)))
+    assert open_table(store, KIND).version() == 1
+    res = commit_bundles(store, CONTRACT, [resend, other], run_id="run-next", lease_s=600)
+    assert not res.deferred and sorted(res.bundles) == sorted([resend.manifest.bundle_id, other.manifest.bundle_id])
+    assert res.rows == 20 + 20 and read_version(store, KIND).num_rows == 10 + 40

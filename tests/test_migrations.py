@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -169,3 +170,64 @@ def test_an_old_table_evolves_in_its_next_commit_and_time_travel_still_reads(sto
     assert done.version == 4 and done.files_removed >= 3
     assert content_sha256(read_version(store, KIND, 4)) == v3_digest
     assert content_sha256(read_version(store, KIND, 1)) == v1_digest
+
+
+# ------------------------------------------------------------------ identity-scoped ids (docs/MIGRATIONS.md)
+
+
+def _validated(rows: pa.Table) -> ValidatedBundle:
+    data, m = write_bundle(rows, CONTRACT, tier="normal")
+    table, result = validate_bundle(data, m)
+    assert result.success and table is not None, result.error
+    return ValidatedBundle(m, table, result)
+
+
+def _as_node(t: pa.Table, node: str) -> pa.Table:
+    return t.set_column(t.schema.get_field_index("node_id"), "node_id",
+                        pa.array([node] * t.num_rows, t.schema.field("node_id").type))
+
+
+@pytest.mark.integration
+def test_a_table_from_before_scoped_ids_gets_its_id_index_on_the_next_commit(store: ObjectStore) -> None:
+    """A table the old code wrote: txn ids `edgehaul/bundle/<bundle>`, claims without a node, no id index. The
+    first commit builds the index (one scan), with no new version for it; then a re-landed old bundle is
+    already committed for its own node only, a re-sent old sample id is a duplicate for its own node only."""
+    from deltalake import CommitProperties, Transaction
+
+    from edgehaul.core.datasets import _ids_key, committed_bundle_ids, forget_handle
+
+    old = _validated(processed_rows(30, "node-a", seed=21, start_seq=7_000))
+    uri, opts = table_uri(store, KIND), store.storage_options()
+    ensure_table(store, CONTRACT)
+    rows = old.table.append_column(BUNDLE_ID_COLUMN, pa.array([old.manifest.bundle_id] * 30))
+    write_deltalake(uri, rows.cast(dataset_schema(CONTRACT)), mode="append", storage_options=opts,
+                    commit_properties=CommitProperties(app_transactions=[
+                        Transaction(app_id=f"edgehaul/bundle/{old.manifest.bundle_id}", version=1)]))
+    assert open_table(store, KIND).version() == 1
+    forget_handle(store, KIND)  # a process of the new code
+
+    same_on_b = _validated(_as_node(old.table, "node-b"))  # node-b's bundle: same ids, same bundle id
+    assert same_on_b.manifest.bundle_id == old.manifest.bundle_id
+    resend = _validated(processed_rows(40, "node-a", seed=22, start_seq=7_010))  # 20 old ids of node-a, 20 new
+    r = commit_bundles(store, CONTRACT, [old, same_on_b, resend], run_id="first-after-upgrade")
+    assert r.version == 2  # the index build made no version of its own
+    assert r.already_committed == [old.manifest.bundle_id] and r.refs["already_committed"] == [
+        f"node-a/{old.manifest.bundle_id}"]
+    assert sorted(r.refs["bundles"]) == sorted([f"node-b/{same_on_b.manifest.bundle_id}",
+                                                f"node-a/{resend.manifest.bundle_id}"])
+    assert r.rows == 30 + 20 and len(r.duplicates[f"node-a/{resend.manifest.bundle_id}"]) == 20
+    s3 = store.client()
+    marker = json.loads(s3.get_object(Bucket=store.bucket("curated"), Key=_ids_key(store, KIND, "_index.json"))
+                        ["Body"].read())
+    assert marker["ids"] == 30 and marker["version"] == 1 and marker["legacy_bundles"] == 1
+    data = read_version(store, KIND)
+    assert data.num_rows == 30 + 30 + 20
+    pairs = list(zip(data.column("node_id").to_pylist(), data.column("sample_id").to_pylist(), strict=True))
+    assert len(pairs) == len(set(pairs))  # unique per node; node-b holds the same ids as node-a
+
+    forget_handle(store, KIND)  # another fresh process: the old bundle is node-a's, not node-b's
+    assert committed_bundle_ids(store, KIND, [("node-a", old.manifest.bundle_id), ("node-c", old.manifest.bundle_id)]) \
+        == {("node-a", old.manifest.bundle_id)}
+    again = commit_bundles(store, CONTRACT, [old, same_on_b], run_id="later")
+    assert again.version is None and sorted(again.refs["already_committed"]) == sorted(
+        [f"node-a/{old.manifest.bundle_id}", f"node-b/{old.manifest.bundle_id}"])

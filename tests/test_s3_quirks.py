@@ -149,10 +149,11 @@ def test_a_node_identity_that_gets_403_on_head_of_a_missing_key_still_lands(
 def test_a_stale_claim_is_taken_over_whatever_the_if_match_form(quirky: tuple[QuirkProxy, ObjectStore]) -> None:
     _, store = quirky
     dt = ensure_table(store, CONTRACT)
-    assert claim_bundles(store, dt, CONTRACT.kind, ["b-1"], "run-dead").claimed == ["b-1"]
+    b1 = ("node-a", "b-1")
+    assert claim_bundles(store, dt, CONTRACT.kind, [b1], "run-dead").claimed == [b1]
     time.sleep(0.2)
-    assert claim_bundles(store, dt, CONTRACT.kind, ["b-1"], "run-live", lease_s=600).deferred == ["b-1"]
-    assert claim_bundles(store, dt, CONTRACT.kind, ["b-1"], "run-next", lease_s=0.1).claimed == ["b-1"]
+    assert claim_bundles(store, dt, CONTRACT.kind, [b1], "run-live", lease_s=600).deferred == [b1]
+    assert claim_bundles(store, dt, CONTRACT.kind, [b1], "run-next", lease_s=0.1).claimed == [b1]
 
 
 @pytest.mark.integration

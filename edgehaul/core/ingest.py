@@ -430,9 +430,9 @@ def already_committed(
 ) -> dict[str, str]:
     """key -> bundle id of the bundles whose dataset already holds them (one index lookup per bundle on the
     process's open table, see `datasets.committed_bundle_ids`): a run skips them before validating."""
-    by_contract: dict[str, dict[str, str]] = {}
-    for key, m in manifests.items():
-        by_contract.setdefault(str(m["contract"]), {})[str(m["bundle_id"])] = key
+    by_contract: dict[str, dict[datasets.Ref, str]] = {}
+    for key, m in manifests.items():  # a bundle id is unique per node only
+        by_contract.setdefault(str(m["contract"]), {})[(str(m["node_id"]), str(m["bundle_id"]))] = key
     out: dict[str, str] = {}
     for contract_id, ids in sorted(by_contract.items()):
         try:
@@ -443,5 +443,5 @@ def already_committed(
             done = datasets.committed_bundle_ids(store, kind, sorted(ids), s3=s3)
         except datasets.DatasetError:
             continue  # no dataset yet: nothing committed
-        out.update({ids[b]: b for b in done})
+        out.update({ids[r]: r[1] for r in done})
     return out

@@ -298,24 +298,24 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
             continue
         c = c_state.result()
         commits.append(c)
-        node_of = {r.bundle_id: r.node_id for _, r in items}
-        if c.version is not None:
+        if c.version is not None:  # a commit with no new row makes none: no training run for nothing new
             events.emit(events.DATASET_COMMITTED, f"edgehaul.dataset.{c.kind}",
                         {"kind": c.kind, "version": c.version, "parent": c.parent, "bundles": c.bundles,
                          "nodes": c.nodes, "rows": c.rows, "contract": contract_id},
                         **events.dataset_committed_labels(c.kind, contract_by_id(contract_id).training is not None))
-        for b, status in [*((b, "committed") for b in c.bundles), *((b, "already_committed") for b in c.already_committed)]:
+        for (node, b), status in [*((r, "committed") for r in c.nodes_of("bundles")),
+                                  *((r, "already_committed") for r in c.nodes_of("already_committed"))]:
             events.emit(events.BUNDLE_RECEIPT, f"edgehaul.bundle.{b}",
-                        {"status": status, "kind": c.kind, "version": c.version, "node_id": node_of.get(b, "")},
-                        **{"edgehaul.node.id": node_of.get(b, "")})
+                        {"status": status, "kind": c.kind, "version": c.version, "node_id": node},
+                        **{"edgehaul.node.id": node})
 
     summary_table(
         "core-ingest-validation", _artifact_rows(list(passed.values()), list(rejected.values())),
         f"core_ingest: {len(passed)} bundles valid, {len(rejected)} quarantined, {len(errors)} errors",
     )
     deferred = sorted(b for c in commits for b in c.deferred)
-    key_of = {r.bundle_id: k for k, r in passed.items()}
-    unsettled = {*scan.waiting, *errors, *(key_of[b] for b in deferred if b in key_of)}
+    key_of = {f"{r.node_id}/{r.bundle_id}": k for k, r in passed.items()}  # a bundle id is unique per node only
+    unsettled = {*scan.waiting, *errors, *(key_of[r] for c in commits for r in c.refs.get("deferred", []) if r in key_of)}
     covered = _complete_covered(store, settled_batches(taken, unsettled), run_id) if taken else 0
     if taken:
         # Every claim goes now, completed or not: a claim only keeps runs starting together apart. A batch

@@ -61,7 +61,7 @@ def drill_commit_kill(env: DrillEnv, rng: random.Random) -> TrialResult:
     killed = kill(p)
     # mid-operation only if the kill left part of the commit undone (not after its last bundle landed)
     with contextlib.suppress(datasets.DatasetError):
-        ids = [r.bundle_id for r in good.values()]
+        ids = [(r.node_id, r.bundle_id) for r in good.values()]
         killed = killed and len(datasets.committed_bundle_ids(store, KIND, ids)) < len(ids)
     time.sleep(COMMIT_LEASE_S + 0.05)
     problems = []
