@@ -24,8 +24,8 @@ from edgehaul.core import datasets, landed, quarantine
 from edgehaul.core.validation import ValidationResult, suite_for, validate_bundles
 from edgehaul.core.validation_cache import ValidationCache, entry_for
 from edgehaul.platform.io_pool import IO_WORKERS, io_map
-from edgehaul.platform.settings import get_settings
 from edgehaul.platform.s3_errors import error_code
+from edgehaul.platform.settings import get_settings
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
