@@ -4,10 +4,11 @@ What it does, in order:
 1. takes the landing keys of bundles (`bundle_keys`, e.g. the `key` of `edgehaul.bundle.landed` events) or
    discovers every bundle under the landing `prefix` (with `sweep`, only those neither committed nor
    quarantined: the scheduled deployment `landing-sweep` commits what no event announced); everything in
-   landing is untrusted input (`edgehaul.core.ingest.read_manifests`): a key that is not `<node>/<day>/<bundle>.parquet` with safe ids is
-   skipped (logged, named); a bundle without its manifest waits (left in landing, reported) until
-   `manifest_wait_s` old; a manifest over its contract's limits (ranged reads, never a whole download),
-   malformed, or naming another node or bundle than the prefix holding it is quarantined. A broken
+   landing is untrusted input (`edgehaul.core.ingest.read_manifests`): a key that is not
+   `<node>/<day>/<bundle>.parquet` with safe ids is skipped (logged, named); a bundle without its manifest
+   waits (left in landing, reported) until `manifest_wait_s` old; a manifest over its contract's limits
+   (ranged reads, never a whole download), malformed, or naming another node or bundle than the prefix
+   holding it is quarantined. A broken
    contract (YAML, a field, an unknown expectation) fails the run before anything moves; a bundle an
    earlier run quarantined is done (`already_quarantined`), or skipped as `landing_changed` when its
    landing objects were rewritten since; a bundle its dataset already holds is done (`already_committed`)
