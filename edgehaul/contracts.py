@@ -165,6 +165,26 @@ class FeatureSpec:
     outputs: tuple[str, ...] = ()  # the columns a function returns
 
 
+# How a raw file may write `capture_time` (`raw.capture_time`): ISO 8601 text with a zone is always read; a
+# number (or digits in a CSV) only in the epoch unit the contract declares, since 1.7e9 could be s or ms.
+TIME_FORMATS = ("iso8601", "epoch_s", "epoch_ms", "epoch_us")
+EPOCH_MS_PER_UNIT = {"epoch_s": 1000.0, "epoch_ms": 1.0, "epoch_us": 0.001}
+# What a node may derive when a raw file lacks the column (`raw.derive`), and from what.
+DERIVATIONS = {"sample_id": ("content-hash",), "capture_time": ("file-time",), "seq": ("row-order",)}
+
+
+@dataclass(frozen=True)
+class RawSpec:
+    """How raw files write the identity columns (`raw:` in a contract; absent = ISO 8601, nothing derived)."""
+
+    capture_time: str = "iso8601"  # one of TIME_FORMATS
+    derive: tuple[tuple[str, str], ...] = ()  # (column, how) for columns a file may lack
+
+    @property
+    def derived(self) -> dict[str, str]:
+        return dict(self.derive)
+
+
 @dataclass(frozen=True)
 class TrainingSpec:
     model: str  # one of MODEL_FAMILIES
@@ -197,6 +217,7 @@ class Contract:
     max_bundle_bytes: int = DEFAULT_LIMITS["max_bundle_bytes"]
     max_rows: int = DEFAULT_LIMITS["max_rows"]
     allow_nonfinite: tuple[str, ...] = ()  # float columns where NaN/inf are data, not an error
+    raw: RawSpec = RawSpec()
 
     @property
     def id(self) -> str:
@@ -278,6 +299,17 @@ class Contract:
     @property
     def raw_schema(self) -> pa.Schema:
         return pa.schema([pa.field(n, _ARROW_TYPES[t]) for n, t in self.raw_columns.items()])
+
+    @property
+    def required_raw_columns(self) -> tuple[str, ...]:
+        """The raw columns a file must carry: identity (less node_id, which the node fills in), the payload and
+        every non-nullable data column, less what `raw.derive` derives. The label and nullable columns may
+        be absent (null in every row)."""
+        derived = self.raw.derived
+        need = [n for n in IDENTITY_COLUMNS if n != "node_id" and n not in derived]
+        need += list(self.payload_columns) if self.layout != "columns" else [
+            c.name for c in self.columns if not c.nullable]
+        return tuple(need)
 
     @property
     def feature_columns(self) -> list[str]:
@@ -542,7 +574,18 @@ class _Doc:
 
 
 _TOP_KEYS = {"kind", "version", "description", "tensor", "file", "columns", "label", "features", "training",
-             "limits", "raw_columns", "expectations"}
+             "limits", "raw_columns", "expectations", "raw"}
+
+
+def _raw_spec(d: _Doc, v: Any) -> RawSpec:
+    if v is None:
+        return RawSpec()
+    r = d.mapping(v, "raw", {"capture_time", "derive"})
+    fmt = d.string(r.get("capture_time", "iso8601"), "raw.capture_time", TIME_FORMATS)
+    derive = d.mapping(r.get("derive") or {}, "raw.derive", set(DERIVATIONS))
+    for col, how in derive.items():
+        d.string(how, f"raw.derive.{col}", DERIVATIONS[col])
+    return RawSpec(capture_time=fmt, derive=tuple(sorted(derive.items())))
 
 
 def _limits(d: _Doc, doc: dict[str, Any]) -> dict[str, Any]:
@@ -612,7 +655,7 @@ def _parse(path: Path) -> Contract:
         kind=kind, version=version, layout=layout, label=label, raw_columns=dict(raw_columns),
         expectations=tuple(expectations), sha256=hashlib.sha256(raw).hexdigest(), source=str(path),
         description=str(description or "").strip(), tensor_spec=tensor, file=file, columns=columns,
-        features=features, training=training, **_limits(d, doc),
+        features=features, training=training, raw=_raw_spec(d, doc.get("raw")), **_limits(d, doc),
     )
     names = c.bundle_schema.names
     if dup := sorted({n for n in names if names.count(n) > 1}):

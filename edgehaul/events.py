@@ -32,13 +32,17 @@ LANDING_BATCH = "edgehaul.landing.batch"
 LANDING_BATCH_MAX = 200  # keys per batch event; below core_ingest's max_bundles (500), which truncates
 NODE_RUN_SUMMARY = "edgehaul.node.run.summary"  # payload: counts of one edge run (ingest or drain)
 LEDGER_COUNTS = "edgehaul.ledger.counts"  # payload: drops per stage and reason since the last report
+# An edge run's drop folder had files rejected (or read with most rows rejected): payload node_id, message,
+# files {name: why}, counts. A level-2 alert (edgehaul.platform.automations).
+DROP_REJECTED = "edgehaul.drop.rejected"
 
 # What an edge node may have forwarded in its name (gateway hook `node-events`): its own alerts,
 # statistics and summaries, never an event that starts work centrally (e.g. LANDING_BATCH).
 DOWNLINK_APPLIED = "edgehaul.node.downlink.applied"  # payload: generation, previous, items
 DOWNLINK_REFUSED = "edgehaul.node.downlink.refused"  # payload: generation, in_force, why
 NODE_FORWARDED = frozenset({SPOOL_WATERMARK, LINK_STATS, CHECKPOINT_FAILED, CONTACT_OPENED, RETRY_EXPIRED,
-                            NODE_RUN_SUMMARY, LEDGER_COUNTS, DOWNLINK_APPLIED, DOWNLINK_REFUSED})
+                            NODE_RUN_SUMMARY, LEDGER_COUNTS, DOWNLINK_APPLIED, DOWNLINK_REFUSED,
+                            DROP_REJECTED})
 # What a routed node announces instead: each landed bundle goes through its outbox to the gateway hook
 # `bundle-uploaded`, which coalesces every node's bundles into the LANDING_BATCH that starts core_ingest.
 NODE_ANNOUNCED = frozenset({BUNDLE_LANDED})

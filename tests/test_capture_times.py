@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgehaul.contracts import Contract
 from edgehaul.edge.landsat import CaptureLog, generate, table_sha256
 from edgehaul_dev import localstack
 
@@ -125,3 +127,98 @@ def test_each_run_of_a_node_numbers_its_samples_past_every_earlier_run(sizes: li
         log = CaptureLog(Path(tmp) / "captures.sqlite", keep=timedelta(0))  # old ranges pruned, the counter kept
         assert log.first_seq("later", 1) == sum(sizes)
         log.close()
+
+
+# ---- capture times as tools write them (raw files at the edge) ------------------------------------------------
+
+GAIT_YAML = """
+kind: gait_raw
+version: 1
+columns:
+  ankle: {type: float32, unit: mg, min: -5000, max: 5000}
+label: {column: is_anomaly, kind: anomaly}
+"""
+
+
+def _gait(tmp_path: Path, raw: str = "") -> Contract:
+    from edgehaul.contracts import load_contract
+
+    d = tmp_path / f"contracts-{abs(hash(raw))}"
+    d.mkdir(exist_ok=True)
+    (d / "gait_raw.v1.yaml").write_text(GAIT_YAML + raw)
+    return load_contract("gait_raw", 1, d)
+
+
+def _times(contract: Contract, values: Sequence[object]) -> tuple[list[object], list[str]]:
+    import pyarrow as pa
+
+    from edgehaul.edge.preprocess import preprocess
+
+    n = len(values)
+    raw = pa.table({"sample_id": [f"s{i}" for i in range(n)], "capture_time": values, "seq": list(range(n)),
+                    "ankle": [1.0] * n})
+    r = preprocess(raw, contract, node_id="node-a")
+    got = dict(zip(r.accepted.column("sample_id").to_pylist(), r.accepted.column("capture_time").to_pylist(),
+                   strict=True))
+    assert r.accounted()
+    return [got.get(f"s{i}") for i in range(n)], r.rejects.column("detail").to_pylist()
+
+
+T0 = datetime(2026, 1, 1, 0, 0, 0, 100000, tzinfo=UTC)
+
+
+def test_iso_8601_as_tools_write_it_is_read_to_the_millisecond(tmp_path: Path) -> None:
+    c = _gait(tmp_path)
+    forms = [T0.isoformat(),  # Python: 2026-01-01T00:00:00.100000+00:00
+             "2026-01-01T00:00:00.1Z", "2026-01-01 00:00:00.100Z", "2026-01-01T02:00:00.100+02:00",
+             "2026-01-01T00:00:00.100999999Z",  # nanoseconds: truncated to the ms
+             "2025-12-31T19:00:00.100-05:00"]
+    got, _ = _times(c, forms)
+    assert got == [T0] * len(forms)
+
+
+def test_a_time_without_zone_or_an_undeclared_epoch_is_rejected_with_what_is_accepted(tmp_path: Path) -> None:
+    got, details = _times(_gait(tmp_path), ["2026-01-01T00:00:00", "1767225600100", "yesterday"])
+    assert got == [None, None, None]
+    assert all("is not ISO 8601 with a zone offset" in d for d in details)
+    assert "raw.capture_time" in details[1]  # says how to declare an epoch unit
+
+
+@pytest.mark.parametrize(("unit", "values"), [
+    ("epoch_s", [1767225600.1, "1767225600.1", " 1767225600.100 "]),
+    ("epoch_ms", [1767225600100, "1767225600100", "+1767225600100"]),
+    ("epoch_us", [1767225600100000, "1767225600100000", "1767225600100999"]),
+])
+def test_epoch_times_in_the_declared_unit_numbers_or_text(tmp_path: Path, unit: str, values: list[object]) -> None:
+    c = _gait(tmp_path, f"raw: {{capture_time: {unit}}}\n")
+    for v in values:  # one column type per table, as a file has
+        row = [v, T0.isoformat()] if isinstance(v, str) else [v]  # ISO stays readable beside a declared epoch
+        got, details = _times(c, row)
+        assert got == [T0] * len(row), (v, details)
+    got, details = _times(c, ["17e", "nan", "99999999999999999999999999"])
+    assert got == [None, None, None] and len(details) == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(ms=st.integers(0, 4_102_444_800_000), unit=st.sampled_from(["epoch_s", "epoch_ms", "epoch_us"]),
+       text=st.booleans(), offset_min=st.integers(-12 * 60, 14 * 60))
+def test_any_time_round_trips_in_every_form(ms: int, unit: str, text: bool, offset_min: int) -> None:
+    """An instant written as epoch s/ms/us (number or text) or as ISO 8601 at any offset reads back to the ms."""
+    from datetime import timezone
+
+    import pyarrow as pa
+
+    from edgehaul.edge.preprocess import parse_times
+
+    at = datetime.fromtimestamp(ms / 1000, UTC)
+    if unit == "epoch_s":  # a float of seconds reads back to its ms (binary fractions are rounded, not cut)
+        v: object = f"{ms // 1000}.{ms % 1000:03d}" if text else ms / 1000
+    else:
+        n = ms * (1000 if unit == "epoch_us" else 1)
+        v = str(n) if text else n
+    arr = pa.array([v])
+    got, bad = parse_times(arr, unit)
+    assert not bad.any() and got[0].as_py() == at, (v, got)
+    iso = at.astimezone(timezone(timedelta(minutes=offset_min))).isoformat()
+    got, bad = parse_times(pa.array([iso]), "iso8601")
+    assert not bad.any() and got[0].as_py() == at, iso

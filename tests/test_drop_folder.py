@@ -189,6 +189,56 @@ def test_every_distinct_content_is_read_exactly_once(tmp_path_factory: pytest.Te
     df.close()
 
 
+def _bad_files(drop: Path) -> dict[str, str]:
+    """Files as broken instruments leave them -> a phrase of the reason each must be rejected with."""
+    good = drop / "tmp-src.csv"
+    _write(_raw(10, seed=41), good, "csv")
+    text = good.read_bytes()
+    good.unlink()
+    (drop / "latin1.csv").write_bytes(text.replace(b"node-a", "nöde".encode("latin-1"), 1))
+    lines = text.splitlines()
+    (drop / "cut.csv").write_bytes(b"\n".join([*lines[:-1], lines[-1][:40]]) + b"\n")  # cut mid-write
+    (drop / "broken.parquet").write_bytes(b"PAR1" + bytes(100) + b"PAR1")
+    (drop / "empty.csv").write_bytes(b"")
+    pq.write_table(pa.table({"reading": [1.0, 2.0], "when": ["a", "b"]}), drop / "other-schema.parquet")
+    return {"latin1.csv": "not UTF-8", "cut.csv": "columns", "broken.parquet": "not readable as parquet",
+            "empty.csv": "empty file", "other-schema.parquet": "missing required columns"}
+
+
+def test_an_unreadable_file_is_rejected_with_its_reason_and_the_others_are_read(tmp_path: Path) -> None:
+    """One bad file never blocks the folder: each bad one goes to rejected/ with `<name>.reason.txt`, the good
+    ones behind it are read, and the source log says which is which."""
+    from edgehaul.edge.drop_folder import DropRun
+
+    clock = Clock()
+    df = _folder(tmp_path, clock)
+    drop = tmp_path / "drop"
+    bad = _bad_files(drop)
+    _write(_raw(30, seed=42), drop / "good.parquet", "parquet")
+    _write(_raw(20, seed=43), drop / "good.csv", "csv")
+    for p in drop.iterdir():
+        _age(p, clock, 60)
+    run = DropRun(df, C, batch_size=25)
+    ids = []
+    for t, part in run.batches():
+        r = preprocess(t, C, node_id="node-a")
+        ids += r.accepted.column("sample_id").to_pylist()
+        run.done(part, t.num_rows, r.accepted.num_rows, r.reject_counts)
+    assert len(ids) == 50 and {p.name for p in (tmp_path / "done").iterdir()} == {"good.parquet", "good.csv"}
+    summary = run.summary()
+    assert summary["files_read"] == 2 and summary["files_rejected"] == len(bad)
+    rejected = tmp_path / "rejected"
+    for name, phrase in bad.items():
+        assert (rejected / name).exists(), name
+        why = (rejected / f"{name}.reason.txt").read_text()
+        assert phrase in why and summary["rejected_files"][name] == why.strip(), (name, why)
+    msg = run.message()
+    assert msg is not None and msg.startswith(f"{len(bad)} of {len(bad) + 2} drop files rejected")
+    assert all(name in msg for name in bad)
+    assert df.counts() == {"read": 2, "rejected": len(bad), "duplicates": 0}
+    assert not list(drop.iterdir())
+
+
 def test_partial_names() -> None:
     assert all(map(is_partial_name, [".x.parquet", "~x.csv", "x.csv.tmp", "x.PART", "x.parquet.inprogress"]))
     assert not any(map(is_partial_name, ["x.parquet", "x.csv", "tmp.arrow"]))
@@ -224,3 +274,38 @@ def test_edge_ingest_reads_a_drop_folder_once(stack: object, tmp_path: Path) -> 
         spool.close()
     want = [i for t in (a, b, c) for i in t.column("sample_id").to_pylist()]
     assert sorted(set(held)) == sorted(want)
+
+
+@pytest.mark.integration
+def test_edge_ingest_goes_on_past_unreadable_files_and_says_so(stack: object, tmp_path: Path) -> None:
+    """A run over a folder with broken files beside good ones completes: the good files are spooled, each bad
+    one is in rejected/ with its reason, and the run's final state message names them; the next run has
+    nothing left to trip on."""
+    from edgehaul.edge.spool import Spool
+    from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
+
+    drop, done = tmp_path / "drop", tmp_path / "done"
+    drop.mkdir()
+    bad = _bad_files(drop)
+    good = _raw(40, seed=51)
+    _write(good, drop / "zz-good.parquet", "parquet")  # after the bad ones in mtime order
+    for p in drop.iterdir():
+        os.utime(p, (time.time() - 60, time.time() - 60))
+    os.utime(drop / "zz-good.parquet", (time.time() - 30, time.time() - 30))
+    params = EdgeIngestParams(edge_node=None, node_id="node-a", spool_dir=str(tmp_path / "spool"), source="drop",
+                              source_path=str(drop), done_path=str(done), batch_size=100, result_storage=None)
+    state = edge_ingest(params, return_state=True)
+    assert state.is_completed(), state.message
+    out = state.result()
+    assert out["samples_in"] == 40 and out["files_read"] == 1 and out["files_rejected"] == len(bad)
+    assert state.message is not None and all(name in state.message for name in bad)
+    assert set(out["rejected_files"]) == set(bad) and [p.name for p in done.iterdir()] == ["zz-good.parquet"]
+    assert {p.name for p in (tmp_path / "rejected").iterdir()} == {n for b in bad for n in (b, f"{b}.reason.txt")}
+    again = edge_ingest(params, return_state=True)
+    assert again.is_completed() and again.message in (None, "") and again.result()["samples_in"] == 0
+    spool = Spool(tmp_path / "spool", cap_bytes=2**30, emit=lambda *a, **k: True)
+    try:
+        held = {i for e in spool.pending() + spool.raw_entries() for i in e.manifest.sample_ids}
+    finally:
+        spool.close()
+    assert held == set(good.column("sample_id").to_pylist())

@@ -91,9 +91,12 @@ def test_too_large_wrong_media_and_bad_sidecars_are_moved_aside_with_the_reason(
     assert why["jpeg.png"].startswith("bad-file: does not start like image/png")
     assert "unknown fields ['digt']" in why["typo.png"] and why["typo.png"].startswith("bad-sidecar: typo.json")
     assert "has no time zone" in why["naive.png"] and "not JSON" in why["junk.png"]
-    assert sorted(p.name for p in (tmp_path / "rejected").iterdir()) == sorted(
+    rejected = tmp_path / "rejected"
+    assert sorted(p.name for p in rejected.iterdir() if not p.name.endswith(".reason.txt")) == sorted(
         ["big.png", "jpeg.png", "jpeg.json", "typo.png", "typo.json", "naive.png", "naive.json", "junk.png",
          "junk.json"])
+    for name, reason in why.items():  # each with its reason beside it
+        assert (rejected / f"{name}.reason.txt").read_text().strip() == reason
     assert d.counts()["rejected"] == 5
 
 
@@ -149,7 +152,8 @@ def test_edge_ingest_spools_every_png_of_a_drop_folder_once(stack: object, tmp_p
                               result_storage=None)
     first = edge_ingest(params)
     assert first["samples_in"] == 130
-    assert sorted(p.name for p in (tmp_path / "rejected").iterdir()) == ["gif.png", "huge.png"]
+    assert sorted(p.name for p in (tmp_path / "rejected").iterdir()) == [
+        "gif.png", "gif.png.reason.txt", "huge.png", "huge.png.reason.txt"]
     assert len(list(done.iterdir())) == 260 and list(drop.iterdir()) == []  # each PNG with its sidecar
     assert edge_ingest(params)["samples_in"] == 0
     spool = Spool(tmp_path / "spool", cap_bytes=2**30, emit=lambda *a, **k: True)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
@@ -58,6 +60,11 @@ MEDIA_SUFFIXES: dict[str, tuple[str, ...]] = {
 }
 SIDECAR_SUFFIX = ".json"
 SIDECAR_KEYS = ("label", "capture_time", "seq", "node_id")
+REASON_SUFFIX = ".reason.txt"  # beside a file in rejected/: why it is there
+# CSV cells read as null: an empty cell and the usual spellings of "no value". Not NaN: a NaN is a value
+# (preprocessing rejects it as `nan` unless the column allows it), never a missing field.
+CSV_NULLS = ["", "NA", "N/A", "NULL", "null", "None"]
+CSV_BLOCK_BYTES = 4 << 20  # CSV is parsed in blocks this size: memory follows the block, not the file
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS source_files (
@@ -87,6 +94,13 @@ class DropFile:
     data: bytes | None = field(default=None, repr=False)  # an observation's bytes, read once at claim
     sidecar: Path | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # the parsed sidecar
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    rows: int
+    extra: tuple[str, ...]  # columns the contract does not read: reported, not kept
+    derived: tuple[str, ...]  # identity columns the file lacks, derived as the contract declares
 
 
 @dataclass
@@ -132,12 +146,20 @@ class DropFolder:
     def _known(self, sha: str) -> bool:
         return self._db.execute("SELECT 1 FROM source_files WHERE sha256 = ?", (sha,)).fetchone() is not None
 
-    def _move(self, path: Path, to: Path) -> None:
+    def _rejected_before(self, sha: str) -> str | None:
+        row = self._db.execute("SELECT detail FROM source_files WHERE sha256 = ? AND outcome = 'rejected'",
+                               (sha,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _move(self, path: Path, to: Path, reason: str | None = None) -> None:
+        """Move `path` into `to`; with a reason, `<name>.reason.txt` beside it says why (for whoever looks)."""
         to.mkdir(parents=True, exist_ok=True)
         dest = to / path.name
         if dest.exists():  # same name dropped again later: keep both
             dest = to / f"{path.stem}.{time.time_ns()}{path.suffix}"
         os.replace(path, dest)
+        if reason is not None:
+            dest.with_name(dest.name + REASON_SUFFIX).write_text(reason + "\n")
 
     def claim(self) -> Claimed:
         """The complete files not read before, oldest first. Moves away duplicates and unknown formats."""
@@ -146,11 +168,18 @@ class DropFolder:
             raise DropFolderError(f"drop folder {self.folder} does not exist")
         now = self._clock()
         claimed: set[str] = set()
-        entries = sorted((p for p in self.folder.iterdir() if p.is_file()), key=lambda p: (p.stat().st_mtime_ns, p.name))
+        listed: list[tuple[Path, os.stat_result]] = []
+        for p in self.folder.iterdir():
+            try:  # a file renamed or removed since the listing is seen under its new name next time
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                listed.append((p, st))
+        listed.sort(key=lambda e: (e[1].st_mtime_ns, e[0].name))
         obs = self.observation_suffixes
-        stems = {p.stem for p in entries if p.suffix.lower() in obs}
-        for p in entries:
-            st = p.stat()
+        stems = {p.stem for p, _ in listed if p.suffix.lower() in obs}
+        for p, st in listed:
             if is_partial_name(p.name) or now - st.st_mtime < self.settle_s:
                 out.waiting.append(p.name)
                 continue
@@ -158,25 +187,40 @@ class DropFolder:
                 if p.stem not in stems:
                     out.waiting.append(p.name)
                 continue
-            if p.suffix.lower() in obs:
-                self._claim_observation(p, st, now, claimed, out)
+            try:
+                self._claim_one(p, st, now, claimed, out)
+            except FileNotFoundError:  # renamed or removed while claimed: seen under its new name next time
                 continue
-            fmt = FORMATS.get(p.suffix.lower())
-            sha = _sha256(p)
-            if fmt is None:
-                why = f"unknown format {p.suffix or '(no suffix)'}; known: {', '.join(sorted(FORMATS))}"
-                self._record(p.name, sha, st.st_size, 0, "rejected", why)
-                self._move(p, self.rejected_dir)
-                out.rejected[p.name] = why
-            elif sha in claimed or self._known(sha):  # read before, or twice in this very folder
-                with self._lock:
-                    self._db.execute("INSERT INTO duplicate_files VALUES (?, ?, ?)", (p.name, sha, now))
-                self._move(p, self.done)
-                out.duplicates.append(p.name)
-            else:
-                claimed.add(sha)
-                out.files.append(DropFile(p, fmt, st.st_size, st.st_mtime_ns, sha))
         return out
+
+    def _claim_one(self, p: Path, st: os.stat_result, now: float, claimed: set[str], out: Claimed) -> None:
+        if p.suffix.lower() in self.observation_suffixes:
+            self._claim_observation(p, st, now, claimed, out)
+            return
+        fmt = FORMATS.get(p.suffix.lower())
+        sha = _sha256(p)
+        if fmt is None:
+            why = f"unknown format {p.suffix or '(no suffix)'}; known: {', '.join(sorted(FORMATS))}"
+            self._record(p.name, sha, st.st_size, 0, "rejected", why)
+            self._move(p, self.rejected_dir, why)
+            out.rejected[p.name] = why
+        elif st.st_size == 0:
+            why = "empty file (0 bytes)"
+            self._record(p.name, sha, 0, 0, "rejected", why)
+            self._move(p, self.rejected_dir, why)
+            out.rejected[p.name] = why
+        elif (before := self._rejected_before(sha)) is not None:  # the same bad content again: the same answer
+            why = f"same content as a file rejected before: {before}"
+            self._move(p, self.rejected_dir, why)
+            out.rejected[p.name] = why
+        elif sha in claimed or self._known(sha):  # read before, or twice in this very folder
+            with self._lock:
+                self._db.execute("INSERT INTO duplicate_files VALUES (?, ?, ?)", (p.name, sha, now))
+            self._move(p, self.done)
+            out.duplicates.append(p.name)
+        else:
+            claimed.add(sha)
+            out.files.append(DropFile(p, fmt, st.st_size, st.st_mtime_ns, sha))
 
     def _claim_observation(self, p: Path, st: os.stat_result, now: float, claimed: set[str], out: Claimed) -> None:
         """One file of a file kind: read once here (size, media type, sidecar), or moved aside with the reason."""
@@ -214,7 +258,7 @@ class DropFolder:
 
     def _reject(self, p: Path, sidecar: Path | None, sha: str, size: int, why: str, out: Claimed) -> None:
         self._record(p.name, sha, size, 0, "rejected", why)
-        self._move(p, self.rejected_dir)
+        self._move(p, self.rejected_dir, why)
         if sidecar is not None:
             self._move(sidecar, self.rejected_dir)
         out.rejected[p.name] = why
@@ -228,25 +272,69 @@ class DropFolder:
             part = obs[off : off + batch_size]
             yield observation_table(part, contract), part
 
+    def check(self, f: DropFile, contract: Contract, batch_size: int) -> FileCheck:
+        """Read the whole file once, keeping nothing (memory: one batch), before any of it is spooled: a file
+        that does not parse (not UTF-8, a line cut short, a broken Parquet footer or page) or lacks a required
+        column the contract does not derive raises DropFolderError with the reason; its rows are never half
+        spooled. Returns its row count, and the columns it has beyond the contract's."""
+        if f.format == "file":
+            return FileCheck(rows=1, extra=(), derived=())
+        names = _columns(f, contract)
+        raw = contract.raw_schema.names
+        derived = contract.raw.derived
+        if missing := [c for c in contract.required_raw_columns if c not in names]:
+            how = ", ".join(f"{k}: {v}" for k, v in derived.items()) or "nothing"
+            raise DropFolderError(f"missing required columns {missing} (contract {contract.id} derives {how}); "
+                                  f"the file has {names[:20]}{' ...' if len(names) > 20 else ''}")
+        rows = sum(b.num_rows for b in self._batches(f, contract, batch_size))
+        return FileCheck(rows=rows, extra=tuple(n for n in names if n not in raw),
+                         derived=tuple(k for k in derived if k not in names))
+
     def read(self, f: DropFile, contract: Contract, batch_size: int) -> Iterator[pa.Table]:
-        """The file's rows in batches of at most `batch_size`, columns as the file has them (preprocessing
-        casts to the contract and rejects bad values row by row)."""
+        """The file's rows in batches of at most `batch_size`, streamed (memory follows the batch, not the
+        file): the contract's raw columns as the file has them (preprocessing casts to the contract and rejects
+        bad values row by row), the columns `raw.derive` derives filled in where the file lacks them, columns
+        the contract does not read left out (`check` reports them)."""
         if f.format == "file":
             yield observation_table([f], contract)
             return
+        raw = contract.raw_schema.names
+        derived = contract.raw.derived
+        row = 0
+        for t in self._batches(f, contract, batch_size):
+            t = t.select([n for n in t.column_names if n in raw])
+            if derived:
+                t = derive_columns(t, contract, file_time_ns=f.mtime_ns, first_row=row)
+            row += t.num_rows
+            yield t
+
+    def _batches(self, f: DropFile, contract: Contract, batch_size: int) -> Iterator[pa.Table]:
         try:
             if f.format == "parquet":
-                for rb in pq.ParquetFile(f.path).iter_batches(batch_size=batch_size):
-                    yield pa.Table.from_batches([rb])
-                return
-            table = _read_ipc(f.path) if f.format == "ipc" else _read_csv(f.path, contract)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DropFolderError(f"drop file {f.path.name}: not readable as {f.format} ({e})") from e
-        for off in range(0, table.num_rows, batch_size):
-            yield table.slice(off, batch_size)
+                it: Iterator[pa.RecordBatch] = pq.ParquetFile(f.path).iter_batches(batch_size=batch_size)
+            elif f.format == "ipc":
+                it = _ipc_batches(f.path)
+            else:
+                it = _csv_batches(f.path, contract)
+            yield from _rebatch(it, batch_size)
+        except FileNotFoundError:
+            raise
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DropFolderError(f"not readable as {f.format}: {_short(e)}") from e
+
+    def reject(self, f: DropFile, why: str, rows: int = 0) -> None:
+        """A claimed file that cannot be read (or whose every row was rejected): recorded with the reason, then
+        moved to rejected/ with `<name>.reason.txt`."""
+        self._record(f.path.name, f.sha256, f.size, rows, "rejected", why)
+        self._move(f.path, self.rejected_dir, why)
+        if f.sidecar is not None and f.sidecar.exists():
+            self._move(f.sidecar, self.rejected_dir)
 
     def unchanged(self, f: DropFile) -> bool:
-        st = f.path.stat()
+        try:
+            st = f.path.stat()
+        except FileNotFoundError:  # renamed or removed while read: seen under its new name next time
+            return False
         return (st.st_size, st.st_mtime_ns) == (f.size, f.mtime_ns)
 
     def mark_read(self, f: DropFile, rows: int) -> None:
@@ -268,27 +356,125 @@ class DropFolder:
         return {"read": rows.get("read", 0), "rejected": rows.get("rejected", 0), "duplicates": dups}
 
 
-def _read_ipc(path: Path) -> pa.Table:
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = (text[0] if text else type(e).__name__)[:300]
+    return f"not UTF-8 text ({first})" if "invalid UTF8" in first else first
+
+
+def _columns(f: DropFile, contract: Contract) -> list[str]:
+    """The file's column names, from its header or schema (cheap: no rows read)."""
+    try:
+        if f.format == "parquet":
+            return list(pq.ParquetFile(f.path).schema_arrow.names)
+        if f.format == "ipc":
+            with open(f.path, "rb") as fh:
+                try:
+                    return list(ipc.open_file(fh).schema.names)
+                except pa.ArrowInvalid:
+                    fh.seek(0)
+                    return list(ipc.open_stream(fh).schema.names)
+        return _csv_header(f.path)
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DropFolderError(f"not readable as {f.format}: {_short(e)}") from e
+
+
+def _csv_header(path: Path) -> list[str]:
+    with open(path, "rb") as fh:
+        first = fh.readline(1 << 20)
+    if not first.strip():
+        raise DropFolderError("empty CSV: no header line")
+    try:
+        text = first.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DropFolderError(f"not UTF-8: header line, byte {e.start}") from e
+    return next(csv.reader([text]), [])
+
+
+def _ipc_batches(path: Path) -> Iterator[pa.RecordBatch]:
     with open(path, "rb") as fh:
         try:
-            return ipc.open_file(fh).read_all()
+            reader = ipc.open_file(fh)
         except pa.ArrowInvalid:  # the streaming format has no footer
             fh.seek(0)
-            return ipc.open_stream(fh).read_all()
+            yield from ipc.open_stream(fh)
+            return
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
 
 
-def _read_csv(path: Path, contract: Contract) -> pa.Table:
+def _csv_batches(path: Path, contract: Contract) -> Iterator[pa.RecordBatch]:
     # every column as text: the contract's cast in preprocessing then rejects a bad value's row, not the file
-    with open(path, newline="") as fh:
-        names = next(csv.reader(fh), [])
-    table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
-        column_types={n: pa.string() for n in names}, strings_can_be_null=True))
+    names = _csv_header(path)
+    reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+                            convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names},
+                                                                 strings_can_be_null=True, null_values=CSV_NULLS))
     raw = contract.raw_schema
-    for i, name in enumerate(table.column_names):
-        if name in raw.names and pa.types.is_binary(raw.field(name).type):
-            decoded = [_b64(v) for v in table.column(i).to_pylist()]  # a bad value nulls its row only
-            table = table.set_column(i, name, pa.array(decoded, pa.binary()))
-    return table
+    binary = [n for n in reader.schema.names if n in raw.names and pa.types.is_binary(raw.field(n).type)]
+    for b in reader:
+        for name in binary:  # a bad value nulls its row only
+            i = b.schema.get_field_index(name)
+            b = b.set_column(i, name, pa.array([_b64(v) for v in b.column(i).to_pylist()], pa.binary()))
+        yield b
+
+
+def _rebatch(batches: Iterator[pa.RecordBatch], size: int) -> Iterator[pa.Table]:
+    """Record batches of any size -> tables of exactly `size` rows (the last one fewer)."""
+    held: list[pa.RecordBatch] = []
+    n = 0
+    for b in batches:
+        if not b.num_rows:
+            continue
+        held.append(b)
+        n += b.num_rows
+        while n >= size:
+            t = pa.Table.from_batches(held)
+            yield t.slice(0, size)
+            rest = t.slice(size)
+            held, n = rest.to_batches(), rest.num_rows
+    if n:
+        yield pa.Table.from_batches(held)
+
+
+def derive_columns(t: pa.Table, contract: Contract, *, file_time_ns: int, first_row: int) -> pa.Table:
+    """Fill in the identity columns a file lacks, as `raw.derive` declares: `seq` from the row's position in
+    its file (`row-order`), `capture_time` from the file's mtime (`file-time`), `sample_id` from the row's
+    content (`content-hash`: `row-` + 32 hex of SHA-256 over the row's raw values in contract order, so the
+    same reading in two files is one observation, and rows identical in every column are too)."""
+    derive = contract.raw.derived
+    n = t.num_rows
+    # the id first: from the values the file holds, never from the columns derived here
+    ids = row_ids(t, contract) if derive.get("sample_id") == "content-hash" and "sample_id" not in t.column_names \
+        else None
+    if derive.get("seq") == "row-order" and "seq" not in t.column_names:
+        t = t.append_column("seq", pa.array(range(first_row, first_row + n), pa.int64()))
+    if derive.get("capture_time") == "file-time" and "capture_time" not in t.column_names:
+        at = pa.scalar(file_time_ns // 1_000_000, pa.int64()).cast(pa.timestamp("ms", tz="UTC"))
+        t = t.append_column("capture_time", pa.repeat(at, n))
+    if ids is not None:
+        t = t.append_column("sample_id", ids)
+    return t
+
+
+def row_ids(t: pa.Table, contract: Contract) -> pa.Array:
+    """`row-` + 32 hex of SHA-256 over each row's raw values (contract order; a binary value as its SHA-256)."""
+    from edgehaul.edge.preprocess import content_hashes
+
+    if not t.num_rows:
+        return pa.array([], pa.string())
+    parts = []
+    for name in contract.raw_schema.names:
+        if name not in t.column_names or name == "sample_id":
+            continue
+        col = t.column(name).combine_chunks()
+        typ = col.type
+        text = (content_hashes(col) if pa.types.is_binary(typ) or pa.types.is_large_binary(typ)
+                else col.cast(pa.string()))
+        parts.append(pc.fill_null(pc.binary_join_element_wise(pa.scalar(name), text, "="), f"{name}\x00"))
+    joined = pc.binary_join_element_wise(*parts, "\x1f")
+    return pc.binary_join_element_wise("row-", pc.utf8_slice_codeunits(content_hashes(joined), 0, 32), "")
 
 
 def _b64(v: str | None) -> bytes | None:
@@ -364,3 +550,176 @@ def observation_table(files: list[DropFile], contract: Contract) -> pa.Table:
     cols[contract.file.column] = pa.array([f.data if f.data is not None else f.path.read_bytes() for f in files],
                                           pa.binary())
     return pa.table(cols)
+
+
+MOSTLY = 0.5  # a file whose rows are more than this share rejected is named in the run's state and alert
+NAMED_FILES = 10  # files named in a state message (the rest counted)
+
+
+@dataclass
+class FileOutcome:
+    """What one run did with one file: `read` (moved to done/), `rejected` (in rejected/ with `reason`), or
+    `changed` (written to or renamed while read: read again next run)."""
+
+    name: str
+    outcome: str
+    rows: int = 0
+    accepted: int = 0
+    rejects: dict[str, int] = field(default_factory=dict)  # preprocessing reason -> rows
+    reason: str = ""
+    extra: tuple[str, ...] = ()
+    derived: tuple[str, ...] = ()
+
+    @property
+    def rejected_rows(self) -> int:
+        return sum(self.rejects.values())
+
+
+@dataclass(frozen=True)
+class DropPart:
+    """Which files a raw batch came from: one tabular file (`last`: its final batch), or observation files
+    (one row each)."""
+
+    file: DropFile | None
+    files: tuple[DropFile, ...] = ()
+    last: bool = True
+
+
+class DropRun:
+    """One ingest run over a drop folder: claims once, then yields each file's raw batches; a file that cannot
+    be read is moved to rejected/ with its reason and the run goes on with the others. The caller reports each
+    batch's outcome (`done`); a file is recorded once all of it is through: read, or rejected when every row
+    was rejected (nothing is reported read that was not)."""
+
+    def __init__(self, folder: DropFolder, contract: Contract, batch_size: int,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.folder, self.contract, self.batch_size = folder, contract, batch_size
+        self._log = log or (lambda _msg: None)
+        self.claimed = folder.claim()  # listed once: a file dropped during the run waits for the next
+        self.outcomes: dict[str, FileOutcome] = {
+            name: FileOutcome(name, "rejected", reason=why) for name, why in self.claimed.rejected.items()}
+        self._checks: dict[str, FileCheck] = {}
+
+    def batches(self) -> Iterator[tuple[pa.Table, DropPart]]:
+        c = self.claimed
+        for t, observed in self.folder.read_observations(c.files, self.contract, self.batch_size):
+            yield t, DropPart(None, tuple(observed))
+        for f in c.files:
+            if f.format != "file":
+                yield from self._file_batches(f)
+
+    def _file_batches(self, f: DropFile) -> Iterator[tuple[pa.Table, DropPart]]:
+        name = f.path.name
+        try:
+            chk = self.folder.check(f, self.contract, self.batch_size)
+        except FileNotFoundError:
+            self.outcomes[name] = FileOutcome(name, "changed", reason="gone before it was read")
+            return
+        except DropFolderError as e:
+            self.folder.reject(f, str(e))
+            self.outcomes[name] = FileOutcome(name, "rejected", reason=str(e))
+            self._log(f"drop file {name} rejected: {e}")
+            return
+        self._checks[name] = chk
+        self.outcomes[name] = FileOutcome(name, "reading", extra=chk.extra, derived=chk.derived)
+        if chk.extra:
+            self._log(f"drop file {name}: {len(chk.extra)} columns the contract does not read, not kept: "
+                      f"{list(chk.extra)[:20]}")
+        if chk.rows == 0:  # a header or schema and no rows: read, nothing to spool
+            self._finish(f)
+            return
+        seen = 0
+        try:
+            for t in self.folder.read(f, self.contract, self.batch_size):
+                seen += t.num_rows
+                yield t, DropPart(f, last=seen == chk.rows)
+        except (DropFolderError, FileNotFoundError) as e:  # it changed after the check: read again next run
+            self._changed(f, f"changed while read ({e})")
+            return
+        if seen != chk.rows:
+            self._changed(f, f"changed while read ({seen} rows, {chk.rows} when checked)")
+
+    def _changed(self, f: DropFile, why: str) -> None:
+        o = self.outcomes[f.path.name]
+        o.outcome, o.reason = "changed", why
+        self._log(f"drop file {f.path.name}: {why}; it is read again next run")
+
+    def done(self, part: DropPart, n_input: int, accepted: int, reject_counts: dict[str, int]) -> None:
+        """One batch of `part` is spooled (or cached): count it; a file whose last batch this was is recorded."""
+        if part.file is None:
+            for f in part.files:  # an observation file: one row, read once it is spooled
+                if self.folder.unchanged(f):
+                    self.folder.mark_read(f, 1)
+                    self.outcomes[f.path.name] = FileOutcome(f.path.name, "read", rows=1)
+                else:
+                    self.outcomes[f.path.name] = FileOutcome(f.path.name, "changed", reason="changed while read")
+            return
+        o = self.outcomes[part.file.path.name]
+        o.rows += n_input
+        o.accepted += accepted
+        for k, v in reject_counts.items():
+            o.rejects[k] = o.rejects.get(k, 0) + v
+        if part.last:
+            self._finish(part.file)
+
+    def _finish(self, f: DropFile) -> None:
+        o = self.outcomes[f.path.name]
+        if not self.folder.unchanged(f):  # written to while read: read again next run (the core drops repeats)
+            self._changed(f, "changed while read")
+            return
+        if o.rows and not o.accepted:
+            why = f"all {o.rows} rows rejected at preprocessing: " + ", ".join(
+                f"{k} {v}" for k, v in sorted(o.rejects.items(), key=lambda kv: -kv[1]))
+            self.folder.reject(f, why, o.rows)
+            o.outcome, o.reason = "rejected", why
+            self._log(f"drop file {f.path.name} rejected: {why}")
+        else:
+            self.folder.mark_read(f, o.rows)
+            o.outcome = "read"
+
+    def problems(self) -> dict[str, str]:
+        """File -> what went wrong, for every file rejected and every file read with most rows rejected."""
+        out = {}
+        for o in self.outcomes.values():
+            if o.outcome == "rejected":
+                out[o.name] = o.reason
+            elif o.outcome == "read" and o.rows and o.rejected_rows > MOSTLY * o.rows:
+                out[o.name] = (f"read, {o.rejected_rows} of {o.rows} rows rejected: " + ", ".join(
+                    f"{k} {v}" for k, v in sorted(o.rejects.items(), key=lambda kv: -kv[1])))
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        by = [o.outcome for o in self.outcomes.values()]
+        return {
+            "files_read": by.count("read"), "files_rejected": by.count("rejected"),
+            "files_changed": by.count("changed"), "files_waiting": len(self.claimed.waiting),
+            "files_duplicate": len(self.claimed.duplicates),
+            "rejected_files": {o.name: o.reason for o in self.outcomes.values() if o.outcome == "rejected"},
+            "extra_columns": {o.name: list(o.extra) for o in self.outcomes.values() if o.extra},
+            "derived_columns": {o.name: list(o.derived) for o in self.outcomes.values() if o.derived},
+        }
+
+    def message(self) -> str | None:
+        """The run's state message when files were rejected or read with most rows rejected, naming each."""
+        bad = self.problems()
+        if not bad:
+            return None
+        seen = sum(1 for o in self.outcomes.values() if o.outcome in ("read", "rejected"))
+        rejected = sum(1 for o in self.outcomes.values() if o.outcome == "rejected")
+        head = f"{rejected} of {seen} drop files rejected" + (
+            f", {len(bad) - rejected} read with most rows rejected" if len(bad) > rejected else "")
+        named = [f"{k}: {v}" for k, v in list(bad.items())[:NAMED_FILES]]
+        more = f"; and {len(bad) - NAMED_FILES} more" if len(bad) > NAMED_FILES else ""
+        return f"{head}: " + "; ".join(named) + more
+
+
+def emit_drop_rejected(node_id: str, message: str, problems: dict[str, str], counts: dict[str, Any]) -> bool:
+    """The level-2 alert of a run whose drop files were rejected: one event naming each file (at most 50) and why.
+    Routed to the node's outbox when the run is node-local (`events.routed`)."""
+    from edgehaul import events
+
+    files = dict(list(problems.items())[:50])
+    payload: dict[str, Any] = {"node_id": node_id, "message": message[:2000], "files": files, "files_named": len(files),
+                               "files_with_problems": len(problems),
+                               **{k: counts[k] for k in ("files_read", "files_rejected") if k in counts}}
+    return events.emit(events.DROP_REJECTED, f"edgehaul.node.{node_id}", payload)

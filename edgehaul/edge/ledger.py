@@ -3,6 +3,11 @@
 One SQLite file (WAL, so the ingest flow and the uplink drain can write from separate processes)
 in the spool root. A row is (sample_id, stage, reason, bundle_id, detail, at); recording the same
 (sample_id, stage, reason) twice is a no-op, so a retried step never double-counts.
+
+Bounded like the rest of the spool: with `max_bytes`, a write that takes the ledger's pages over it drops the
+oldest rows (down to `TRIM_TO` of the bound), and keeps how many it dropped per (stage, reason) in
+`evicted`, so `counts()` stays exact while `lookup` knows only the rows kept. A file whose every row is
+rejected grows it by at most one batch past its bound. The spool counts its bytes against the spool cap.
 """
 
 from __future__ import annotations
@@ -36,20 +41,31 @@ CREATE TABLE IF NOT EXISTS ledger (
     PRIMARY KEY (sample_id, stage, reason)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS ledger_stage_reason ON ledger (stage, reason);
+CREATE INDEX IF NOT EXISTS ledger_at ON ledger (at);
+CREATE TABLE IF NOT EXISTS evicted (
+    stage TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    PRIMARY KEY (stage, reason)
+) WITHOUT ROWID;
 """
+TRIM_TO = 0.8  # an over-full ledger drops its oldest rows down to this share of its bound
+WAL_LIMIT_BYTES = 4 << 20  # the write-ahead log is cut back to this after a checkpoint
 
 
 class Ledger:
     """Append-mostly record of dropped/rejected/expired samples, keyed by sample id."""
 
-    def __init__(self, path: Path, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, path: Path, *, clock: Callable[[], float] | None = None, max_bytes: int | None = None) -> None:
         self.path = Path(path)
+        self.max_bytes = max_bytes
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock: Callable[[], float] = clock or time.time
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")  # a recorded drop survives a power cut
+        self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
         self._conn.executescript(_SCHEMA)
 
     @contextmanager
@@ -58,10 +74,45 @@ class Ledger:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self._conn
+                if self.max_bytes is not None and self._used(self._conn) > self.max_bytes:
+                    self._trim(self._conn, self.max_bytes)
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+
+    @staticmethod
+    def _used(conn: sqlite3.Connection) -> int:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        return int((pages - free) * page)
+
+    def _trim(self, conn: sqlite3.Connection, max_bytes: int) -> None:
+        """Drop the oldest rows until the ledger's pages are back to TRIM_TO of `max_bytes`, counting them."""
+        while (used := self._used(conn)) > TRIM_TO * max_bytes:
+            rows = int(conn.execute("SELECT COUNT(*) FROM ledger").fetchone()[0])
+            if not rows:
+                return
+            k = max(1, min(rows, int(rows * (1 - TRIM_TO * max_bytes / used)) + 1))
+            oldest = "SELECT sample_id, stage, reason FROM ledger ORDER BY at LIMIT ?"
+            for stage, reason, n in conn.execute(
+                    f"SELECT stage, reason, COUNT(*) FROM ({oldest}) GROUP BY stage, reason", (k,)).fetchall():
+                conn.execute("INSERT INTO evicted VALUES (?, ?, ?) ON CONFLICT (stage, reason) DO UPDATE "
+                             "SET n = n + excluded.n", (stage, reason, n))
+            conn.execute(f"DELETE FROM ledger WHERE (sample_id, stage, reason) IN ({oldest})", (k,))
+            if k == rows:
+                return
+
+    def used_bytes(self) -> int:
+        """Bytes of the ledger's pages in use (what counts against the spool cap)."""
+        with self._lock:
+            return self._used(self._conn)
+
+    def evicted(self) -> dict[tuple[str, str], int]:
+        """(stage, reason) -> rows dropped by the bound (counted in `counts`, no longer in `lookup`)."""
+        with self._lock:
+            return {(s, r): int(n) for s, r, n in self._conn.execute("SELECT stage, reason, n FROM evicted")}
 
     def record(
         self, sample_ids: Sequence[str], *, stage: str, reason: str, bundle_id: str | None = None, detail: str = ""
@@ -93,10 +144,13 @@ class Ledger:
             return conn.total_changes - before
 
     def counts(self) -> dict[tuple[str, str], int]:
-        """(stage, reason) -> number of samples."""
+        """(stage, reason) -> number of samples (rows kept plus rows the bound dropped)."""
         with self._lock:
             cur = self._conn.execute("SELECT stage, reason, COUNT(*) FROM ledger GROUP BY stage, reason")
-            return {(s, r): int(n) for s, r, n in cur.fetchall()}
+            out = {(s, r): int(n) for s, r, n in cur.fetchall()}
+            for s, r, n in self._conn.execute("SELECT stage, reason, n FROM evicted").fetchall():
+                out[(s, r)] = out.get((s, r), 0) + int(n)
+            return out
 
     def lookup(self, sample_ids: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
         """sample_id -> [(stage, reason), ...] for the ids present in the ledger."""
@@ -112,8 +166,10 @@ class Ledger:
         return out
 
     def total(self) -> int:
+        """Samples recorded, the rows the bound dropped included."""
         with self._lock:
-            return int(self._conn.execute("SELECT COUNT(*) FROM ledger").fetchone()[0])
+            kept = int(self._conn.execute("SELECT COUNT(*) FROM ledger").fetchone()[0])
+            return kept + int(self._conn.execute("SELECT COALESCE(SUM(n), 0) FROM evicted").fetchone()[0])
 
     def close(self) -> None:
         with self._lock:

@@ -44,11 +44,19 @@ import polars_hash as plh
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from edgehaul.contracts import IDENTITY_COLUMNS, MEDIA_MAGIC, ColumnSpec, Contract, ContractInvalid, TensorSpec
+from edgehaul.contracts import (
+    EPOCH_MS_PER_UNIT,
+    IDENTITY_COLUMNS,
+    MEDIA_MAGIC,
+    ColumnSpec,
+    Contract,
+    ContractInvalid,
+    TensorSpec,
+)
 from edgehaul.edge.decode import DecodeError, binary_values, column_matrix, decode_file, raw_tensors
 
 # Bump when the output of preprocess changes for the same input (it keys the preprocess cache).
-CODE_VERSION = "preprocess-1"
+CODE_VERSION = "preprocess-2"  # 2: capture times in ISO 8601 with any fraction, epoch units
 
 SCORED_COLUMNS = ("value", "tier", "is_summary", "inclusion_p")
 
@@ -155,12 +163,115 @@ def cast_rows(col: pa.Array, typ: pa.DataType) -> tuple[pa.Array, np.ndarray]:
 
     if n == 0:
         return pa.array([], typ), bad
+    try:
+        return col.cast(typ), bad
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        pass
+    hint = _unreadable_numbers(col, typ)
+    if hint is not None and hint.any():
+        # text that is no number at all is bad without a cast of its own: a file of 1.3M bad values costs one
+        # vectorised pass, not a million casts; Arrow still judges every other row (so bad = what either refuses)
+        bad |= hint
+        col = pc.if_else(pa.array(hint), pa.scalar(None, col.type), col)
     parts = cast(0, n)
     return (parts[0] if len(parts) == 1 else pa.concat_arrays(parts)), bad
 
 
+def _unreadable_numbers(col: pa.Array, typ: pa.DataType) -> np.ndarray | None:
+    """For text cast to a number: the rows polars cannot read as that number (None for other casts)."""
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)) or not (
+            pa.types.is_integer(typ) or pa.types.is_floating(typ)):
+        return None
+    dtype = pl.from_arrow(pa.array([], typ)).dtype  # type: ignore[union-attr]
+    series = pl.Series("v", col).cast(dtype, strict=False)
+    return np.asarray(series.is_null().to_numpy(), dtype=bool) & ~_null_mask(col)
+
+
 def _bad_values(col: pa.Array, name: str, typ: pa.DataType) -> Callable[[np.ndarray], list[str]]:
     return lambda idx: [f"column {name!r}: {col[int(i)].as_py()!r} is not {typ}"[:300] for i in idx]
+
+
+TIMESTAMP = pa.timestamp("ms", tz="UTC")
+_EPOCH_TEXT = r"^\s*[-+]?[0-9]+(\.[0-9]*)?\s*$"
+_ZONED_TEXT = r"^\s*[0-9]{4}-[0-9]{2}-[0-9]{2}.*([zZ]|[+-][0-9]{2}(:?[0-9]{2})?)\s*$"  # a superset of what parses
+
+
+def parse_times(col: pa.Array, fmt: str = "iso8601") -> tuple[pa.Array, np.ndarray]:
+    """A raw time column -> timestamp[ms, UTC] and the mask of rows that are not a time (null in the result).
+
+    Text: ISO 8601 with a zone offset (`Z`, `+02:00`), `T` or a space, up to 9 fraction digits (Python's
+    `isoformat()` writes 6); finer than ms is truncated. A number, or digits in text, is epoch time in the unit
+    `fmt` declares (`epoch_s`, `epoch_ms`, `epoch_us`); with `iso8601` a number is not a time. A timestamp of
+    any unit is truncated to ms; one without a zone is read as UTC."""
+    n = len(col)
+    t = col.type
+    if pa.types.is_timestamp(t):
+        return col.cast(pa.timestamp(t.unit, tz=t.tz or "UTC")).cast(TIMESTAMP, safe=False), np.zeros(n, dtype=bool)
+    if pa.types.is_dictionary(t) or pa.types.is_large_string(t):
+        col = col.cast(pa.string())
+        t = col.type
+    factor = EPOCH_MS_PER_UNIT.get(fmt)
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        if factor is None or pa.types.is_boolean(t):
+            return pa.nulls(n, TIMESTAMP), ~_null_mask(col)
+        return _epoch(col, factor)
+    if not pa.types.is_string(t):
+        return pa.nulls(n, TIMESTAMP), ~_null_mask(col)
+    numeric = np.zeros(n, dtype=bool)
+    if factor is not None:
+        numeric = np.asarray(pc.fill_null(pc.match_substring_regex(col, _EPOCH_TEXT), False)
+                             .to_numpy(zero_copy_only=False), dtype=bool)
+    # text that cannot be a time with a zone (no date first, no zone last) is bad without a cast of its own
+    zoned = np.asarray(pc.fill_null(pc.match_substring_regex(col, _ZONED_TEXT), True)
+                       .to_numpy(zero_copy_only=False), dtype=bool)
+    skip = numeric | ~zoned
+    text = pc.if_else(pa.array(skip), pa.scalar(None, pa.string()), col) if skip.any() else col
+    iso, bad = cast_rows(text, pa.timestamp("ns", tz="UTC"))  # ns: any fraction up to 9 digits parses
+    bad |= ~zoned & ~numeric
+    out = iso.cast(TIMESTAMP, safe=False)
+    if numeric.any():
+        assert factor is not None
+        nums = pc.if_else(pa.array(numeric), col, pa.scalar(None, pa.string()))
+        nums = pc.replace_substring_regex(pc.utf8_trim_whitespace(nums), r"^\+", "")
+        whole = not pc.any(pc.match_substring(nums, ".")).as_py()
+        parsed, too_long = cast_rows(nums, pa.int64() if whole else pa.float64())
+        ep, ep_bad = _epoch(parsed, factor)
+        ep_bad |= too_long
+        out = pc.if_else(pa.array(numeric), ep, out)
+        bad = (bad & ~numeric) | (ep_bad & numeric)
+    return out, bad
+
+
+def _epoch(col: pa.Array, factor: float) -> tuple[pa.Array, np.ndarray]:
+    """Epoch numbers (`factor` ms per unit) -> timestamp[ms, UTC]; non-finite or out of range: bad."""
+    valid = ~_null_mask(col)
+    if pa.types.is_integer(col.type):  # integer arithmetic: exact at every unit
+        v = np.asarray(pc.fill_null(col.cast(pa.int64()), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+        if factor >= 1:
+            bad = valid & (np.abs(v) > _MAX_MS // int(factor))
+            ms = np.where(bad, 0, v) * int(factor)
+        else:
+            ms = np.floor_divide(v, round(1 / factor))
+            bad = valid & (np.abs(ms) > _MAX_MS)
+            ms = np.where(bad, 0, ms)
+    else:
+        x = np.asarray(pc.fill_null(col.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            x = x * factor
+            bad = valid & ~(np.abs(x) <= _MAX_MS)  # NaN and inf too
+        # rounded to the microsecond first: 1767225600.1 s is 1767225600099.9998 ms in binary floating point
+        ms = np.floor(np.round(np.where(bad, 0.0, x), 3)).astype(np.int64)
+    out = pa.array(ms, pa.int64(), mask=~valid | bad).cast(TIMESTAMP)
+    return out, bad
+
+
+_MAX_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: beyond is a unit mistake, not a time
+
+
+def _bad_times(col: pa.Array, name: str, fmt: str) -> Callable[[np.ndarray], list[str]]:
+    want = "ISO 8601 with a zone offset" + ("" if fmt == "iso8601" else f" or {fmt.replace('_', ' ')}")
+    hint = "" if fmt != "iso8601" else " (an epoch number needs raw.capture_time in the contract)"
+    return lambda idx: [f"column {name!r}: {col[int(i)].as_py()!r} is not {want}{hint}"[:300] for i in idx]
 
 
 def _null_mask(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -374,6 +485,13 @@ def preprocess(
         if name == payload and contract.layout == "tensor" and _is_number_list(col.type):
             cols[name] = _pack_payload(col, name, contract, rj)
             hashes = None  # hashes of the lists are not hashes of the tensor bytes
+            continue
+        if pa.types.is_timestamp(typ):
+            fmt = contract.raw.capture_time if name == "capture_time" else "iso8601"
+            cast, bad = parse_times(col, fmt)
+            cols[name] = cast
+            if bad.any():
+                rj.add(bad, BAD_TYPE, _bad_times(col, name, fmt))
             continue
         cast, bad = cast_rows(col, typ)
         cols[name] = cast

@@ -9,7 +9,9 @@ Layout under the spool root:
                                          by retention (`raw_ttl_seconds`) or clean-up, counted in the cap
     staging/                             derived intermediates (preprocessed batches for the cache),
                                          counted in the cap, pruned after `staging_ttl_seconds`
-    ledger.sqlite                        edgehaul.edge.ledger.Ledger (not counted in the cap; small)
+    ledger.sqlite                        edgehaul.edge.ledger.Ledger: bounded to LEDGER_SHARE of the cap (at least
+                                         LEDGER_FREE_BYTES), oldest rows dropped with a count kept; counted
+                                         in the cap beyond its first LEDGER_FREE_BYTES
     spool.sqlite                         acknowledgements (bundle_id, remote key, sha256)
 
 The directory is the index: an entry exists iff its manifest sidecar exists. Writes go to a temp
@@ -61,6 +63,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FULL_POLICIES = ("reject-new", "drop-lowest-value")
+# The reject ledger's bound: this share of the cap, at least LEDGER_FREE_BYTES, which the cap does not count
+# (so a small spool's accounting never crowds out its bundles); beyond that, every ledger byte counts.
+LEDGER_SHARE = 0.05
+LEDGER_FREE_BYTES = 1 << 20
 STAGE_RAW = "spool-raw"  # ledger stage of the raw store (low-tier payloads; their summaries were kept)
 _SIDECAR = ".manifest.json"
 _TMP = ".tmp"
@@ -160,7 +166,8 @@ class Spool:
         self.staging_dir = self.root / "staging"
         for d in (self.bundles_dir, self.raw_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
-        self.ledger = Ledger(self.root / "ledger.sqlite", clock=clock)
+        self.ledger = Ledger(self.root / "ledger.sqlite", clock=clock,
+                             max_bytes=max(LEDGER_FREE_BYTES, int(self.cap_bytes * LEDGER_SHARE)))
         self._acks = sqlite3.connect(self.root / "spool.sqlite", timeout=30.0, check_same_thread=False, isolation_level=None)
         self._acks.execute("PRAGMA journal_mode=WAL")
         self._acks.execute("PRAGMA synchronous=FULL")
@@ -309,6 +316,7 @@ class Spool:
                 for f in it:
                     with contextlib.suppress(FileNotFoundError):
                         used += f.stat().st_size
+        used += max(0, self.ledger.used_bytes() - LEDGER_FREE_BYTES)
         return SpoolUsage(used, self.cap_bytes, used / self.cap_bytes)
 
     def is_acked(self, bundle_id: str) -> bool:

@@ -31,12 +31,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Completed
 from pydantic import BaseModel, Field, model_validator
 
 from edgehaul import downlink
 from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
-from edgehaul.contracts import Contract, contract_by_id
-from edgehaul.edge.drop_folder import DropFile, DropFolder
+from edgehaul.contracts import contract_by_id
+from edgehaul.edge.drop_folder import DropFolder, DropPart, DropRun, emit_drop_rejected
 from edgehaul.edge.landsat import CaptureLog, generate
 from edgehaul.edge.outbox import node_outbox, record_run
 from edgehaul.edge.preprocess import batch_key
@@ -94,11 +95,10 @@ class EdgeIngestParams(BaseModel):
         return self
 
 
-def _raw_batches(p: EdgeIngestParams, node: EdgeNode, drop: DropFolder | None, contract: Contract
-                 ) -> Iterator[tuple[pa.Table, list[tuple[DropFile, int]]]]:
-    """Raw batches; with a drop folder, the last batch of each file carries [(file, its rows)] so the caller
-    records the file as read only once all of it is spooled (a file kind's batch: each of its observation
-    files, one row each)."""
+def _raw_batches(p: EdgeIngestParams, node: EdgeNode, drop: DropRun | None
+                 ) -> Iterator[tuple[pa.Table, DropPart | None]]:
+    """Raw batches; a drop folder's batches name their file (`DropPart`), so the caller records a file only
+    once all of it is spooled."""
     if p.source == "generate":
         # real capture times, recorded beside the spool (not in it: a wiped spool regenerates the same batches)
         log = CaptureLog(f"{str(node.spool_dir).rstrip('/')}.captures.sqlite")
@@ -107,35 +107,19 @@ def _raw_batches(p: EdgeIngestParams, node: EdgeNode, drop: DropFolder | None, c
                                                                                p.n_samples)
             for t in generate(p.n_samples, node.node_id, seed=p.seed, class_weights=p.class_weights,
                               start_seq=start, batch_size=p.batch_size, start_time=log):
-                yield t, []
+                yield t, None
         finally:
             log.close()
         return
     if drop is not None:
-        claimed = drop.claim()  # listed once: a file dropped during the run waits for the next
-        if claimed.waiting or claimed.duplicates or claimed.rejected:
-            get_run_logger().info("drop folder: %d files to read, %d still being written, %d already read, "
-                                  "%d rejected %s", len(claimed.files), len(claimed.waiting),
-                                  len(claimed.duplicates), len(claimed.rejected), claimed.rejected or "")
-        for t, observed in drop.read_observations(claimed.files, contract, p.batch_size):
-            yield t, [(f, 1) for f in observed]
-        for f in claimed.files:
-            if f.format == "file":
-                continue
-            batches = [b for b in drop.read(f, contract, p.batch_size) if b.num_rows]
-            if not batches:  # an empty file: read, nothing to spool
-                drop.mark_read(f, 0)
-                continue
-            rows = sum(b.num_rows for b in batches)
-            for j, b in enumerate(batches):
-                yield b, ([(f, rows)] if j == len(batches) - 1 else [])
+        yield from drop.batches()
         return
     files = sorted(Path(cast(str, p.source_path)).glob("*.parquet"))
     if not files:
         raise FileNotFoundError(f"no *.parquet files in {p.source_path}")
     for path in files:
         for rb in pq.ParquetFile(path).iter_batches(batch_size=p.batch_size):
-            yield pa.Table.from_batches([rb]), []
+            yield pa.Table.from_batches([rb]), None
 
 
 def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore | None]:
@@ -175,14 +159,17 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     first = make_scorer(policy, node, contract, store)
     fixed_version = None if isinstance(first, ContextualScorer) else first.version
     done: list[EdgeBatch] = []
-    drop = (DropFolder(cast(str, p.source_path), cast(str, p.done_path), node.spool_dir, settle_s=p.settle_s,
-                       contract=contract) if p.source == "drop" else None)
-    files_read = 0
+    folder = (DropFolder(cast(str, p.source_path), cast(str, p.done_path), node.spool_dir, settle_s=p.settle_s,
+                         contract=contract) if p.source == "drop" else None)
+    drop = DropRun(folder, contract, p.batch_size, logger.warning) if folder is not None else None
+    if drop is not None and (c := drop.claimed) and (c.waiting or c.duplicates or c.rejected):
+        logger.info("drop folder: %d files to read, %d still being written, %d already read, %d rejected %s",
+                    len(c.files), len(c.waiting), len(c.duplicates), len(c.rejected), c.rejected or "")
     # the progress artifact moves every 10%: an API call each, not one per batch on long runs
     with run_logging.for_node(node.node_id), Progress(
             f"edge-ingest-{node.node_id}-progress", total=expected,
             description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
-        for i, (raw, files_done) in enumerate(_raw_batches(p, node, drop, contract)):
+        for i, (raw, part) in enumerate(_raw_batches(p, node, drop)):
             raw_key, hashes = batch_key(raw, contract.payload_column or "")
             version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store,
                                                   contract)
@@ -193,19 +180,22 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
                     raw, raw_key, contract.id, policy, node, version, store, hashes)
             del raw, hashes
             done.append(res)
-            for read_file, n_rows in files_done:  # all of the file is spooled: it is read
-                assert drop is not None  # only a drop folder names files
-                if drop.unchanged(read_file):
-                    drop.mark_read(read_file, n_rows)
-                    files_read += 1
-                else:  # written to while read: read again next run (the core drops re-sent sample ids)
-                    logger.warning("drop file %s changed while it was read; it is read again next run",
-                                   read_file.path.name)
+            if part is not None:  # a drop folder's batch: its file is recorded once all of it is through
+                assert drop is not None
+                drop.done(part, res.n_input, res.accepted, res.reject_counts)
             if expected:  # a folder source has no known total: the artifact shows 100% at the end
                 progress.advance()
+    files: dict[str, Any] = {}
+    problem: str | None = None
     if drop is not None:
-        drop.close()
-        logger.info("drop folder: %d files read and moved to %s", files_read, p.done_path)
+        folder_done = cast(DropFolder, folder)
+        folder_done.close()
+        files, problem = drop.summary(), drop.message()
+        logger.info("drop folder: %d files read and moved to %s, %d rejected to %s", files["files_read"],
+                    p.done_path, files["files_rejected"], folder_done.rejected_dir)
+        if problem:
+            # an alert per run, naming each file and why (from a node-local run: through its outbox)
+            emit_drop_rejected(node.node_id, problem, drop.problems(), files)
 
     spool = Spool.from_block(node)
     try:
@@ -234,7 +224,7 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
         "bundles": sum(len(t.bundles) for t in done), "bundles_refused": refused, "pending": pending,
         "expired": len(expired), "spool_used_fraction": round(usage.fraction, 4),
         "ledger": {f"{s}/{r}": n for (s, r), n in ledger_counts.items()},
-        "bundle_ids": [b["bundle_id"] for t in done for b in t.bundles], **report.summary(),
+        "bundle_ids": [b["bundle_id"] for t in done for b in t.bundles], **files, **report.summary(),
     }
     if p.route_events_to_outbox:
         box = node_outbox(node.spool_dir, node.node_id)
@@ -248,6 +238,8 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     logger.info("node %s: %d samples in %d batches, %d rejected, %d bundles, tiers %s, value/MB %.1f vs %.1f baseline",
                 node.node_id, n_in, len(done), sum(rejects.values()), summary["bundles"], report.samples,
                 report.value_per_mb, report.baseline_value_per_mb)
+    if problem:  # the run's state says which files were rejected and why (the UI's run list shows it)
+        return Completed(message=problem[:2000], data=summary)  # type: ignore[return-value]
     return summary
 
 

@@ -7,6 +7,7 @@
     level 3  ... and an automatic retry of the train_model run that failed on it (prefect.flow-run.Failed)
     level 2  an edge node silent longer than its contact plan allows       (edgehaul.node.silent)
     level 2  the published model older than the policy bound behind newer data (edgehaul.model.stale)
+    level 2  an edge run rejected drop-folder files, each named with why     (edgehaul.drop.rejected)
 
 The last two are decided by the fleet_report flow (edgehaul.ops.fleet), which emits the event with
 the bound it applied; the automation turns each into a notification.
@@ -46,6 +47,7 @@ L3_RETRY_NAME = "edgehaul L3: retry training after checkpoint failure"
 RUN_FAILED_NAME = "edgehaul L2: pipeline run failed or crashed"
 NODE_SILENT_NAME = "edgehaul L2: edge node silent beyond its contact plan"
 MODEL_STALE_NAME = "edgehaul L2: published model stale"
+DROP_REJECTED_NAME = "edgehaul L2: edge drop files rejected"
 # Every stage's flow: a failed or crashed run of any of them is an alert, not only the guide's three.
 PIPELINE_FLOWS = ("edge_ingest", "uplink_drain", "core_ingest", "compact_dataset", "train_model", "publish_model",
                   "lifecycle_moves", "cost_report", "fleet_report")
@@ -193,7 +195,17 @@ def alert_automations(policy: AlertPolicy, notify_block_id: UUID) -> list[Any]:
                          '"latest_version": {{ event.payload.latest_version }}, "age_s": {{ event.payload.age_s }}, '
                          '"max_age_s": {{ event.payload.max_age_s }}')],
     )
-    out = [l1, l2, l3, failed, silent, stale]
+    dropped = AutomationCore(
+        name=DROP_REJECTED_NAME,
+        description="Level 2: an edge run rejected drop-folder files (or read files with most rows rejected); "
+                    "the payload names each file and why.",
+        tags=TAGS,
+        trigger=EventTrigger(expect={events.DROP_REJECTED}, for_each={"prefect.resource.id"},
+                             posture=Posture.Reactive, threshold=1),
+        actions=[_notify(notify_block_id, 2, "drop-rejected",
+                         '"node": "{{ event.payload.node_id }}", "message": {{ event.payload.message[:500] | tojson }}')],
+    )
+    out = [l1, l2, l3, failed, silent, stale, dropped]
     if policy.checkpoint_retry:
         # The trainer already retries each write in-process and emits CHECKPOINT_FAILED per attempt, so
         # re-running on that event would start a second trainer beside a live one. The automatic retry
