@@ -47,7 +47,7 @@ def _pipeline(samples: int) -> tuple[float, list[Any]]:
     t0 = time.perf_counter()
     for i, node in enumerate(("node-a", "node-b")):
         st = edge_ingest(EdgeIngestParams(edge_node=node, tiering_policy=DEFAULT_POLICY, n_samples=samples,
-                                          batch_size=min(20_000, samples), seed=i), return_state=True)
+                                          batch_size=min(20_000, samples), seed=i, start_seq=0), return_state=True)
         ids.append(st.state_details.flow_run_id)
         st = uplink_drain(UplinkDrainParams(edge_node=node, link_profile=DEFAULT_POLICY,
                                             object_store=node_store(node), simulate=True),

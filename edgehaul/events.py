@@ -44,6 +44,9 @@ DOWNLINK_REFUSED = "edgehaul.node.downlink.refused"  # payload: generation, in_f
 NODE_FORWARDED = frozenset({SPOOL_WATERMARK, LINK_STATS, CONTACT_OPENED, RETRY_EXPIRED,
                             NODE_RUN_SUMMARY, LEDGER_COUNTS, DOWNLINK_APPLIED, DOWNLINK_REFUSED,
                             DROP_REJECTED})
+# What a routed node announces instead: each landed bundle goes through its outbox to the gateway hook
+# `bundle-uploaded`, which coalesces every node's bundles into the LANDING_BATCH that starts core_ingest.
+NODE_ANNOUNCED = frozenset({BUNDLE_LANDED})
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +102,10 @@ _route: ContextVar[Sink | None] = ContextVar("edgehaul_events_route", default=No
 
 @contextmanager
 def routed(sink: Sink) -> Iterator[None]:
-    """Send every `emit` of this context of an event in NODE_FORWARDED to `sink` instead of Prefect (an
-    edge node's outbox: one way out, so such an event is never both emitted directly and forwarded)."""
+    """Send every `emit` of this context of an event in NODE_FORWARDED or NODE_ANNOUNCED to `sink` instead
+    of Prefect (an edge node's outbox: one way out, so such an event is never both emitted directly and
+    forwarded). LANDING_BATCH is withheld: only the centre starts work on landed bundles (the gateway
+    coalesces the node's announcements; core_ingest's scheduled sweep catches any never announced)."""
     token = _route.set(sink)
     try:
         yield
@@ -120,7 +125,10 @@ def emit(event: str, resource_id: str, payload: dict[str, Any] | None = None, **
     Returns whether the event was handed to the events client (or kept by the sink).
     """
     sink = _route.get()
-    if sink is not None and event in NODE_FORWARDED:  # others (e.g. LANDING_BATCH) still go straight out
+    if sink is not None and event == LANDING_BATCH:
+        log.debug("%s for %s withheld: the node's outbox announces its bundles", event, resource_id)
+        return False
+    if sink is not None and (event in NODE_FORWARDED or event in NODE_ANNOUNCED):  # others still go straight out
         try:
             return sink(event, resource_id, dict(payload or {}), labels)
         except Exception as e:

@@ -81,7 +81,7 @@ def test_uplink_reports_capture_to_landed_in_seconds_for_generated_data(
     LinkProfile(bandwidth_bps=50e6).save(f"cap-link-{tag}")
     store_for(stack, prefix=f"t-{tag}").save(f"cap-store-{tag}")
     ingest = EdgeIngestParams(edge_node=f"cap-node-{tag}", object_store=f"cap-store-{tag}", n_samples=600,
-                              batch_size=300)
+                              batch_size=300, start_seq=0)  # numbered as given: a rerun is the same data
     drain = UplinkDrainParams(edge_node=f"cap-node-{tag}", link_profile=f"cap-link-{tag}",
                               object_store=f"cap-store-{tag}", simulate=True, max_seconds=120)
     edge = edge_ingest(ingest)
@@ -100,6 +100,33 @@ def test_uplink_reports_capture_to_landed_in_seconds_for_generated_data(
     # the same run again regenerates the same batches: cached, nothing new spooled or landed
     assert edge_ingest(ingest)["bundles"] == edge["bundles"]
     assert uplink_drain(drain)["bundles_landed"] == 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(sizes=st.lists(st.integers(0, 50), min_size=1, max_size=8), retried=st.integers(0, 7))
+def test_each_run_of_a_node_numbers_its_samples_past_every_earlier_run(sizes: list[int], retried: int) -> None:
+    """Sample ids never repeat on a node across runs (a process restart included); a retry of a run gets
+    the very same ids, so its batches are the same data."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ids: list[str] = []
+        firsts = []
+        for i, n in enumerate(sizes):
+            log = CaptureLog(Path(tmp) / "captures.sqlite")  # each run opens the sensor's log anew
+            first = log.first_seq(f"run-{i}", n)
+            firsts.append(first)
+            ids += [x for b in generate(n, "node-t", seed=0, batch_size=7, start_seq=first, start_time=log)
+                    for x in b.column("sample_id").to_pylist()]
+            log.close()
+        assert len(ids) == len(set(ids)) == sum(sizes)
+        log = CaptureLog(Path(tmp) / "captures.sqlite")
+        k = retried % len(sizes)
+        assert log.first_seq(f"run-{k}", sizes[k]) == firsts[k]  # a retry: same range
+        log.close()
+        log = CaptureLog(Path(tmp) / "captures.sqlite", keep=timedelta(0))  # old ranges pruned, the counter kept
+        assert log.first_seq("later", 1) == sum(sizes)
+        log.close()
 
 
 # ---- capture times as tools write them (raw files at the edge) ------------------------------------------------

@@ -83,7 +83,7 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
     tag = uuid.uuid4().hex[:8]
     spool_dir = tmp_path / "spool"
     params = EdgeIngestParams(edge_node=None, node_id=f"node-e{tag}", spool_dir=str(spool_dir), n_samples=3000,
-                              batch_size=1000, seed=4)  # no result_storage: the node's own disk
+                              batch_size=1000, seed=4, start_seq=0)  # no result_storage: the node's own disk
     first, fr1 = _run(params)
     assert first["samples_in"] == 3000 and first["batches"] == 3 and first["rejected"] == {}
     assert sum(first["samples"].values()) == 3000 and first["samples"]["low"] > 0 and first["samples"]["high"] > 0
@@ -183,8 +183,8 @@ def test_edge_ingest_with_the_model_scorer_values_samples_by_model_uncertainty(
                   high_threshold=float(hi)).save(f"edge-model-policy-{tag}")
     spool_dir = tmp_path / "spool"
     params = EdgeIngestParams(edge_node=None, node_id=node_id, spool_dir=str(spool_dir), n_samples=1200,
-                              batch_size=600, result_storage=None, seed=5, tiering_policy=f"edge-model-policy-{tag}",
-                              object_store=f"edge-store-{tag}")
+                              batch_size=600, result_storage=None, seed=5, start_seq=0,
+                              tiering_policy=f"edge-model-policy-{tag}", object_store=f"edge-store-{tag}")
     first, fr1 = _run(params)
     assert first["samples_in"] == 1200 and sum(first["samples"].values()) == 1200
     assert _task_states(fr1, 2) == {"edge-ingest-batch": ["Completed"] * 2}

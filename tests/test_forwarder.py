@@ -15,13 +15,13 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from edgehaul import events
 from edgehaul.blocks import LinkProfile
-from edgehaul.edge.outbox import PRIO_ALERT_L1, PRIO_ALERT_L3, PRIO_STATS, Outbox
+from edgehaul.edge.outbox import PRIO_ALERT_L1, PRIO_ALERT_L3, PRIO_ANNOUNCE, PRIO_STATS, Outbox
 from edgehaul.platform.gateway import (
     GatewayConfig,
     PrefectEmitter,
@@ -31,7 +31,7 @@ from edgehaul.platform.gateway import (
     signed_headers,
     write_senders,
 )
-from edgehaul.uplink.forwarder import CONTROL_PRIORITY, HOOK, Forwarder, ForwardError, batch_body
+from edgehaul.uplink.forwarder import ANNOUNCE_HOOK, CONTROL_PRIORITY, HOOK, Forwarder, ForwardError, batch_body
 from edgehaul.uplink.link import Link, priority_key
 from edgehaul_dev import localstack
 from tests.conftest import api_auth
@@ -214,7 +214,7 @@ def test_an_oversized_history_is_split_under_the_gateway_body_cap(tmp_path: Path
     for i in range(50):
         box.append(events.NODE_RUN_SUMMARY, {"run": i, "pad": "y" * 2000})
     fw = Forwarder(box, httpx.Client(), node, new_secret(), batch_max=50, max_body_bytes=16 * 1024)
-    rows, body = fw._next_batch()
+    rows, body, _ = fw._next_batch()
     assert len(body) <= 16 * 1024 and 1 <= len(rows) < 50 and [r.seq for r in rows] == list(range(1, len(rows) + 1))
 
 
@@ -273,7 +273,8 @@ def test_the_task_forwards_through_the_stacks_gateway_process(stack: localstack.
     out = forward_node_events.fn(edge, "http://127.0.0.1:9", str(key_file), sender_id=sender)
     assert out["events"] == 0 and out["left"] == 1 and out["error"].startswith("gateway unreachable")
     out = forward_node_events.fn(edge, url, str(key_file), sender_id=sender)
-    assert out == {"events": 1, "batches": 1, "bytes": out["bytes"], "left": 0, "error": "", "dropped": {}}
+    assert out == {"events": 1, "announced": 0, "batches": 1, "bytes": out["bytes"], "left": 0, "error": "",
+                   "dropped": {}}
     (ev,) = _node_events(stack.prefect_api_url, node, 1)
     assert ev["event"] == events.SPOOL_WATERMARK and ev["payload"]["level"] == 2
     assert ev["resource"][events.ALERT_LABELS["used_fraction"]] == "0910"
@@ -284,10 +285,16 @@ class Recorder:
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        self.payloads: list[dict[str, Any]] = []
 
     async def __call__(self, name: str, resource: dict[str, str], payload: dict[str, Any], event_id: uuid.UUID,
                        occurred: datetime | None = None) -> None:
         self.names.append(name)
+        self.payloads.append(payload)
+
+    def batch_keys(self) -> list[str]:
+        return [k for n, p in zip(self.names, self.payloads, strict=True) if n == events.LANDING_BATCH
+                for k in p["bundle_keys"]]
 
 
 def test_an_event_the_gateway_refuses_is_set_aside_and_the_history_goes_on(tmp_path: Path, node: str) -> None:
@@ -310,3 +317,77 @@ def test_an_event_the_gateway_refuses_is_set_aside_and_the_history_goes_on(tmp_p
     with _gateway(tmp_path, senders, rec) as gw, pytest.raises(ForwardError, match=r"401|403"):
         Forwarder(box, gw, node, new_secret()).forward()
     assert len(box) == 1
+
+
+def _landed(node: str, i: int) -> dict[str, Any]:
+    """The payload the uplink's Drainer emits as BUNDLE_LANDED for a verified bundle (keys relative to the store)."""
+    b = f"b{i:04d}-{node}"
+    return {"node_id": node, "bundle_id": b, "object_key": f"{node}/2026-12-05/{b}.parquet",
+            "manifest_key": f"{node}/2026-12-05/{b}.manifest.json", "sha256": f"{i:064x}", "row_count": 10 + i,
+            "contract": "landsat_patch.v1", "tier": "normal", "nbytes": 1000 + i, "bucket": "edgehaul-landing",
+            "key": f"{node}/2026-12-05/{b}.parquet", "duplicate": False, "proof": "sha256", "readback_bytes": 0}
+
+
+@settings(max_examples=8, deadline=None)
+@given(kinds=st.lists(st.booleans(), min_size=1, max_size=25), batch_max=st.integers(1, 6))
+def test_a_routed_node_announces_each_landed_bundle_through_the_gateway_never_a_batch_of_its_own(
+        tmp_path_factory: pytest.TempPathFactory, kinds: list[bool], batch_max: int) -> None:
+    """Landed bundles (True) among the node's own events (False), in any order: the node emits no landing batch;
+    out of contact everything waits in the outbox; in contact every bundle reaches one of the gateway's landing
+    batches once and every event is re-emitted once, in order; a lost answer (the same bundle sent again) is a
+    409 that acknowledges it."""
+    tmp = tmp_path_factory.mktemp("announce")
+    node = f"n{uuid.uuid4().hex[:10]}"
+    key = new_secret()
+    senders = tmp / "senders.json"
+    write_senders(senders, {node: {"keys": [key], "nodes": [node], "hooks": [HOOK, ANNOUNCE_HOOK]}})
+    box = Outbox(tmp / "o.sqlite", node)
+    keys = []
+    with events.routed(box.sink()):
+        for i, landed in enumerate(kinds):
+            if landed:
+                p = _landed(node, i)
+                assert events.emit(events.BUNDLE_LANDED, f"edgehaul.bundle.{p['bundle_id']}", p)
+                keys.append(p["object_key"])
+            else:
+                assert events.emit(events.NODE_RUN_SUMMARY, f"edgehaul.node.{node}", {"i": i})
+        resource, payload = events.landing_batch("x", "uplink", [(k, node, k) for k in keys])
+        assert not events.emit(events.LANDING_BATCH, resource["prefect.resource.id"], payload)  # withheld
+    assert len(box) == len(kinds) and events.LANDING_BATCH not in {e.event for e in box.peek(100)}
+    announced = [e for e in box.peek(100) if e.event == events.BUNDLE_LANDED]
+    assert all(e.priority == PRIO_ANNOUNCE and "bucket" not in e.payload for e in announced)
+    with httpx.Client(base_url="http://127.0.0.1:9") as dead:  # out of contact: kept, in order
+        assert Forwarder(box, dead, node, key).forward().error.startswith("gateway unreachable")
+    assert len(box) == len(kinds)
+    rec = Recorder()
+    with TestClient(create_app(GatewayConfig(SenderRegistry(senders), tmp / "gw", batch_window_s=0.05), rec)) as gw:
+        rep = Forwarder(box, gw, node, key, batch_max=batch_max).forward()
+        assert rep.ok and rep.events == len(kinds) and rep.announced == len(keys) and len(box) == 0, rep
+        if keys:  # the gateway's answer was lost: the node sends the bundle again, same webhook-id
+            with events.routed(box.sink()):
+                events.emit(events.BUNDLE_LANDED, "edgehaul.bundle.again", _landed(node, kinds.index(True)))
+            again = Forwarder(box, gw, node, key).forward()
+            assert again.ok and again.statuses == [409] and len(box) == 0
+    assert sorted(rec.batch_keys()) == sorted(keys)  # each bundle in a landing batch, once
+    summaries = [p["i"] for n, p in zip(rec.names, rec.payloads, strict=True) if n == events.NODE_RUN_SUMMARY]
+    assert summaries == [i for i, landed in enumerate(kinds) if not landed]
+    box.close()
+
+
+def test_a_sender_not_allowed_to_announce_stops_the_forwarder_and_keeps_the_bundle(tmp_path: Path, node: str) -> None:
+    senders, key = _senders(tmp_path, node)  # node-events only: an operator must add bundle-uploaded
+    box = Outbox(tmp_path / "o.sqlite", node)
+    with events.routed(box.sink()):
+        events.emit(events.LINK_STATS, f"edgehaul.link.{node}", {"level": 1})
+        events.emit(events.BUNDLE_LANDED, "edgehaul.bundle.b", _landed(node, 1))
+    with _gateway(tmp_path, senders, Recorder()) as gw, \
+            pytest.raises(ForwardError, match=f"refused {ANNOUNCE_HOOK} .* 403 sender '{node}' may not send"):
+        Forwarder(box, gw, node, key).forward()
+    assert [e.event for e in box.peek(10)] == [events.BUNDLE_LANDED]  # the event before it went; the bundle waits
+
+
+def test_an_outbox_announces_only_its_own_nodes_bundles(tmp_path: Path, node: str) -> None:
+    box = Outbox(tmp_path / "o.sqlite", node)
+    with events.routed(box.sink()):
+        assert not events.emit(events.BUNDLE_LANDED, "edgehaul.bundle.b", _landed(f"{node}x", 1))
+    assert len(box) == 0

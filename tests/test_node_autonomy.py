@@ -18,12 +18,14 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -228,6 +230,8 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
                 _wait(lambda: events.LINK_STATS in {e["event"] for e in _central_node_events(stack, since)},
                       12 * HOUR + 120, "the node's link stats at the central server")
                 counts = spool.ledger.counts()
+                # the ledger is bounded like the spool: past its bound its oldest rows go, counted but no longer named
+                spool_evicted = sum(n for (stage, _), n in spool.ledger.evicted().items() if stage == ledger.STAGE_SPOOL)
                 acked = {b for b in waiting if spool.is_acked(b)}
                 assert not spool.pending()
                 with contextlib.closing(sqlite3.connect(layout.spool / "ledger.sqlite")) as db:
@@ -274,12 +278,14 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
                  if o["Key"].endswith(".manifest.json") and o["LastModified"] >= since]
     landed = {m.bundle_id: m for m in manifests}
     assert acked <= landed.keys(), acked - landed.keys()
-    # every sample accounted for by id, once: landed in a bundle (low tier: its summary row) or in the
-    # ledger with the reason its bundle left the spool (TTL, displaced, refused); none still waiting
+    # every sample accounted for once: landed in a bundle (low tier: its summary row) or in the ledger with the
+    # reason its bundle left the spool (TTL, displaced, refused), by id or, past the ledger's bound, by count
     in_bundles = [i for m in landed.values() for i in m.sample_ids]
     assert len(in_bundles) == len(set(in_bundles)), "a sample landed twice"
     assert not set(in_bundles) & spool_dropped, "a sample both landed and dropped"
-    assert set(in_bundles) | spool_dropped == set(sample_ids), len(set(sample_ids) - set(in_bundles) - spool_dropped)
+    assert set(in_bundles) | spool_dropped <= set(sample_ids)
+    unnamed = set(sample_ids) - set(in_bundles) - spool_dropped
+    assert len(unnamed) == spool_evicted, (len(unnamed), spool_evicted)  # each dropped sample counted, none lost
     # nothing of the node's runs reached the central Prefect server...
     assert not _central_runs_tagged("node-local")
     # ...but its history did, through the gateway after reconnection: in order, each event once
@@ -413,3 +419,270 @@ def test_a_routed_spool_alert_is_kept_once(tmp_path: Path) -> None:
         box.close()
     assert len(spool.alerts) == 1
     assert [e.event for e in kept] == [events.SPOOL_WATERMARK] and kept[0].payload["used_fraction"] >= 0.85
+
+
+# ---- node to dataset with no person in between: the node-local node against the central stack ----
+
+COMMIT_BOUND_S = 240.0  # landed -> committed centrally: gateway window (5 s) + a core_ingest run on a busy host
+
+_CENTRE = textwrap.dedent(
+    """
+    import sys
+    from prefect import serve
+    from prefect.events import DeploymentEventTrigger
+    from prefect.types.entrypoint import EntrypointType
+
+    from edgehaul.flows.core_ingest import core_ingest
+    from edgehaul_dev import deploy
+
+    uid, sweep_s = sys.argv[1], float(sys.argv[2])
+    spec = {d["name"]: d for d in deploy.load_spec()["deployments"] if d["entrypoint"].endswith(":core_ingest")}
+    landed, sweep = spec["on-bundle-landed"], spec["landing-sweep"]
+    deps = [core_ingest.to_deployment(  # the shipped trigger and parameters, under a name of this test
+        name=f"on-bundle-landed-{uid}", triggers=[DeploymentEventTrigger(**t) for t in landed["triggers"]],
+        parameters=landed["parameters"], entrypoint_type=EntrypointType.MODULE_PATH)]
+    if sweep_s:
+        deps.append(core_ingest.to_deployment(name=f"landing-sweep-{uid}", interval=sweep_s,
+                                              parameters=sweep["parameters"], entrypoint_type=EntrypointType.MODULE_PATH))
+    serve(*deps, limit=2)
+    """
+)
+
+
+@contextlib.contextmanager
+def _centre(stack: localstack.StackState, tmp_path: Path, sweep_s: float = 0) -> Iterator[str]:
+    """The central side of the product for a node: blocks, the gateway, and core_ingest served with the shipped
+    `bundle_landed` trigger (and, with `sweep_s`, the landing sweep on that interval). Yields the gateway URL."""
+    from prefect.client.orchestration import get_client
+
+    from edgehaul_dev import configure
+
+    configure.register_block_types()
+    configure.save_blocks(stack)
+    localstack.start_gateway(stack)
+    uid = uuid.uuid4().hex[:8]
+    script = tmp_path / "centre.py"
+    script.write_text(_CENTRE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+           "PREFECT_LOGGING_LEVEL": "INFO"}
+    with open(tmp_path / "centre.log", "ab") as out:
+        proc = subprocess.Popen([sys.executable, str(script), uid, str(sweep_s)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, (tmp_path / "centre.log").read_text()[-3000:]
+            with get_client(sync_client=True) as client:
+                try:
+                    dep = client.read_deployment_by_name(f"core_ingest/on-bundle-landed-{uid}")
+                except Exception:
+                    return False
+                return bool(client.read_resource_related_automations(f"prefect.deployment.{dep.id}"))
+
+        _wait(ready, 120, "core_ingest served with its trigger")
+        time.sleep(2)  # the triggers service loads the new automation
+        yield uid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _node_config(stack: localstack.StackState, state: Path, relay: Relay, gw_relay: Relay,
+                 every_s: float) -> dict[str, object]:
+    keys = stack.identities[NODE]
+    _, gw_key = localstack.gateway_sender(stack)
+    return {
+        "node_id": NODE, "state_dir": str(state),
+        "store": {"endpoint_url": f"http://127.0.0.1:{relay.port}"},
+        "keys": {"access_key_id": keys.access_key_id, "secret_access_key": keys.secret_access_key},
+        "link": {"bandwidth_bps": 100e6}, "batch_size": SAMPLES_PER_HOUR,
+        "schedules": {"ingest_every_s": every_s, "drain_every_s": every_s, "poll_s": 1},
+        "drain": {"max_seconds": 60},
+        "gateway": {"url": f"http://127.0.0.1:{gw_relay.port}", "key": gw_key, "sender_id": localstack.GATEWAY_SENDER},
+        "prefect_port": 0,
+    }
+
+
+def _init_node(cfg: dict[str, object], tmp_path: Path) -> NodeLayout:
+    (tmp_path / "node.yaml").write_text(yaml.safe_dump(cfg))
+    init = subprocess.run([sys.executable, "-m", "edgehaul.cli", "node", "init", "--config", str(tmp_path / "node.yaml")],
+                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert init.returncode == 0, init.stderr[-3000:]
+    return NodeLayout(Path(str(cfg["state_dir"])))
+
+
+def _landed_since(stack: localstack.StackState, since: datetime) -> dict[str, BundleManifest]:
+    """bundle id -> manifest of the node's bundles landed since `since` (earlier tests land node-a bundles too)."""
+    store = store_for(stack)
+    s3 = store.client()
+    return {m.bundle_id: m for m in (
+        BundleManifest.from_json(s3.get_object(Bucket=store.bucket("landing"), Key=o["Key"])["Body"].read())
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=store.bucket("landing"), Prefix=f"{NODE}/")
+        for o in page.get("Contents", [])
+        if o["Key"].endswith(".manifest.json") and o["LastModified"] >= since)}
+
+
+def _committed(stack: localstack.StackState, ids: set[str]) -> set[str]:
+    from edgehaul.core.datasets import DatasetError, committed_bundle_ids
+
+    try:
+        return committed_bundle_ids(store_for(stack, "ingest"), "landsat_patch", sorted(ids))
+    except DatasetError:
+        return set()
+
+
+def _spool_empty(layout: NodeLayout) -> bool:
+    spool = Spool.from_block(EdgeNode(node_id=NODE, spool_dir=str(layout.spool)))
+    try:
+        return not spool.pending()
+    finally:
+        spool.close()
+
+
+def _announcements(layout: NodeLayout) -> list[str]:
+    box = node_outbox(layout.spool, NODE)
+    try:
+        return [e.payload["bundle_id"] for e in box.peek(10_000) if e.event == events.BUNDLE_LANDED]
+    finally:
+        box.close()
+
+
+def _all_committed(stack: localstack.StackState, since: datetime, layout: NodeLayout, what: str,
+                   dropped: str = "h*.parquet") -> set[str]:
+    """Waits until the node has read the `dropped` files, its spool is empty, and every bundle it landed since
+    `since` is committed centrally within COMMIT_BOUND_S of the spool emptying; returns their ids."""
+    _wait(lambda: not any(layout.drop.glob(dropped)) and _spool_empty(layout), 300, f"{what}: the node to land")
+    t = time.monotonic()
+    landed: set[str] = set()
+
+    def done() -> bool:
+        nonlocal landed
+        landed = set(_landed_since(stack, since))
+        return bool(landed) and _committed(stack, landed) == landed
+
+    _wait(done, COMMIT_BOUND_S, f"{what}: every landed bundle committed centrally")
+    print(f"{what}: {len(landed)} bundles committed {time.monotonic() - t:.0f} s after the spool emptied")
+    return landed
+
+
+def _core_runs(uid: str) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(deployment_filter=DeploymentFilter(
+            name=DeploymentFilterName(any_=[f"on-bundle-landed-{uid}"])))
+
+
+def _node_landing_batches(layout: NodeLayout) -> int:
+    """LANDING_BATCH events on the node's own Prefect server (where no trigger listens): must stay 0."""
+    import httpx
+
+    env = layout.env()
+    user, _, password = env["PREFECT_API_AUTH_STRING"].partition(":")
+    r = httpx.post(f"{env['PREFECT_API_URL']}/events/filter", auth=(user, password), timeout=30,
+                   json={"filter": {"event": {"name": [events.LANDING_BATCH]}}, "limit": 50})
+    r.raise_for_status()
+    return len(r.json()["events"])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_every_bundle_a_node_local_node_sends_is_committed_centrally_before_and_after_an_outage(
+        stack: localstack.StackState, tmp_path: Path) -> None:
+    host, port = stack.s3_endpoint.removeprefix("http://").split(":")
+    relay = Relay((host, int(port)))
+    with _centre(stack, tmp_path) as uid:  # no sweep: what is committed here was announced by the node
+        gw_host, gw_port = localstack.start_gateway(stack).removeprefix("http://").rstrip("/").split(":")
+        gw_relay = Relay((gw_host, int(gw_port)))
+        layout = _init_node(_node_config(stack, tmp_path / "node", relay, gw_relay, every_s=10), tmp_path)
+        relay.up()
+        gw_relay.up()
+        since = datetime.now(UTC)
+        try:
+            with _node_running(layout, tmp_path / "node.log") as proc:
+                # 1. in contact: landed, announced, committed
+                _drop(layout.drop, 0)
+                first = _all_committed(stack, since, layout, "in contact")
+                # 2. the gateway is out of reach, S3 is not: bundles land, their announcements wait on the node
+                gw_relay.down()
+                _drop(layout.drop, 1)
+                _wait(lambda: len(_announcements(layout)) > 0 and _spool_empty(layout)
+                      and not any(layout.drop.glob("*.parquet")), 300, "bundles landed, their announcements kept")
+                waiting = set(_announcements(layout))
+                assert waiting <= set(_landed_since(stack, since)) and not waiting & first
+                assert not _committed(stack, waiting)  # nothing else announces them (no sweep here)
+                # 3. the whole centre out of reach: data waits in the spool
+                relay.down()
+                _drop(layout.drop, 2)
+                n = _out_of_contact(tmp_path / "node.log")
+                _wait(lambda: not any(layout.drop.glob("*.parquet")) and _out_of_contact(tmp_path / "node.log") > n,
+                      300, "a drain attempt out of contact")
+                assert not _spool_empty(layout)
+                # 4. reconnection: every bundle, before and after the outage, committed with no manual step
+                relay.up()
+                gw_relay.up()
+                every = _all_committed(stack, since, layout, "after reconnection")
+                _wait(lambda: not _announcements(layout), 120, "the outbox's announcements to be sent")
+                assert proc.poll() is None
+                assert first | waiting < every
+                assert _node_landing_batches(layout) == 0  # the node never started central work itself
+        finally:
+            relay.down()
+            gw_relay.down()
+        runs = _core_runs(uid)
+    # the core was started by the gateway's landing batches alone, and took only keys: the node of each bundle
+    # comes from its landing key (core_ingest checks the manifest against it), never from an announcement
+    assert runs and all(set(r.parameters["params"]) == {"store_block", "result_storage", "bundle_keys"} for r in runs)
+    keys = {k for r in runs for k in r.parameters["params"]["bundle_keys"]}
+    assert {k.split("/")[0] for k in keys if k.endswith(tuple(f"{b}.parquet" for b in every))} == {NODE}
+    assert all(r.state_name in ("Completed", "Running", "Pending", "Scheduled") for r in runs), \
+        [(r.name, r.state_name) for r in runs]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_node_run_with_a_bad_and_a_good_file_commits_the_good_one_within_one_schedule(
+        stack: localstack.StackState, tmp_path: Path) -> None:
+    """The bad files go to rejected/ and the runs go on (edgehaul.edge.drop_folder); the good file's bundles are
+    announced by the node and committed by the core's trigger (the sweep is served too, on the same interval)."""
+    every_s = 20.0
+    host, port = stack.s3_endpoint.removeprefix("http://").split(":")
+    relay = Relay((host, int(port)))
+    with _centre(stack, tmp_path, sweep_s=every_s):
+        gw_host, gw_port = localstack.start_gateway(stack).removeprefix("http://").rstrip("/").split(":")
+        gw_relay = Relay((gw_host, int(gw_port)))
+        layout = _init_node(_node_config(stack, tmp_path / "node", relay, gw_relay, every_s=every_s), tmp_path)
+        relay.up()
+        gw_relay.up()
+        since = datetime.now(UTC)
+        try:
+            with _node_running(layout, tmp_path / "node.log") as proc:
+                # bad files: a CSV that is not UTF-8, and a Parquet file an instrument was cut off writing
+                (layout.drop / "bad.csv").write_bytes(b"sample_id,capture_time,seq\n\xff\xfe\x00garbage,\x81,1\n")
+                good = _drop(layout.drop, 7)
+                whole = (layout.drop / "h007.parquet").read_bytes()
+                (layout.drop / "cut.parquet").write_bytes(whole[: len(whole) // 2])
+                t0 = time.monotonic()
+                # one schedule: an ingest and a drain run (every_s each), then the core's commit bound
+                _wait(lambda: not any(layout.drop.glob("h*.parquet")), 2 * every_s + 120, "the good file to be read")
+                landed = _all_committed(stack, since, layout, "good file beside a bad one")
+                took = time.monotonic() - t0
+                print(f"good file committed {took:.0f} s after it was dropped")
+                # within one schedule: the next ingest, the next drain, then the core (no run lost to the bad file)
+                assert took < 2 * every_s + COMMIT_BOUND_S, took
+                assert set(_node_runs(layout).get("edge_ingest", [])) == {"Completed"}  # no run failed on a file
+                assert proc.poll() is None
+        finally:
+            relay.down()
+            gw_relay.down()
+    in_bundles = {i for b, m in _landed_since(stack, since).items() if b in landed for i in m.sample_ids}
+    assert set(good) <= in_bundles
+    assert list((layout.root / "rejected").glob("bad*")), "the unreadable CSV was not set aside in rejected/"
+    assert not list(layout.done.glob("cut*")) and not list(layout.done.glob("bad*"))  # neither reported read

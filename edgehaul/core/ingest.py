@@ -25,6 +25,7 @@ from edgehaul.core.validation import ValidationResult, suite_for, validate_bundl
 from edgehaul.core.validation_cache import ValidationCache, entry_for
 from edgehaul.platform.io_pool import IO_WORKERS, io_map
 from edgehaul.platform.s3_errors import error_code
+from edgehaul.platform.settings import get_settings
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -423,6 +424,30 @@ def settled_batches(taken: list[QueuedBatch], unsettled: set[str]) -> list[Queue
     """The taken batches none of whose keys is unsettled (still waiting for a manifest, deferred to another
     live run, or left after an error): their own runs have nothing left to do."""
     return [b for b in taken if not unsettled.intersection(b.keys)]
+
+
+def settled(store: ObjectStore, keys: list[str], *, s3: S3Client | None = None) -> set[str]:
+    """The landing keys whose bundle is already settled: committed in any kind's dataset, or quarantined.
+
+    For a sweep of landing: no read per bundle, only one listing of the quarantine records and each dataset's
+    transaction index (kept open by the process, caught up incrementally), so a sweep that finds nothing new
+    costs a few listings. A (node, bundle id) pair is in one kind's dataset at most, so each kind is asked for all."""
+    s3 = s3 or store.client()
+    owners = {k: o for k in keys if not isinstance(o := landing_owner(store, k), str)}
+    qbase = store.key("quarantine", "")
+    quarantined = {tuple(k[len(qbase):].split("/")[:2]) for k in quarantine._record_keys(s3, store)}
+    done = {k for k, o in owners.items() if o in quarantined}
+    refs: list[datasets.Ref] = sorted({(n, b) for k, (n, b) in owners.items() if k not in done})
+    kinds = sorted({p.stem.rpartition(".v")[0] for p in get_settings().contracts_dir.glob("*.v*.yaml")})
+    committed: set[datasets.Ref] = set()
+    for kind in kinds:
+        if not refs:
+            break
+        try:
+            committed |= datasets.committed_bundle_ids(store, kind, refs, s3=s3)
+        except datasets.DatasetError:
+            continue  # no dataset of that kind yet
+    return done | {k for k, o in owners.items() if o in committed}
 
 
 def already_committed(

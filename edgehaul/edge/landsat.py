@@ -8,6 +8,10 @@ Capture times: fixed (2026-01-01, one second apart) unless a `CaptureLog` is giv
 does: each batch is then dated when it was first generated (samples 1 ms apart), recorded once, so a
 rerun or a retry regenerates the very same batch (same sample ids, times and cache key) and latency
 figures measured from capture times are real.
+
+Sample ids: `<node>-<seq>`. The simulated sensor never numbers two observations alike: the edge flow
+takes each run's first seq from `CaptureLog.first_seq` (past every number an earlier run of the node
+took; the same again for a retry of the run), unless the run names its own `start_seq`.
 """
 
 from __future__ import annotations
@@ -57,8 +61,14 @@ class CaptureLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         self._db.execute("CREATE TABLE IF NOT EXISTS captured (key TEXT PRIMARY KEY, at_ms INTEGER NOT NULL)")
-        cutoff = datetime.now(UTC) - keep
-        self._db.execute("DELETE FROM captured WHERE at_ms < ?", (int(cutoff.timestamp() * 1000),))
+        # seq ranges handed to runs, and the next free seq: kept when old ranges are pruned
+        self._db.execute("CREATE TABLE IF NOT EXISTS runs (run TEXT PRIMARY KEY, first INTEGER NOT NULL,"
+                         " at_ms INTEGER NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS next_seq (one INTEGER PRIMARY KEY CHECK (one = 1),"
+                         " seq INTEGER NOT NULL)")
+        cutoff = int((datetime.now(UTC) - keep).timestamp() * 1000)
+        self._db.execute("DELETE FROM captured WHERE at_ms < ?", (cutoff,))
+        self._db.execute("DELETE FROM runs WHERE at_ms < ?", (cutoff,))
 
     def time_of(self, key: str, not_before: datetime | None = None) -> datetime:
         """The recorded capture time of batch `key`, recording now (or `not_before`, if later: the previous
@@ -69,6 +79,28 @@ class CaptureLog:
         self._db.execute("INSERT OR IGNORE INTO captured (key, at_ms) VALUES (?, ?)", (key, now_ms))
         (at_ms,) = self._db.execute("SELECT at_ms FROM captured WHERE key = ?", (key,)).fetchone()
         return datetime.fromtimestamp(at_ms / 1000, UTC)
+
+    def first_seq(self, run: str, n: int) -> int:
+        """The first of `n` sequence numbers for `run` (e.g. a flow run id): past every number handed out
+        before, so sample ids never repeat on this node; the same range again for the same run (a retry)."""
+        if n < 0:
+            raise ValueError(f"first_seq of run {run}: n must be >= 0, got {n}")
+        self._db.execute("BEGIN IMMEDIATE")  # two runs starting together get disjoint ranges
+        try:
+            row = self._db.execute("SELECT first FROM runs WHERE run = ?", (run,)).fetchone()
+            if row is None:
+                (first,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM next_seq").fetchone()
+                self._db.execute("INSERT INTO runs (run, first, at_ms) VALUES (?, ?, ?)",
+                                 (run, first, int(datetime.now(UTC).timestamp() * 1000)))
+                self._db.execute("INSERT INTO next_seq (one, seq) VALUES (1, ?) ON CONFLICT(one) DO UPDATE SET seq = ?",
+                                 (first + n, first + n))
+            else:
+                (first,) = row
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return int(first)
 
     def close(self) -> None:
         self._db.close()

@@ -8,9 +8,13 @@ Storage: SQLite in the node's state dir, WAL + synchronous=FULL like the spool's
 committed append survives kill -9. ``seq`` is an AUTOINCREMENT key, hence strictly increasing
 and never reused, even after the newest rows were deleted.
 
+Bundle announcements (`events.NODE_ANNOUNCED`: a bundle the node landed, for the gateway's
+`bundle-uploaded` hook) are rows too, in the same order, with the highest priority (dropped last).
+
 Cap: at most ``cap`` rows. When full, the oldest row of the lowest priority present is dropped
-first (stats/summaries before alerts; among alerts level 3 before 2 before 1), and every drop is
-counted per event name in ``dropped`` so the loss is accounted for, never silent.
+first (stats/summaries before alerts; among alerts level 3 before 2 before 1; announcements last),
+and every drop is counted per event name in ``dropped`` so the loss is accounted for, never silent
+(a dropped announcement's bundle is still in landing: core_ingest's sweep commits it).
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ from typing import Any
 from edgehaul import events
 
 # Lower number = more important = dropped last. Alerts carry their level (1 most severe).
+PRIO_ANNOUNCE = 0  # a landed bundle: what the core waits for
 PRIO_ALERT_L1 = 1
 PRIO_ALERT_L2 = 2
 PRIO_ALERT_L3 = 3
 PRIO_STATS = 9
 OUTBOX_FILE = "outbox.sqlite"  # in the node's spool folder: its persistent disk, beside the ledger
 _LEVEL_PRIO = {1: PRIO_ALERT_L1, 2: PRIO_ALERT_L2, 3: PRIO_ALERT_L3}
+# The fields of the gateway's `bundle-uploaded` hook (gateway.BundleUploaded), all an announcement keeps.
+ANNOUNCEMENT_FIELDS = ("node_id", "bundle_id", "object_key", "manifest_key", "sha256", "row_count", "contract",
+                       "tier", "nbytes")
 
 
 def priority_of(payload: dict[str, Any]) -> int:
@@ -149,11 +157,20 @@ class Outbox:
 
     def sink(self, clock: Callable[[], float] = time.time) -> events.Sink:
         """An `events.routed` sink: each emitted event becomes one row, stamped with `clock` (when it
-        happened), its priority from its level; the emitter's resource id travels as `origin_resource`."""
+        happened), its priority from its level; the emitter's resource id travels as `origin_resource`.
+        A bundle announcement keeps only the hook's fields, at PRIO_ANNOUNCE."""
 
         def keep(event: str, resource_id: str, payload: dict[str, Any], labels: dict[str, str]) -> bool:
+            when = datetime.fromtimestamp(clock(), UTC)
+            if event in events.NODE_ANNOUNCED:
+                if payload.get("node_id") != self.node_id:
+                    raise ValueError(f"bundle {payload.get('bundle_id')} of node {payload.get('node_id')!r} "
+                                     f"announced through the outbox of {self.node_id}")
+                body = {k: payload[k] for k in ANNOUNCEMENT_FIELDS if payload.get(k) is not None}
+                self.append(event, body, priority=PRIO_ANNOUNCE, occurred=when)
+                return True
             body = {**payload, "origin_resource": resource_id}
-            self.append(event, body, priority=priority_of(payload), occurred=datetime.fromtimestamp(clock(), UTC))
+            self.append(event, body, priority=priority_of(payload), occurred=when)
             return True
 
         return keep

@@ -2,14 +2,15 @@
 
 What it does, in order:
 1. takes the landing keys of bundles (`bundle_keys`, e.g. the `key` of `edgehaul.bundle.landed` events) or
-   discovers every bundle under the landing `prefix`; everything in landing is untrusted input
-   (`edgehaul.core.ingest.read_manifests`): a key that is not `<node>/<day>/<bundle>.parquet` with safe ids is
-   skipped (logged, named); a bundle without its manifest waits (left in landing, reported) until
-   `manifest_wait_s` old; a manifest over its contract's limits (ranged reads, never a whole download),
-   malformed (parsed bounded: nesting, number length, NaN), or naming another node or bundle than the prefix
-   holding it is quarantined; no one landed object fails the run for the others (a surprise is its own
-   rejection; transport trouble, a quarantine or a commit that fails leaves only its own bundles in landing,
-   in `errors`). A broken
+   discovers every bundle under the landing `prefix` (with `sweep`, only those neither committed nor
+   quarantined: the scheduled deployment `landing-sweep` commits what no event announced); everything in
+   landing is untrusted input (`edgehaul.core.ingest.read_manifests`): a key that is not
+   `<node>/<day>/<bundle>.parquet` with safe ids is skipped (logged, named); a bundle without its manifest
+   waits (left in landing, reported) until `manifest_wait_s` old; a manifest over its contract's limits
+   (ranged reads, never a whole download), malformed (parsed bounded: nesting, number length), or naming
+   another node or bundle than the prefix holding it is quarantined; no one landed object fails the run for
+   the others (a surprise is its own rejection; transport trouble, a quarantine or a commit that fails
+   leaves only its own bundles in landing, in `errors`). A broken
    contract (YAML, a field, an unknown expectation) fails the run before anything moves; a bundle an
    earlier run quarantined is done (`already_quarantined`), or skipped as `landing_changed` when its
    landing objects were rewritten since; a bundle its dataset already holds is done (`already_committed`)
@@ -81,6 +82,9 @@ class CoreIngestParams(BaseModel):
     bundle_keys: list[str] = Field(default_factory=list, max_length=10_000,
                                    description="Landing keys of bundles (Parquet object or manifest); empty: discover.")
     prefix: str = Field(default="", description="Discover complete bundles under this landing prefix, e.g. 'node-a/'.")
+    sweep: bool = Field(default=False, description="Discovery takes only bundles neither committed nor quarantined "
+                        "(the scheduled sweep of landing for bundles no event announced): one listing of landing and "
+                        "of quarantine when nothing is new.")
     max_bundles: int = Field(default=500, ge=1, le=10_000, description="At most this many bundles per run.")
     lease_s: float = Field(default=900.0, ge=1, le=86_400,
                            description="A claim older than this is presumed dead and taken over.")
@@ -198,7 +202,7 @@ _QUEUE_READ = 200  # queued runs read per catch-up (each holds up to a gateway b
 
 
 def _about(p: CoreIngestParams) -> str:
-    return f"{len(p.bundle_keys)} bundles" if p.bundle_keys else f"landing/{p.prefix or '*'}"
+    return f"{len(p.bundle_keys)} bundles" if p.bundle_keys else f"{'sweep ' if p.sweep else ''}landing/{p.prefix or '*'}"
 
 
 @flow(name="core_ingest", task_runner=from_environment(),  # EDGEHAUL_TASK_RUNNER of the run's process
@@ -214,7 +218,7 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     })
     run_id = str(flow_run.get_id() or uuid.uuid4())
     keys = [_full_key(store, k) for k in dict.fromkeys(p.bundle_keys)][: p.max_bundles] if p.bundle_keys else \
-        discover_task(store, p.prefix, p.max_bundles)
+        discover_task(store, p.prefix, p.max_bundles, p.sweep)
     own = set(keys)
     taken: list[QueuedBatch] = []
     if p.bundle_keys and p.catch_up:

@@ -26,6 +26,7 @@ with a state message naming each file and why, and a level-2 `edgehaul.drop.reje
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -33,6 +34,7 @@ from typing import Any, Literal, cast
 import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 from prefect.states import Completed
 from pydantic import BaseModel, Field, model_validator
 
@@ -78,7 +80,8 @@ class EdgeIngestParams(BaseModel):
     n_samples: int = Field(default=10_000, ge=1, le=100_000_000, description="Samples to generate.")
     batch_size: int = Field(default=50_000, ge=100, le=200_000, description="Samples per raw batch (one task run each).")
     seed: int = Field(default=0, ge=0, description="Generator seed.")
-    start_seq: int = Field(default=0, ge=0, description="First sequence number of generated samples.")
+    start_seq: int | None = Field(default=None, ge=0, description="First sequence number of generated samples; "
+                                  "None: past every number this node generated before (ids never repeat).")
     class_weights: dict[int, float] | None = Field(default=None, description="Generated class mix.")
     result_storage: str | None = Field(
         default=None, description="Result storage block slug; None: the node's disk (<spool_dir>/prefect-results)."
@@ -104,8 +107,10 @@ def _raw_batches(p: EdgeIngestParams, node: EdgeNode, drop: DropRun | None
         # real capture times, recorded beside the spool (not in it: a wiped spool regenerates the same batches)
         log = CaptureLog(f"{str(node.spool_dir).rstrip('/')}.captures.sqlite")
         try:
+            start = p.start_seq if p.start_seq is not None else log.first_seq(str(flow_run.get_id() or uuid.uuid4()),
+                                                                               p.n_samples)
             for t in generate(p.n_samples, node.node_id, seed=p.seed, class_weights=p.class_weights,
-                              start_seq=p.start_seq, batch_size=p.batch_size, start_time=log):
+                              start_seq=start, batch_size=p.batch_size, start_time=log):
                 yield t, None
         finally:
             log.close()

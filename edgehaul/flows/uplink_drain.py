@@ -26,9 +26,12 @@ What it does, in order:
    contact) goes to the central gateway with the node's own key (`gateway_url`, `gateway_key_file`; in
    order, exactly once), and what the core published for the node is fetched and applied (`downlink`);
    the drain's own statistics are forwarded again at its end. A node-local run
-   (`route_events_to_outbox`) emits nothing straight to a Prefect API: everything goes through the outbox;
-4. publish metrics: an `edgehaul.link.stats` event and a table artifact (goodput, rate cap use,
-   retransmissions, queue length per tier, capture-to-landed time per tier; by plan also the pass's
+   (`route_events_to_outbox`) emits nothing straight to a Prefect API: everything goes through the outbox,
+   each landed bundle as an announcement for the gateway's `bundle-uploaded` hook (sent at the drain's
+   end, or by the next drain in contact), never a landing batch of its own;
+4. publish metrics, the queue figures as the drain left them: an `edgehaul.link.stats` event and a table
+   artifact (goodput, rate cap use, retransmissions, queue length per tier and retry queue after the
+   drain, capture-to-landed time per tier; by plan also the pass's
    capacity, planned vs sent bytes and value, and what the following passes are planned to carry).
 
 Blocks: `edgehaul-edge-node` (spool location, retry queue cap/expiry), `edgehaul-link-profile`
@@ -130,8 +133,8 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
             store, profile, node, max_seconds=p.max_seconds, max_active=p.max_active, simulate=p.simulate,
             seed=p.seed, contact_wait_s=p.contact_wait_s, passes=passes, backup=backup,
         )
-        metrics["orphans_aborted"] = aborted
-        metrics.update(expired)
+        # expiry counts from before the drain; the retry queue and the spool's figures from after it
+        metrics = {**expired, **metrics, "orphans_aborted": aborted}
         publish_link_stats(node.node_id, metrics)
         if box is not None:
             record_run(box, "uplink_drain", {k: metrics.get(k) for k in (
@@ -140,6 +143,7 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
         if p.gateway_url:  # this drain's own statistics, in the same contact
             after = _forward(p, node)
             metrics["events_forwarded"] = (forwarded or {}).get("events", 0) + after.get("events", 0)
+            metrics["bundles_announced"] = (forwarded or {}).get("announced", 0) + after.get("announced", 0)
             metrics["events_left"] = after.get("left", 0)
         if synced is not None:
             metrics["downlink"] = synced

@@ -43,11 +43,16 @@ log = logging.getLogger(__name__)
 
 @task(name="core-discover", **IO_RETRY,
       cache_policy=NO_CACHE)
-def discover_task(store: ObjectStore, prefix: str, limit: int) -> list[str]:
+def discover_task(store: ObjectStore, prefix: str, limit: int, unsettled_only: bool = False) -> list[str]:
     """Landing keys of complete bundles (manifest present) under `prefix`, oldest day first, then those
-    still without a manifest (reported as waiting, quarantined once past the wait limit)."""
+    still without a manifest (reported as waiting, quarantined once past the wait limit). With
+    `unsettled_only` (a sweep), bundles already committed or quarantined are left out before the limit."""
     complete, incomplete = landed.discover(store, prefix)
-    return [*complete, *incomplete][:limit]
+    keys = [*complete, *incomplete]
+    if unsettled_only:
+        done = ingest.settled(store, keys)
+        keys = [k for k in keys if k not in done]
+    return keys[:limit]
 
 
 @task(name="core-read-manifests", **IO_RETRY,

@@ -33,7 +33,7 @@ def forward_node_events(node: EdgeNode, gateway_url: str, key_file: str, *, send
             rep = fw.forward(max_batches=max_batches)
         finally:
             fw.client.close()
-        return {"events": rep.events, "batches": rep.batches, "bytes": rep.bytes, "left": rep.left,
-                "error": rep.error, "dropped": box.dropped()}
+        return {"events": rep.events, "announced": rep.announced, "batches": rep.batches, "bytes": rep.bytes,
+                "left": rep.left, "error": rep.error, "dropped": box.dropped()}
     finally:
         box.close()

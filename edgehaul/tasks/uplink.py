@@ -174,6 +174,7 @@ def drain_spool(
         metrics = rep.metrics(link.cap_bytes_per_s)
         metrics["queue_lengths"] = {t: n for t, n in metrics["queue_lengths"].items()}
         metrics["retry_queue"] = len(queue)
+        metrics["spool_pending"] = len(spool.pending())
         metrics["spool_used_fraction"] = round(spool.usage().fraction, 4)  # the fleet view's spool figure
         metrics["link"] = rep.link
         metrics["landed_keys"] = [r.key for r in rep.landed]

@@ -1,4 +1,4 @@
-"""Store and forward of what an edge node did (issue #18 item 2): the outbox, drained to the gateway.
+"""Store and forward of what an edge node did: the outbox, drained to the gateway.
 
 The node's events (run summaries, ledger counts, alerts of levels 1-3, link statistics) wait in its
 durable outbox (`edgehaul.edge.outbox`) while the central API is out of reach. `Forwarder` sends them
@@ -6,6 +6,12 @@ in sequence order, in batches, to the gateway hook `POST /hooks/<sender>/node-ev
 the node's own Standard Webhooks key, and deletes rows only once the gateway answered 2xx. The
 gateway re-emits each event into Prefect as `edgehaul.node.<id>`, once per (node, seq), so a retried
 batch (same webhook-id, or the same rows in a new batch) is harmless.
+
+A bundle the node landed (`events.NODE_ANNOUNCED` rows) goes, in its place in the sequence, to the
+hook `bundle-uploaded`, one request per bundle: the gateway coalesces every node's bundles into the
+`edgehaul.landing.batch` event that starts core_ingest. Its webhook-id is derived from the bundle, so a
+retry the gateway already accepted answers 409 (replayed), which acknowledges it; past the replay
+window the retry is queued again, and core_ingest commits a bundle once.
 
 Same link, same rules as data: a batch is paced through the link's shaper at the rate cap, with a
 priority ahead of every bundle (control traffic first, never over the cap), and nothing is sent
@@ -25,12 +31,14 @@ from typing import Any, Protocol
 
 import httpx
 
+from edgehaul import events
 from edgehaul.platform.gateway import signed_headers
 from edgehaul.uplink.link import Link, Priority
 
 log = logging.getLogger(__name__)
 
 HOOK = "node-events"
+ANNOUNCE_HOOK = "bundle-uploaded"
 # Data priorities start with a tier rank (>= 0): (-1,) sorts before every bundle's chunks.
 CONTROL_PRIORITY: Priority = (-1,)
 
@@ -67,6 +75,7 @@ class ForwardError(RuntimeError):
 @dataclass
 class ForwardReport:
     events: int = 0
+    announced: int = 0  # bundles announced to the gateway (counted in `events` too)
     batches: int = 0
     bytes: int = 0
     left: int = 0
@@ -120,13 +129,20 @@ class Forwarder:
         client = httpx.Client(base_url=gateway_url, timeout=timeout_s)
         return cls(outbox, client, sender_id or outbox.node_id, key, link=link)
 
-    def _next_batch(self, limit: int | None = None) -> tuple[list[QueuedEvent], bytes]:
+    def _next_batch(self, limit: int | None = None) -> tuple[list[QueuedEvent], bytes, str]:
+        """(rows, body, hook) of the next request: one announcement alone, or the node events up to it."""
         rows: list[QueuedEvent] = self.outbox.peek(limit or self.batch_max)
+        if rows and rows[0].event in events.NODE_ANNOUNCED:
+            one = rows[0]
+            return [one], json.dumps({**one.payload, "node_id": self.outbox.node_id}, sort_keys=True,
+                                     separators=(",", ":"), default=str).encode(), ANNOUNCE_HOOK
+        cut = next((i for i, r in enumerate(rows) if r.event in events.NODE_ANNOUNCED), len(rows))
+        rows = rows[:cut]
         body = batch_body(self.outbox.node_id, rows)
         while len(rows) > 1 and len(body) > self.max_body_bytes:  # under the gateway's body cap
             rows = rows[: max(1, len(rows) // 2)]
             body = batch_body(self.outbox.node_id, rows)
-        return rows, body
+        return rows, body, HOOK
 
     def forward(self, max_batches: int = 1_000) -> ForwardReport:
         """Send batches until the outbox is empty, the link is down, the gateway is unreachable or
@@ -137,26 +153,31 @@ class Forwarder:
             if self.link is not None and not self.link.is_up():
                 rep.error = f"link down: {self.link.down_reason()}"
                 break
-            rows, body = self._next_batch(limit)
+            rows, body, hook = self._next_batch(limit)
             if not rows:
                 break
             first, last = rows[0].seq, rows[-1].seq
             # The same rows keep the same id; the gateway re-sends only seqs Prefect does not have yet.
             msg_id = f"ob-{self.outbox.node_id}-{first}-{last}"
+            announce = hook == ANNOUNCE_HOOK
+            if announce:  # one id per bundle: a replay of it means this bundle was accepted
+                msg_id = f"an-{self.outbox.node_id}-{rows[0].payload.get('bundle_id', first)}"
             if self.link is not None:
                 self.link.shaper.acquire(len(body), CONTROL_PRIORITY)
                 self.link.control(len(body))
             try:
-                r = self.client.post(f"/hooks/{self.sender_id}/{HOOK}", content=body,
+                r = self.client.post(f"/hooks/{self.sender_id}/{hook}", content=body,
                                      headers=signed_headers(self.key, body, msg_id=msg_id))
             except httpx.HTTPError as e:
                 rep.error = f"gateway unreachable: {type(e).__name__}: {e}"
                 break
             rep.statuses.append(r.status_code)
             rep.bytes += len(body)
-            if r.is_success:
+            # 409 to an announcement: the gateway accepted this bundle before (its answer was lost)
+            if r.is_success or (announce and r.status_code == 409):
                 self.outbox.ack(last)
                 rep.events += len(rows)
+                rep.announced += announce
                 rep.batches += 1
                 limit = self.batch_max
                 continue
@@ -174,11 +195,11 @@ class Forwarder:
             if r.status_code in (429, 500, 502, 503, 504):
                 rep.error = f"gateway busy or Prefect unreachable ({r.status_code}: {why}); seq {first}-{last} kept"
                 break
-            raise ForwardError(f"gateway refused node-events seq {first}-{last} of {self.outbox.node_id} "
+            raise ForwardError(f"gateway refused {hook} seq {first}-{last} of {self.outbox.node_id} "
                                f"as sender {self.sender_id!r}: {r.status_code} {why}")
         rep.left = len(self.outbox)
-        log.info("forwarded %d events in %d batches (%d bytes), %d left%s", rep.events, rep.batches, rep.bytes,
-                 rep.left, f": {rep.error}" if rep.error else "")
+        log.info("forwarded %d events (%d bundle announcements) in %d requests (%d bytes), %d left%s", rep.events,
+                 rep.announced, rep.batches, rep.bytes, rep.left, f": {rep.error}" if rep.error else "")
         return rep
 
 
