@@ -150,6 +150,19 @@ def test_the_reject_ledger_stays_within_its_bound_and_keeps_exact_counts(tmp_pat
     assert os.path.getsize(tmp_path / "l.sqlite") <= 2 * bound
 
 
+def test_the_bounded_ledger_names_spool_drops_longest(tmp_path: Path) -> None:
+    """Rejected input rows are evicted before samples the spool accepted and then dropped: those stay named."""
+    ledger = Ledger(tmp_path / "l.sqlite", max_bytes=128 * 1024, clock=iter(range(10**6)).__next__)
+    dropped = [f"kept-{i}" for i in range(300)]
+    ledger.record_many([(s, "ttl-expired", "bundle b1") for s in dropped], stage="spool")  # the oldest rows
+    for b in range(30):
+        ledger.record_many([(f"r{b}-{i}", "bad-type", "not a time") for i in range(1000)], stage="preprocess")
+    assert ledger.evicted() and all(stage == "preprocess" for stage, _ in ledger.evicted())
+    assert len(ledger.lookup(dropped)) == len(dropped)
+    assert ledger.counts()[("preprocess", "bad-type")] == 30_000
+    ledger.close()
+
+
 def test_the_ledger_counts_against_the_spool_cap(tmp_path: Path) -> None:
     from edgehaul.edge.spool import LEDGER_FREE_BYTES, Spool
 

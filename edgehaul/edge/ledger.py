@@ -5,9 +5,10 @@ in the spool root. A row is (sample_id, stage, reason, bundle_id, detail, at); r
 (sample_id, stage, reason) twice is a no-op, so a retried step never double-counts.
 
 Bounded like the rest of the spool: with `max_bytes`, a write that takes the ledger's pages over it drops the
-oldest rows (down to `TRIM_TO` of the bound), and keeps how many it dropped per (stage, reason) in
-`evicted`, so `counts()` stays exact while `lookup` knows only the rows kept. A file whose every row is
-rejected grows it by at most one batch past its bound. The spool counts its bytes against the spool cap.
+oldest rows (down to `TRIM_TO` of the bound; rejected input rows before samples the spool dropped), and keeps
+how many it dropped per (stage, reason) in `evicted`, so `counts()` stays exact while `lookup` knows only the
+rows kept. A file whose every row is rejected grows it by at most one batch past its bound. The spool counts
+its bytes against the spool cap.
 """
 
 from __future__ import annotations
@@ -95,12 +96,15 @@ class Ledger:
             if not rows:
                 return
             k = max(1, min(rows, int(rows * (1 - TRIM_TO * max_bytes / used)) + 1))
-            oldest = "SELECT sample_id, stage, reason FROM ledger ORDER BY at LIMIT ?"
+            # rejected input rows go first (their file is kept in rejected/ or the source log); a sample the
+            # spool accepted and then dropped stays named as long as any other row can go instead
+            oldest = ("SELECT sample_id, stage, reason FROM ledger ORDER BY stage = ?, at LIMIT ?")
+            args = (STAGE_SPOOL, k)
             for stage, reason, n in conn.execute(
-                    f"SELECT stage, reason, COUNT(*) FROM ({oldest}) GROUP BY stage, reason", (k,)).fetchall():
+                    f"SELECT stage, reason, COUNT(*) FROM ({oldest}) GROUP BY stage, reason", args).fetchall():
                 conn.execute("INSERT INTO evicted VALUES (?, ?, ?) ON CONFLICT (stage, reason) DO UPDATE "
                              "SET n = n + excluded.n", (stage, reason, n))
-            conn.execute(f"DELETE FROM ledger WHERE (sample_id, stage, reason) IN ({oldest})", (k,))
+            conn.execute(f"DELETE FROM ledger WHERE (sample_id, stage, reason) IN ({oldest})", args)
             if k == rows:
                 return
 
