@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 # Prefect triggers match resource labels with globs, never payload numbers. So the payload values
 # alerts compare against are mirrored into labels as zero-padded permille strings ("0860" = 0.86),
-# which `edgehaul.platform.automations.at_least_globs` turns into a threshold. emit() adds them itself.
+# which `edgehaul.services.automations.at_least_globs` turns into a threshold. emit() adds them itself.
 ALERT_LABELS = {
     "retransmission_rate": "edgehaul.link.retransmission.permille",
     "used_fraction": "edgehaul.spool.used.permille",

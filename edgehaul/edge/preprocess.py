@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from edgehaul.contracts import IDENTITY_COLUMNS, MEDIA_MAGIC, ColumnSpec, Contract, ContractInvalid, TensorSpec
-from edgehaul.edge.decode import DecodeError, binary_values, column_matrix, decode_file, raw_tensors
+from edgehaul.decode import DecodeError, binary_values, column_matrix, decode_file, raw_tensors
 
 # Bump when the output of preprocess changes for the same input (it keys the preprocess cache).
 CODE_VERSION = "preprocess-1"

@@ -10,7 +10,7 @@ over the global batch even when a rank's shard ran dry (it then steps with an em
 were filtered out. The epoch ends when every rank's shard is exhausted.
 
 What is trained follows the contract (`cfg.contract_id`): the model family of its training section,
-inputs decoded by `edgehaul.edge.decode`, the label column it names; each row's loss weighs
+inputs decoded by `edgehaul.decode`, the label column it names; each row's loss weighs
 1/inclusion_p (`data.sample_weights`). Each epoch records, besides loss and accuracy, per-class
 validation metrics (recall per class, macro-F1, recall of the rarest classes; `metrics.class_metrics`).
 """

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from edgehaul.platform.gateway import signed_headers
+from edgehaul.platform.webhooks import signed_headers
 from edgehaul.uplink.link import Link, Priority
 
 log = logging.getLogger(__name__)
