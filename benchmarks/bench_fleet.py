@@ -55,7 +55,7 @@ from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import BundleManifest, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.core.datasets import DatasetError, open_table
-from edgehaul.platform import gateway
+from edgehaul.services import gateway
 from edgehaul.uplink.link import Link
 from edgehaul.uplink.transfer import Drainer, Receipt, Uplink
 from edgehaul_dev import configure, localstack, postgres
@@ -273,7 +273,7 @@ def trigger_spec(mode: Mode) -> dict[str, Any]:
 
 def serve(mode: Mode, limit: int, name: str, serving: Serving = "process") -> None:
     """Entry of the served core (its own process): core_ingest with `mode`'s trigger, at most `limit` runs at once,
-    each in a fresh process (Prefect's runner) or in this one (`edgehaul.platform.warm`)."""
+    each in a fresh process (Prefect's runner) or in this one (`edgehaul.services.warm`)."""
     from prefect.events import DeploymentEventTrigger
 
     from edgehaul.flows.core_ingest import core_ingest
@@ -286,7 +286,7 @@ def serve(mode: Mode, limit: int, name: str, serving: Serving = "process") -> No
         return
     from prefect.deployments.runner import RunnerDeployment
 
-    from edgehaul.platform.warm import serve_warm
+    from edgehaul.services.warm import serve_warm
 
     dep_id = cast(RunnerDeployment, core_ingest.to_deployment(name=name, triggers=[trig])).apply()  # sync here
     stop = threading.Event()

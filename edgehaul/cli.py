@@ -34,9 +34,9 @@ from datetime import UTC, datetime
 COMMANDS = {
     "settings": ("edgehaul.platform.settings", "the effective settings and their sources"),
     "store": ("edgehaul.ops.store_probe", "check <block>: probe the store's S3 features, print and record them"),
-    "blocks": ("edgehaul.platform.block_setup", "apply <file>: create every block the flows load from a YAML file"),
-    "automations": ("edgehaul.platform.automations", "create or update the alert automations"),
-    "gateway": ("edgehaul.platform.gateway", "run the signed webhook gateway"),
+    "blocks": ("edgehaul.services.block_setup", "apply <file>: create every block the flows load from a YAML file"),
+    "automations": ("edgehaul.services.automations", "create or update the alert automations"),
+    "gateway": ("edgehaul.services.gateway", "run the signed webhook gateway"),
     "node": ("edgehaul.node", "init --config FILE | run --state-dir DIR: an edge node on its own (own Prefect server)"),
     "metrics": ("edgehaul.ops.metrics_endpoint", "serve: the fleet view as OpenMetrics for Prometheus"),
     "quarantine": ("edgehaul.cli", "list | readmit BUNDLE... --reason TEXT: quarantined bundles, audited re-admission"),

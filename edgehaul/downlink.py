@@ -40,8 +40,8 @@ import yaml
 from botocore.exceptions import ClientError
 
 from edgehaul import events
-from edgehaul.edge.spool import fsync_dir
 from edgehaul.platform import s3compat
+from edgehaul.platform.private_files import fsync_dir
 from edgehaul.platform.s3_errors import error_code
 
 if TYPE_CHECKING:

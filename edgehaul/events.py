@@ -33,7 +33,7 @@ LANDING_BATCH_MAX = 200  # keys per batch event; below core_ingest's max_bundles
 NODE_RUN_SUMMARY = "edgehaul.node.run.summary"  # payload: counts of one edge run (ingest or drain)
 LEDGER_COUNTS = "edgehaul.ledger.counts"  # payload: drops per stage and reason since the last report
 # An edge run's drop folder had files rejected (or read with most rows rejected): payload node_id, message,
-# files {name: why}, counts. A level-2 alert (edgehaul.platform.automations).
+# files {name: why}, counts. A level-2 alert (edgehaul.services.automations).
 DROP_REJECTED = "edgehaul.drop.rejected"
 
 # What an edge node may have forwarded in its name (gateway hook `node-events`): its own alerts,
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # Prefect triggers match resource labels with globs, never payload numbers. So the payload values
 # alerts compare against are mirrored into labels as zero-padded permille strings ("0860" = 0.86),
-# which `edgehaul.platform.automations.at_least_globs` turns into a threshold. emit() adds them itself.
+# which `edgehaul.services.automations.at_least_globs` turns into a threshold. emit() adds them itself.
 ALERT_LABELS = {
     "retransmission_rate": "edgehaul.link.retransmission.permille",
     "used_fraction": "edgehaul.spool.used.permille",

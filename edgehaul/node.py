@@ -44,10 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.blocks.object_store import write_credentials_file
-from edgehaul.platform.block_setup import Keys
 from edgehaul.platform.private_files import write_private
 from edgehaul.platform.roles import DEFAULT_POLICY, node_store
 from edgehaul.platform.settings import get_settings
+from edgehaul.services.block_setup import Keys
 
 CONFIG_FILE = "node.json"
 ENV_FILE = "node.env"

@@ -20,8 +20,8 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from edgehaul.blocks import ObjectStore, RetentionRule
-from edgehaul.platform.block_setup import Keys, NodeSpec, Setup, StoreSpec, TeamSpec, apply
 from edgehaul.platform.roles import StoreBlock
+from edgehaul.services.block_setup import Keys, NodeSpec, Setup, StoreSpec, TeamSpec, apply
 from edgehaul_dev import localstack
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ Against $PREFECT_API_URL (the local stack of $EDGEHAUL_STACK_DIR by default), in
    (production) with the local stack's overlay edgehaul_dev/demo_overlay.yaml merged in (`apply_overlay`):
    deployments and schedules; then the event triggers as automations updated in place by name
    (`apply_triggers`: `prefect deploy` would recreate them, blanking the trigger of past runs);
-4. the alert automations (`edgehaul.platform.automations`), notifying the gateway's /alerts sink of the
+4. the alert automations (`edgehaul.services.automations`), notifying the gateway's /alerts sink of the
    local stack, or $EDGEHAUL_ALERT_WEBHOOK_URL;
 5. one `prefect worker start` per central pool, under one supervisor process recorded as the stack's
    `workers` PID (`make down` stops them with the rest of the stack). No edge pool's worker: it would
@@ -218,7 +218,7 @@ def default_alert_target() -> tuple[str, str | None]:
     if settings.alert_webhook_url:
         token = settings.alert_webhook_token
         return settings.alert_webhook_url, token.get_secret_value() if token else None
-    from edgehaul.platform import gateway
+    from edgehaul.services import gateway
     from edgehaul_dev import localstack
 
     state = localstack.StackState.load(localstack.DEFAULT_ROOT)
@@ -297,7 +297,7 @@ def deploy(*, workers: bool = True, automations: bool = True, prefect_file: Path
     prefect_deploy(prefect_file, overlay)
     out: dict[str, Any] = {"pools": pools, "deployments": deployment_names(spec)}
     if automations:
-        from edgehaul.platform.automations import apply_automations
+        from edgehaul.services.automations import apply_automations
 
         url, token = default_alert_target()
         out["automations"] = [a.name for a in apply_automations(webhook_url=url, token=token)]

@@ -566,7 +566,7 @@ GATEWAY_SENDER = "local"  # the local stack's one gateway sender: every node, ev
 def gateway_sender(state: StackState) -> tuple[str, str]:
     """(sender id, key) of the local stack's gateway sender, created with a random key if missing:
     `<root>/gateway/senders.json` (0600), the stack gateway's EDGEHAUL_GATEWAY_SENDERS."""
-    from edgehaul.platform import gateway
+    from edgehaul.services import gateway
 
     path = Path(state.root) / "gateway" / "senders.json"
     if not path.exists():
@@ -586,7 +586,7 @@ def _private_tree(d: Path) -> None:
 
 
 def start_gateway(state: StackState, port: int | None = None) -> str:
-    """Start the webhook gateway (edgehaul.platform.gateway) against this stack; return its base URL.
+    """Start the webhook gateway (edgehaul.services.gateway) against this stack; return its base URL.
 
     Its senders file and SQLite state live in <root>/gateway/ (`gateway_sender` gives the local sender's
     key); its own secret (the /alerts token) in <root>/gateway/gateway-secret (0600, created,
@@ -603,7 +603,7 @@ def start_gateway(state: StackState, port: int | None = None) -> str:
         raise PortInUse(f"webhook gateway port {port} is taken by another process (EDGEHAUL_GATEWAY_PORT?)")
     env = {**os.environ, **state.env(), "EDGEHAUL_GATEWAY_SENDERS": str(root / "gateway" / "senders.json"),
            "EDGEHAUL_GATEWAY_STATE_DIR": str(root / "gateway")}
-    cmd = [sys.executable, "-m", "edgehaul.platform.gateway", "--port", str(port), "--create-secret"]
+    cmd = [sys.executable, "-m", "edgehaul.services.gateway", "--port", str(port), "--create-secret"]
     pid = _spawn(root, "gateway", cmd, env)
     url = f"http://127.0.0.1:{port}"
     _wait_http(f"{url}/healthz", 60, pid, "webhook gateway", root / "logs" / "gateway.log")

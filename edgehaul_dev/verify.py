@@ -405,7 +405,7 @@ def check_alert_l2(state: localstack.StackState, work: Path, timeout: float = 90
     from prefect.client.orchestration import get_client
 
     from edgehaul.edge.spool import Spool
-    from edgehaul.platform.automations import L2_NAME, NOTIFY_BLOCK, apply_automations
+    from edgehaul.services.automations import L2_NAME, NOTIFY_BLOCK, apply_automations
     from edgehaul_dev.drills import build_pool
 
     rx = _Receiver()

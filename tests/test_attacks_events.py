@@ -23,7 +23,7 @@ from starlette.testclient import TestClient
 
 from edgehaul import events
 from edgehaul.edge.outbox import Outbox
-from edgehaul.platform.gateway import (
+from edgehaul.services.gateway import (
     MAX_SEQ,
     MAX_SEQ_JUMP,
     NODE_EVENT_SCHEMAS,
@@ -243,7 +243,7 @@ def test_forged_node_events_never_reach_prefect_and_the_honest_ones_do(stack: An
     """The real gateway app emitting into the session's real Prefect, fed by the node's real forwarder."""
     import httpx
 
-    from edgehaul.platform.gateway import PrefectEmitter
+    from edgehaul.services.gateway import PrefectEmitter
     from tests.conftest import api_auth
 
     node, key = f"n{uuid.uuid4().hex[:10]}", new_secret()

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from starlette.testclient import TestClient
 
-from edgehaul.platform.gateway import (
+from edgehaul.services.gateway import (
     BundleUploaded,
     GatewayConfig,
     SenderRegistry,
@@ -103,7 +103,7 @@ def test_every_malformed_header_is_a_short_4xx(gw: TestClient, caplog: pytest.Lo
     headers[header] = value
     if header == "webhook-timestamp":  # correctly signed, so only the timestamp itself can be refused
         headers["webhook-signature"] = sign(KEY, headers["webhook-id"], value.decode(), body)
-    with caplog.at_level(logging.INFO, logger="edgehaul.platform.gateway"):
+    with caplog.at_level(logging.INFO, logger="edgehaul.services.gateway"):
         r = gw.post(HOOK, content=body, headers=headers)
     assert r.status_code == status and says in _short_json_4xx(r)
     _no_tracebacks(caplog)
@@ -288,7 +288,7 @@ def test_a_bad_senders_file_is_refused_with_what_is_wrong(tmp_path: Path, spec: 
 
 def test_a_world_readable_senders_file_stops_the_gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    from edgehaul.platform import gateway
+    from edgehaul.services import gateway
 
     path = tmp_path / "senders.json"
     write_senders(path, SENDERS)

@@ -266,7 +266,7 @@ def test_credentials_file_formats_and_errors_name_what_is_wrong(tmp_path: Path) 
 
 
 def test_blocks_apply_puts_a_nodes_keys_in_its_file_never_in_its_block(tmp_path: Path) -> None:
-    from edgehaul.platform.block_setup import Setup, node_store_for, write_node_credentials
+    from edgehaul.services.block_setup import Setup, node_store_for, write_node_credentials
 
     keys = {"access_key_id": "AK", "secret_access_key": "SK"}
     setup = Setup.model_validate({
@@ -320,9 +320,9 @@ def test_with_the_api_no_block_holds_any_s3_key_or_the_gateway_secret(blocks_sav
     work: from the 0600 central credentials file (roles) and the `ingest` profile (cached results)."""
     from prefect_aws import S3Bucket
 
-    from edgehaul.platform import gateway
     from edgehaul.platform.caching import CORE_RESULTS_BLOCK
     from edgehaul.platform.roles import StoreBlock
+    from edgehaul.services import gateway
 
     localstack.start_gateway(blocks_saved)  # --create-secret: the gateway's own secret exists from here on
     gateway_secret = gateway.load_secret(Path(blocks_saved.root) / "gateway")
@@ -363,8 +363,8 @@ def test_with_the_api_no_block_holds_any_s3_key_or_the_gateway_secret(blocks_sav
 
 
 def test_blocks_apply_puts_central_keys_in_one_file_never_in_a_block(tmp_path: Path) -> None:
-    from edgehaul.platform.block_setup import Setup, store_for, write_central_credentials
     from edgehaul.platform.caching import core_result_storage_block
+    from edgehaul.services.block_setup import Setup, store_for, write_central_credentials
 
     roles = ("central", "ingest", "trainer", "lifecycle")
     central = tmp_path / "central" / "s3-credentials"
@@ -398,7 +398,7 @@ def test_blocks_apply_puts_central_keys_in_one_file_never_in_a_block(tmp_path: P
 
 
 def test_the_gateway_secret_is_an_owner_only_file(tmp_path: Path) -> None:
-    from edgehaul.platform import gateway
+    from edgehaul.services import gateway
 
     with pytest.raises(RuntimeError, match="cannot read"):
         gateway.load_secret(tmp_path)

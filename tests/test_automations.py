@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from edgehaul import events
 from edgehaul.blocks import EdgeNode, ObjectStore
-from edgehaul.platform.automations import (
+from edgehaul.platform.reporting import CHECK_PREFIX, CHECK_TAG
+from edgehaul.services.automations import (
     L1_NAME,
     L2_NAME,
     L3_NAME,
@@ -32,7 +33,6 @@ from edgehaul.platform.automations import (
     apply_automations,
     at_least_globs,
 )
-from edgehaul.platform.reporting import CHECK_PREFIX, CHECK_TAG
 from edgehaul_dev.localstack import StackState
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("serving", ["process", "warm"])
 def test_small_fleet_is_committed_exactly_once_with_no_api_errors(tmp_path: Path, serving: Serving) -> None:
-    # process: Prefect's runner, a fresh process per run; warm: every run in one process (edgehaul.platform.warm)
+    # process: Prefect's runner, a fresh process per run; warm: every run in one process (edgehaul.services.warm)
     (res,) = fleet([Phase("coalesced", 10, 10, 2, rate_scale=18, drain_timeout_s=150, serving=serving)], work=tmp_path)
     s = summary(res)
     assert s["landed"] == 10 + 10 * 2 and res.landing_failures == 0 and res.hook_errors == 0

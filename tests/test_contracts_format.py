@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from edgehaul.blocks import TieringPolicy
 from edgehaul.bundles import write_bundle
 from edgehaul.contracts import Contract, ContractInvalid, load_contract
-from edgehaul.edge.decode import decode_tensors, normalise
+from edgehaul.decode import decode_tensors, normalise
 from edgehaul.edge.preprocess import preprocess, preprocessed_schema
 from edgehaul.edge.tiering import assign
 

@@ -154,7 +154,7 @@ def test_two_runs_racing_over_a_queue_commit_each_bundle_once_and_complete_the_c
 
 @pytest.mark.integration
 def test_a_warm_process_runs_the_deployment_and_its_first_run_covers_the_queue(store: ObjectStore) -> None:
-    from edgehaul.platform.warm import serve_warm
+    from edgehaul.services.warm import serve_warm
 
     block = f"core-{uuid.uuid4().hex[:10]}"
     store.save(block, overwrite=True)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from edgehaul.platform.gateway import signed_headers
+from edgehaul.services.gateway import signed_headers
 from edgehaul_dev import deploy, localstack
 from tests.waiting import wait_for
 

@@ -309,7 +309,7 @@ def test_a_drop_rejected_event_is_a_level_2_alert() -> None:
     import uuid
 
     from edgehaul import events
-    from edgehaul.platform.automations import DROP_REJECTED_NAME, AlertPolicy, alert_automations
+    from edgehaul.services.automations import DROP_REJECTED_NAME, AlertPolicy, alert_automations
 
     [a] = [a for a in alert_automations(AlertPolicy(), uuid.uuid4()) if a.name == DROP_REJECTED_NAME]
     assert a.trigger.expect == {events.DROP_REJECTED}  # type: ignore[union-attr]
@@ -350,7 +350,7 @@ def test_the_drop_rejected_alert_reaches_the_receiver(stack: object) -> None:
     import uuid
 
     from edgehaul.edge.drop_folder import emit_drop_rejected
-    from edgehaul.platform.automations import AlertPolicy, apply_automations
+    from edgehaul.services.automations import AlertPolicy, apply_automations
     from tests.test_automations import Receiver
 
     r = Receiver()

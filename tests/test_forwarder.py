@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from edgehaul import events
 from edgehaul.blocks import LinkProfile
 from edgehaul.edge.outbox import PRIO_ALERT_L1, PRIO_ALERT_L3, PRIO_ANNOUNCE, PRIO_STATS, Outbox
-from edgehaul.platform.gateway import (
+from edgehaul.services.gateway import (
     GatewayConfig,
     PrefectEmitter,
     SenderRegistry,

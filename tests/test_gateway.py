@@ -23,7 +23,7 @@ from standardwebhooks import Webhook
 from starlette.testclient import TestClient
 
 from edgehaul import events
-from edgehaul.platform.gateway import (
+from edgehaul.services.gateway import (
     HOOKS,
     GatewayConfig,
     SenderRegistry,

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgehaul.contracts import load_contract
-from edgehaul.edge.decode import decode_file, decode_tensors
+from edgehaul.decode import decode_file, decode_tensors
 from edgehaul.edge.drop_folder import DropFolder
 from edgehaul_dev import kinds_data as kd
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from edgehaul.platform.block_setup import SetupError, load
+from edgehaul.services.block_setup import SetupError, load
 from edgehaul_dev import localstack
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "STORAGE.md"

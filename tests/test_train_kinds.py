@@ -9,6 +9,7 @@ import math
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -347,7 +348,8 @@ def test_the_published_model_scores_its_kind_at_the_edge(runs: dict[str, KindRun
     downlink.publish_update(store_for(stack, "ingest"), "node-a", [(name, "model", r.cfg.run_id, data)])
     assert downlink.sync(store_for(stack, "node-a"), "node-a", tmp_path).applied
     node_ctx = ScorerContext(contract=r.contract, policy=TieringPolicy(scorer="model", model_uri="downlink:"),
-                             store=None, state_dir=tmp_path / "state", node_dir=tmp_path)
+                             store=None, state_dir=tmp_path / "state",
+                             downlinked=partial(downlink.current_file, tmp_path))
     on_node = from_context(node_ctx)
     assert on_node.version == r.cfg.run_id and np.allclose(on_node.score(rows), values)
     other = load_contract("landsat_patch" if kind != "landsat_patch" else "basic_motions")

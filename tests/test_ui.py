@@ -544,8 +544,8 @@ def test_ui_block_pages_show_no_logo_that_needs_the_internet(stack: localstack.S
     from prefect.client.orchestration import get_client
 
     from edgehaul.blocks.logos import UNREACHABLE
-    from edgehaul.platform.automations import ensure_webhook_block
     from edgehaul.platform.caching import core_result_storage_block
+    from edgehaul.services.automations import ensure_webhook_block
     from edgehaul_dev import configure
     from tests.conftest import store_for
 

@@ -10,7 +10,7 @@ from typing import Literal
 from prefect.blocks.core import Block
 from pydantic import Field, model_validator
 
-from edgehaul.edge.scorer_registry import check_scorer_name
+from edgehaul.scorer_names import check_scorer_name
 
 MiB = 1024 * 1024
 

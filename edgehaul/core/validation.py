@@ -437,7 +437,7 @@ def _undecodable(table: pa.Table, contract: Contract) -> tuple[str, str]:
     """Every full row's file decodes to the contract's tensor (`edge.decode`, what training runs): a file that
     only starts like its media type is refused here, so training never meets it. The whole bundle is
     refused (a bundle is committed or quarantined whole, with every sample id accounted for)."""
-    from edgehaul.edge.decode import DecodeError, decode_file
+    from edgehaul.decode import DecodeError, decode_file
 
     f = contract.file
     assert f is not None and f.decode is not None

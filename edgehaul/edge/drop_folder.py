@@ -560,7 +560,7 @@ def observation_table(files: list[DropFile], contract: Contract) -> pa.Table:
     return pa.table(cols)
 
 
-DROP_ALERT_LEVEL = 2  # edgehaul.platform.automations: level 2, like a failed run
+DROP_ALERT_LEVEL = 2  # edgehaul.services.automations: level 2, like a failed run
 MOSTLY = 0.5  # a file whose rows are more than this share rejected is named in the run's state and alert
 NAMED_FILES = 10  # files named in a state message (the rest counted)
 SUMMARY_FILES = 100  # files listed per kind in a run's summary

@@ -4,7 +4,7 @@ value = what the centre's model does not yet know: its normalised predictive ent
 in [0, 1] (samples the model is unsure about teach it the most); for an anomaly kind, the larger of that and
 the model's probability of the anomaly class (an anomaly it recognises still goes first, for the operator).
 No label is read: labels at the edge are not needed. Rows are decoded by
-`edgehaul.edge.decode` (through `training.model.inputs`), as training decoded them. The edge scorer
+`edgehaul.decode` (through `training.model.inputs`), as training decoded them. The edge scorer
 registry imports this lazily (torch is only needed where the 'model' scorer is configured).
 
     scorer = ModelScorer("latest", store)        # the model in models/landcover/latest.json
@@ -139,13 +139,11 @@ def _same_kind(scorer: ModelScorer, ctx: ScorerContext) -> ModelScorer:
 
 
 def _downlinked(ctx: ScorerContext, name: str) -> ModelScorer:
-    from edgehaul.downlink import current_file
-
     if not name and ctx.contract.training is not None:  # `downlink:` alone: the scored kind's own model
         name = ctx.contract.training.model_name
-    path = current_file(ctx.node_dir, "model", name) if ctx.node_dir else None
+    path = ctx.downlinked("model", name) if ctx.downlinked else None
     if path is None:
-        raise ValueError(f"no model {name!r} downlinked to this node yet ({ctx.node_dir}); it arrives with the "
+        raise ValueError(f"no model {name!r} downlinked to this node yet ({ctx.state_dir}); it arrives with the "
                          f"next contact (edgehaul downlink sync)")
     key = (str(path), "downlink")  # a new generation is a new folder: a new model re-scores
     with _loaded_lock:

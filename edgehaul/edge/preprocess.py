@@ -53,7 +53,7 @@ from edgehaul.contracts import (
     ContractInvalid,
     TensorSpec,
 )
-from edgehaul.edge.decode import DecodeError, binary_values, column_matrix, decode_file, raw_tensors
+from edgehaul.decode import DecodeError, binary_values, column_matrix, decode_file, raw_tensors
 
 # Bump when the output of preprocess changes for the same input (it keys the preprocess cache).
 CODE_VERSION = "preprocess-2"  # 2: capture times in ISO 8601 with any fraction, epoch units

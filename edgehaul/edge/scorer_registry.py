@@ -24,24 +24,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
-from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgehaul.contracts import Contract
 from edgehaul.edge.scoring import Scorer
+from edgehaul.scorer_names import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from edgehaul.scorer_names import UnknownScorer as UnknownScorer
+from edgehaul.scorer_names import available_scorers as available_scorers
+from edgehaul.scorer_names import check_scorer_name
 
 if TYPE_CHECKING:
     from edgehaul.blocks.object_store import ObjectStore
     from edgehaul.blocks.policies import TieringPolicy
-
-ENTRY_POINT_GROUP = "edgehaul.scorers"
-
-
-class UnknownScorer(ValueError):
-    """The policy names a scorer no installed package registers."""
-
 
 @dataclass(frozen=True, slots=True)
 class ScorerContext:
@@ -49,32 +44,11 @@ class ScorerContext:
     policy: TieringPolicy
     store: ObjectStore | None  # where a model scorer finds its model (None: from the environment)
     state_dir: Path  # this node's and this kind's own folder for the scorer's state
-    node_dir: Path | None = None  # the node's state root (its downlinked files are under it)
+    # the node's downlinked file in force for (item kind, name), e.g. ('model', 'landsat'); None: off a node
+    downlinked: Callable[[str, str], Path | None] | None = None
 
 
 ScorerFactory = Callable[[ScorerContext], Scorer]
-
-
-# The shipped scorers, also registered in pyproject.toml: known without the package's metadata (a checkout
-# on PYTHONPATH, a stale editable install), so the default policy always works.
-BUILTIN = {name: EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP) for name, value in (
-    ("novelty", "edgehaul.edge.scoring:NoveltyScorer.from_context"),
-    ("model", "edgehaul.edge.model_scorer:from_context"),
-    ("anomaly", "edgehaul.edge.anomaly_scorer:AnomalyScorer.from_context"))}
-
-
-@cache
-def available_scorers() -> dict[str, EntryPoint]:
-    """Scorers by name: the shipped ones, then those registered under the entry point group `edgehaul.scorers`
-    by installed packages (read once per process)."""
-    return {**BUILTIN, **{ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}}
-
-
-def check_scorer_name(name: str) -> str:
-    if name not in available_scorers():
-        raise UnknownScorer(f"scorer {name!r} is not registered (entry point group {ENTRY_POINT_GROUP!r}); "
-                            f"installed: {', '.join(sorted(available_scorers())) or 'none'}")
-    return name
 
 
 def load_factory(name: str) -> ScorerFactory:

@@ -64,6 +64,7 @@ from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
 from edgehaul.edge.outbox import PRIO_ALERT_L2, Outbox, node_outbox
 from edgehaul.edge.tiering import uniforms
+from edgehaul.platform.private_files import fsync_dir
 
 if TYPE_CHECKING:
     from edgehaul.blocks.policies import EdgeNode
@@ -111,15 +112,6 @@ class SpoolUsage:
     used_bytes: int
     cap_bytes: int
     fraction: float
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or create inside `path` durable (the directory entry itself is fsynced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _atomic_write(path: Path, data: bytes, *, mtime: float | None = None) -> None:

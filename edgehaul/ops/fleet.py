@@ -24,10 +24,21 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from edgehaul.blocks import ObjectStore
-from edgehaul.uplink.pass_plan import Pass
+
+
+class ContactWindow(Protocol):
+    """A predicted contact window of a node's plan (`edgehaul.uplink.pass_plan.Pass` is one)."""
+
+    @property
+    def start(self) -> datetime: ...
+    @property
+    def end(self) -> datetime: ...
+    @property
+    def duration_s(self) -> float: ...
+
 
 CORE = "core"  # the `node` label of the core's figures
 REPORT_PATH = "reports/fleet/latest.json"
@@ -222,7 +233,7 @@ class Silence:
     reason: str
 
 
-def silence(node_id: str, last_seen: datetime | None, passes: Sequence[Pass] | None, now: datetime, *,
+def silence(node_id: str, last_seen: datetime | None, passes: Sequence[ContactWindow] | None, now: datetime, *,
             default_s: float, grace_s: float) -> Silence | None:
     """A Silence when the node has been quiet longer than its contact plan allows, else None.
 
@@ -295,24 +306,6 @@ class ModelStatus:
     @property
     def versions_behind(self) -> int:
         return max(0, self.latest_version - self.trained_version)
-
-
-def model_status(store: ObjectStore, name: str, now: datetime) -> ModelStatus | None:
-    """The published model `name` against its dataset's latest version; None when none is published."""
-    from edgehaul.core.datasets import open_uri
-    from edgehaul.training.registry import RegistryError, latest_uri, read_json
-
-    try:
-        pointer, _ = read_json(store, latest_uri(store, name))
-    except RegistryError:
-        return None
-    uri, version = pointer.get("dataset_uri"), pointer.get("dataset_version")
-    if uri is None or version is None:
-        raise ValueError(f"published model {name} ({pointer.get('model_id')}) names no dataset_uri/dataset_version")
-    latest = open_uri(str(uri), store.storage_options()).version()
-    published = datetime.fromisoformat(str(pointer["published"]))
-    return ModelStatus(str(pointer["model_id"]), str(uri), int(version), int(latest), published,
-                       (now - published).total_seconds())
 
 
 def is_stale(status: ModelStatus, *, max_age_s: float, max_versions_behind: int) -> bool:

@@ -15,3 +15,12 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     tmp.replace(path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create inside `path` durable (the directory entry itself is fsynced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

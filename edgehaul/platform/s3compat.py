@@ -1,7 +1,6 @@
 """What the product needs from an S3 server, written once so it does not depend on one server's quirks.
 
-- ETags: `unquoted` / `quoted`, the MD5 a single PUT's ETag is on most servers (`md5_etag`), the
-  multipart form (`multipart_etag`: md5 of the concatenated part MD5s + "-N").
+- ETags: `unquoted` / `quoted`, the multipart form (`multipart_etag`: md5 of the concatenated part MD5s + "-N").
 - Conditional writes: `if_match(...)` sends `If-Match` (or `CopySourceIfMatch`) in a fixed order of
   forms, quoted (RFC 7232, as S3 returns it) then unquoted, and remembers per endpoint the form the
   server honoured. A server that answers 412 to one form and accepts the other (seen in the field)
@@ -39,10 +38,6 @@ def quoted(etag: str | None) -> str:
 
 def form(etag: str, f: EtagForm) -> str:
     return quoted(etag) if f == "quoted" else unquoted(etag)
-
-
-def md5_etag(data: bytes | memoryview) -> str:
-    return hashlib.md5(data).hexdigest()
 
 
 def multipart_etag(part_md5s: list[bytes]) -> str:

@@ -122,7 +122,7 @@ class Settings(EnvSettings):
         default=GATEWAY_SECRET, min_length=1, description="Prefect Secret block holding the gateway's own secret.")
     gateway_senders: Path | None = Field(
         default=None, description="Senders registry of the webhook gateway: JSON file (mode 0600) of each sender's "
-                                  "keys, nodes and hook kinds (format: edgehaul.platform.gateway); unset: every hook "
+                                  "keys, nodes and hook kinds (format: edgehaul.services.gateway); unset: every hook "
                                   "is refused.")
     gateway_state_dir: Path = Field(
         default=Path("gateway-state"), description="Folder of the gateway's SQLite file (replay store and queue "

@@ -25,6 +25,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import pyarrow as pa
 from prefect import task
 from prefect.context import TaskRunContext
 
+from edgehaul import downlink
 from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.edge.batch import ingest_batch as run_batch
@@ -69,7 +71,8 @@ def make_scorer(policy: TieringPolicy, node: EdgeNode, contract: Contract, store
         state_dir.mkdir(parents=True, exist_ok=True)
         os.replace(legacy, state_dir / NoveltyScorer.STATE_FILE)
     return build_scorer(policy.scorer, ScorerContext(contract=contract, policy=policy, store=store,
-                                                     state_dir=state_dir, node_dir=Path(node.spool_dir)))
+                                                     state_dir=state_dir,
+                                                     downlinked=partial(downlink.current_file, Path(node.spool_dir))))
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,25 @@ def read_facts(since: datetime, now: datetime) -> dict[str, Any]:
 def read_store_figures(store: ObjectStore, model_name: str, since: datetime, now: datetime) -> dict[str, Any]:
     return {"write_bps": fleet.write_throughput(store, since, now),
             "checkpoints": fleet.committed_checkpoints(store, since),
-            "model": fleet.model_status(store, model_name, now)}
+            "model": model_status(store, model_name, now)}
+
+
+def model_status(store: ObjectStore, name: str, now: datetime) -> fleet.ModelStatus | None:
+    """The published model `name` against its dataset's latest version; None when none is published."""
+    from edgehaul.core.datasets import open_uri
+    from edgehaul.training.registry import RegistryError, latest_uri, read_json
+
+    try:
+        pointer, _ = read_json(store, latest_uri(store, name))
+    except RegistryError:
+        return None
+    uri, version = pointer.get("dataset_uri"), pointer.get("dataset_version")
+    if uri is None or version is None:
+        raise ValueError(f"published model {name} ({pointer.get('model_id')}) names no dataset_uri/dataset_version")
+    latest = open_uri(str(uri), store.storage_options()).version()
+    published = datetime.fromisoformat(str(pointer["published"]))
+    return fleet.ModelStatus(str(pointer["model_id"]), str(uri), int(version), int(latest), published,
+                       (now - published).total_seconds())
 
 
 def passes_of(info: NodeInfo) -> list[Pass] | None:

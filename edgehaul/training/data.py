@@ -25,7 +25,7 @@ import pyarrow.dataset as pds
 
 from edgehaul.contracts import Contract, ContractError
 from edgehaul.core.datasets import DatasetError, open_uri
-from edgehaul.edge.decode import DecodeError, decode_tensors
+from edgehaul.decode import DecodeError, decode_tensors
 
 INCLUSION_P = "inclusion_p"  # optional: the probability a row was sampled with (older tables lack it)
 SHUFFLE_ROWS = 8192  # rows permuted together within a file (bounds memory: one window at a time)

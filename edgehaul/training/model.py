@@ -6,7 +6,7 @@
 
 Kept deliberately small so they train on CPU in tests. The architecture (with its `family`) is recorded
 in every checkpoint and model file, so a loader rebuilds exactly what was trained; an arch without a
-family is a Landsat-era cnn2d. Inputs always come from `edgehaul.edge.decode` (the one place payloads
+family is a Landsat-era cnn2d. Inputs always come from `edgehaul.decode` (the one place payloads
 become arrays), normalised as the contract says.
 """
 
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from edgehaul.contracts import Contract, ContractError
-from edgehaul.edge.decode import column_matrix, decode_tensors, normalise
+from edgehaul.decode import column_matrix, decode_tensors, normalise
 
 
 class LandCoverNet(nn.Module):

@@ -10,7 +10,7 @@ over the global batch even when a rank's shard ran dry (it then steps with an em
 were filtered out. The epoch ends when every rank's shard is exhausted.
 
 What is trained follows the contract (`cfg.contract_id`): the model family of its training section,
-inputs decoded by `edgehaul.edge.decode` and standardised by statistics measured on the data, the label
+inputs decoded by `edgehaul.decode` and standardised by statistics measured on the data, the label
 column it names. The estimator: each row's loss weighs 1/inclusion_p (Horvitz-Thompson: a row the edge
 kept with probability p stands for 1/p rows of the stream, so the weighted data has the stream's mix),
 times its class's weight where `training.balance_classes` (on by default) asks for balanced training:
@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, contract_by_id
-from edgehaul.edge.decode import DecodeError
+from edgehaul.decode import DecodeError
 from edgehaul.platform.settings import torchrun_env
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointError, CheckpointStore, IntervalController, check_resumable

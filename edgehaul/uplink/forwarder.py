@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import httpx
 
 from edgehaul import events
-from edgehaul.platform.gateway import signed_headers
+from edgehaul.platform.webhooks import signed_headers
 from edgehaul.uplink.link import Link, Priority
 
 log = logging.getLogger(__name__)

@@ -190,7 +190,6 @@ class Link:
         self.resource_id = resource_id
         self.emit_events = emit_events
         self._lock = threading.Lock()
-        self._was_up = True
 
     # -- availability ------------------------------------------------------------------------
     def in_contact(self, now: float | None = None) -> bool:

@@ -28,7 +28,7 @@ from starlette.testclient import TestClient
 
 from edgehaul import events
 from edgehaul.edge.outbox import Outbox
-from edgehaul.platform.gateway import GatewayConfig, SenderRegistry, create_app, new_secret, signed_headers, write_senders
+from edgehaul.services.gateway import GatewayConfig, SenderRegistry, create_app, new_secret, signed_headers, write_senders
 from edgehaul.uplink.forwarder import HOOK, Forwarder, batch_body
 from edgehaul.uplink.link import Link
 from edgehaul_dev.drills.accounting import account

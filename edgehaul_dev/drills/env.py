@@ -227,10 +227,4 @@ def kill(p: Any) -> bool:
     return alive and p.exitcode == -signal.SIGKILL
 
 
-def write_pool_json(bundles: Sequence[PoolBundle]) -> list[str]:
-    for b in bundles:
-        j = b.path.with_suffix(".json")
-        if not j.exists():
-            j.write_bytes(b.manifest.to_json())
-    return [str(b.path) for b in bundles]
 

@@ -17,7 +17,7 @@ that `edgehaul.events.emit` derives from the payload; `at_least_globs` turns a t
 glob list that matches exactly the values at or above it. Notifications go to a
 `CustomWebhookNotificationBlock` (any HTTP receiver: chat, paging, or the test's local server).
 
-    python -m edgehaul.platform.automations --webhook-url http://127.0.0.1:9000/alerts   # what `make deploy` runs
+    python -m edgehaul.services.automations --webhook-url http://127.0.0.1:9000/alerts   # what `make deploy` runs
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 
 from prefect.logging import get_logger
 
-log = get_logger("edgehaul.platform.warm")
+log = get_logger("edgehaul.services.warm")
 
 
 def serve_warm(flow: Any, deployment_id: str, *, limit: int = 4, poll_s: float = 0.5,
@@ -81,7 +81,7 @@ def serve_warm(flow: Any, deployment_id: str, *, limit: int = 4, poll_s: float =
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m edgehaul.platform.warm core_ingest/on-bundle-landed --limit 4`: serve a deployment made by
+    """`python -m edgehaul.services.warm core_ingest/on-bundle-landed --limit 4`: serve a deployment made by
     `prefect deploy` warm, from the code folder its entrypoint is relative to (the images' /opt/edgehaul).
     Beside the pool's process worker it is safe: each run is taken once (Pending), by whichever polls first."""
     import argparse
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.client.orchestration import get_client
     from prefect.flows import load_flow_from_entrypoint
 
-    ap = argparse.ArgumentParser(prog="python -m edgehaul.platform.warm", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m edgehaul.services.warm", description=main.__doc__)
     ap.add_argument("deployment", help="<flow>/<deployment>, e.g. core_ingest/on-bundle-landed")
     ap.add_argument("--limit", type=int, default=4, help="runs at once in this process (default 4)")
     ap.add_argument("--poll", type=float, default=0.5, help="seconds between polls (default 0.5)")

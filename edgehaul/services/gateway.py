@@ -63,7 +63,7 @@ own rate (`rate_per_s`, `rate_burst`) or its own share of the replay store (`rep
 sender), with `retry-after`: one sender's flood never refuses another; 503 Prefect unreachable (safe to
 retry: the id is not remembered as seen). Nothing a signed sender can put in a body gives a 500.
 
-    python -m edgehaul.platform.gateway --port 8787
+    python -m edgehaul.services.gateway --port 8787
 """
 
 from __future__ import annotations
@@ -101,13 +101,20 @@ from starlette.routing import Route
 from edgehaul import events
 from edgehaul.platform.private_files import write_private
 from edgehaul.platform.settings import get_settings
+from edgehaul.platform.webhooks import (
+    ID_HEADER,
+    SECRET_PREFIX,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    digest,
+    secret_bytes,
+)
+from edgehaul.platform.webhooks import new_secret as new_secret  # the gateway's CLI and set-up make keys
+from edgehaul.platform.webhooks import sign as sign
+from edgehaul.platform.webhooks import signed_headers as signed_headers
 
-log = logging.getLogger("edgehaul.platform.gateway")
+log = logging.getLogger("edgehaul.services.gateway")
 
-ID_HEADER = "webhook-id"
-TIMESTAMP_HEADER = "webhook-timestamp"
-SIGNATURE_HEADER = "webhook-signature"
-SECRET_PREFIX = "whsec_"
 SECRET_ENV = "EDGEHAUL_GATEWAY_SECRET"  # names for messages; the values come from get_settings()
 SENDERS_ENV = "EDGEHAUL_GATEWAY_SENDERS"
 
@@ -409,36 +416,6 @@ HOOKS: dict[str, HookKind] = {
 # ---- senders -------------------------------------------------------------------------------------
 
 
-def new_secret(nbytes: int = 32) -> str:
-    """A fresh sender key in the Standard Webhooks form `whsec_<base64>`."""
-    return SECRET_PREFIX + base64.b64encode(os.urandom(nbytes)).decode()
-
-
-def _secret_bytes(secret: str | bytes) -> bytes:
-    if isinstance(secret, bytes):
-        return secret
-    raw = secret.removeprefix(SECRET_PREFIX)
-    try:
-        return base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("a sender key must be 'whsec_' followed by base64") from None
-
-
-def sign(secret: str | bytes, msg_id: str, timestamp: str, body: bytes) -> str:
-    """One `webhook-signature` entry (`v1,<base64>`) for `body` (what a Standard Webhooks sender computes)."""
-    mac = hmac.new(_secret_bytes(secret), f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256)
-    return "v1," + base64.b64encode(mac.digest()).decode()
-
-
-def signed_headers(secret: str | bytes, body: bytes, *, msg_id: str | None = None,
-                   now: float | None = None) -> dict[str, str]:
-    """Headers of a signed request (tests, scripts; real senders may use any Standard Webhooks library)."""
-    msg_id = msg_id or f"msg_{uuid.uuid4().hex}"
-    ts = str(int(time.time() if now is None else now))
-    return {"content-type": "application/json", ID_HEADER: msg_id, TIMESTAMP_HEADER: ts,
-            SIGNATURE_HEADER: sign(secret, msg_id, ts, body)}
-
-
 class SenderSpec(_Strict):
     keys: list[str] = Field(min_length=1, max_length=8, description="Keys, `whsec_<base64>`; all are accepted.")
     nodes: list[str] = Field(min_length=1, description="Node ids (fnmatch patterns) the sender may speak for.")
@@ -458,7 +435,7 @@ class SenderSpec(_Strict):
         for k in self.keys:
             if not k.startswith(SECRET_PREFIX):
                 raise ValueError("keys must start with 'whsec_'")
-            if len(_secret_bytes(k)) < 16:
+            if len(secret_bytes(k)) < 16:
                 raise ValueError("a key must decode to at least 16 bytes")
         unknown = sorted(set(self.hooks) - set(HOOKS))
         if unknown:
@@ -499,7 +476,7 @@ def parse_senders(doc: Any) -> dict[str, Sender]:
     except ValidationError as e:
         raise ValueError("; ".join(f"{'.'.join(map(str, err['loc'])) or '(document)'}: {err['msg']}"
                                    for err in e.errors(include_url=False))) from None
-    return {sid: Sender(sid, tuple(_secret_bytes(k) for k in s.keys), tuple(s.nodes), frozenset(s.hooks),
+    return {sid: Sender(sid, tuple(secret_bytes(k) for k in s.keys), tuple(s.nodes), frozenset(s.hooks),
                         frozenset(NODE_EVENT_SCHEMAS if s.events is None else s.events))
             for sid, s in parsed.senders.items()}
 
@@ -881,8 +858,7 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
             raise _Reject(400, f"{TIMESTAMP_HEADER} must be integer unix seconds, got {ts[:40]!r}")
         given = _signatures(sig)
         body = await _read_capped(request, config.max_body_bytes)
-        signed = f"{msg_id}.{ts}.".encode() + body
-        expected = [hmac.new(k, signed, hashlib.sha256).digest() for k in sender.keys]
+        expected = [digest(k, msg_id, ts, body) for k in sender.keys]
         if not any(hmac.compare_digest(e, g) for e in expected for g in given):
             raise _Reject(401, f"bad signature for sender {sender.id!r}: expected v1 HMAC-SHA256 of "
                                "webhook-id + '.' + webhook-timestamp + '.' + body with one of its keys")
