@@ -314,6 +314,17 @@ def version_rows(store: ObjectStore, version: int, contract: Contract | None = N
     return t.rename_columns(["label" if c == label else c for c in t.column_names])
 
 
+def schedule(rows: int, cfg: Config, batch_size: int, val_fraction: float = 0.15) -> tuple[int, int, int]:
+    """(batch size, epochs, patience) of a model trained on `rows` rows: at least `cfg.min_steps` optimiser steps and
+    `cfg.sample_passes` rows seen. Batches are at most 1/16 of the rows, so a 10% cell takes as many steps an epoch
+    as the 100% one instead of two (a model of a few dozen steps predicts what its class weights say, not what it
+    saw); patience grows with the epochs, so early stopping waits as many steps."""
+    batch = max(16, min(batch_size, rows // 16))
+    per_epoch = max(1, math.ceil(rows * (1 - val_fraction) / batch))
+    epochs = min(200, max(3, math.ceil(cfg.sample_passes / max(rows, 1)), math.ceil(cfg.min_steps / per_epoch)))
+    return batch, epochs, max(4, epochs // 5)
+
+
 def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int,
              run_id: str, contract: Contract | None = None) -> tuple[str, dict[str, Any]]:
     """The trainer the train_model flow runs, on one dataset version: (the model URI, its quality gate)."""
@@ -322,19 +333,16 @@ def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int
     from edgehaul.training.trainer import TrainConfig
 
     # Early stopping on a held-out stretch of the landed rows keeps the best epoch; the gate is off so a cell
-    # that learns nothing is reported as such instead of ending the bench. Compute: at least `min_steps` optimiser
-    # steps (batches of at most 1/16 of the rows, so a 10% cell is not 2 steps an epoch) and `sample_passes` rows.
+    # that learns nothing is reported as such instead of ending the bench.
     spec = (contract or load_contract(KIND)).training or _NO_TRAINING
-    batch = max(16, min(int(spec.batch_size), rows // 16))
-    per_epoch = max(1, math.ceil(rows * 0.85 / batch))
-    epochs = min(200, max(3, math.ceil(cfg.sample_passes / max(rows, 1)), math.ceil(cfg.min_steps / per_epoch)))
+    batch, epochs, patience = schedule(rows, cfg, int(spec.batch_size))
     tc = TrainConfig(
         run_id=run_id, dataset_uri=table_uri(store, contract.kind if contract else KIND), dataset_version=version,
         seed=seed, contract_id=(contract or load_contract(KIND)).id,
         model_name=((contract or load_contract(KIND)).training or _NO_TRAINING).model_name,
         augment=((contract or load_contract(KIND)).training or _NO_TRAINING).augment,
         batch_size=batch, epochs=epochs, width=cfg.width, val_fraction=0.15,
-        patience=max(4, epochs // 5), quality_gate=False, num_threads=1, keep_checkpoints=1, emit_events=False,
+        patience=patience, quality_gate=False, num_threads=1, keep_checkpoints=1, emit_events=False,
         checkpoint_every_steps=100_000,
     )
     lineage = run(tc, store, 1).lineage
