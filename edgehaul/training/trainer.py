@@ -252,6 +252,7 @@ class TrainResult:
 
 
 DECISION_TAUS = (0.0, 0.25, 0.5, 0.75, 1.0)  # shares of the balancing undone at decision time (`_Run.calibrate`)
+CALIBRATION_MIN_ROWS = 10  # validation rows of every class present, at least, before tau is chosen on them
 
 @dataclass
 class _Part:
@@ -624,12 +625,14 @@ class _Run:
         1/p, as every validation metric). Balanced training makes the rare class as likely as the commonest
         a priori (tau 0); tau 1 puts the population's prior back (Bayes). A kind whose classes overlap loses
         macro-F1 to false alarms at tau 0; one whose classes separate keeps tau 0. Written into the model's
-        last layer, so every reader of the model file (the edge scorer included) decides the same way."""
+        last layer, so every reader of the model file (the edge scorer included) decides the same way. With
+        fewer than `CALIBRATION_MIN_ROWS` validation rows of some class, tau stays 0."""
         cfg, d, n = self.cfg, self.d, self.n_classes
         if self.class_w is None or cfg.val_fraction <= 0:
             return {}
         shift = torch.log(self.class_w.to(torch.float64)).cpu()
         cms = np.zeros((len(DECISION_TAUS), n * n))
+        support = np.zeros(n)
         files = shard(epoch_order(len(self.fragments), cfg.seed, 0), d.rank, d.world)
         self.raw_model.eval()
         with torch.no_grad():
@@ -639,14 +642,19 @@ class _Run:
                     continue
                 logits = self.raw_model(va.x).double().cpu()
                 y, w = va.y.cpu(), va.w.double().cpu()
+                support += np.bincount(y.numpy(), minlength=n)
                 for i, tau in enumerate(DECISION_TAUS):
                     pred = (logits - tau * shift).argmax(1)
                     cms[i] += torch.bincount(y * n + pred, weights=w, minlength=n * n).numpy()
         self.raw_model.train()
         summed = np.asarray(d.all_sum(cms.ravel().tolist())).reshape(len(DECISION_TAUS), n, n)
+        rows = np.asarray(d.all_sum(support.tolist()))
         f1 = [class_metrics(cm, self.contract.label_values)["val_macro_f1"] for cm in summed]
-        if not all(math.isfinite(f) for f in f1):
-            return {}
+        fewest = int(rows[rows > 0].min()) if (rows > 0).any() else 0
+        if not all(math.isfinite(f) for f in f1) or fewest < CALIBRATION_MIN_ROWS:
+            # a handful of validation rows of a class would pick tau by chance (and tau 1 can hand the commonest
+            # class every answer): the balanced model decides as trained
+            return {"tau": 0.0, "fewest_validation_rows": fewest}
         best = max(range(len(f1)), key=lambda i: (round(f1[i], 9), -i))  # a tie keeps the smaller correction
         tau = DECISION_TAUS[best]
         if tau:
@@ -660,7 +668,8 @@ class _Run:
         if d.rank == 0:
             log.info("run %s: decision rule tau %.2f (validation macro-F1 by tau %s)", cfg.run_id, tau,
                      [round(f, 3) for f in f1])
-        return {"tau": tau, **{f"val_macro_f1_tau_{t}": f for t, f in zip(DECISION_TAUS, f1, strict=True)}}
+        return {"tau": tau, "fewest_validation_rows": fewest,
+                **{f"val_macro_f1_tau_{t}": f for t, f in zip(DECISION_TAUS, f1, strict=True)}}
 
     def finish(self) -> TrainResult:
         cfg, d, contract = self.cfg, self.d, self.contract
