@@ -192,6 +192,22 @@ def test_a_model_no_better_than_chance_registers_nothing_and_early_stopping_keep
 
 
 @pytest.mark.integration
+def test_a_validation_split_too_small_to_rank_epochs_keeps_the_last_epoch(store: ObjectStore) -> None:
+    """Eight validation readings cannot rank epochs: early stopping on them once kept a barely trained first epoch
+    (a 10% digits cell predicted one class). Below 5 validation rows per class every epoch counts as better, so
+    the run trains all its epochs and registers the last."""
+    k = next(k for k in range(0, 10_000) if list(is_validation(kind_rows(GAIT, 200, start_seq=64 * k), 0.25))
+             == [False] * 192 + [True] * 8)
+    t = kind_rows(GAIT, 200, seed=6, start_seq=64 * k, labels=np.arange(200) % 2, unusable_every=10_000)
+    for c in GAIT.numeric_columns:  # no epoch better than another on validation: patience 1 would stop at once
+        t = _replace(t, c, pa.array(np.ones(t.num_rows), t.schema.field(c).type))
+    uri = _write(store, GAIT, [t])
+    res = train(_cfg(uri, GAIT, "tiny-val", epochs=5, patience=1, quality_gate=False), store)
+    assert [h["val_samples"] for h in res.history] == [8.0] * 5
+    assert res.lineage["best_epoch"] == 4 and not res.lineage["stopped_early"]
+
+
+@pytest.mark.integration
 def test_a_non_finite_loss_fails_the_run_and_registers_nothing(store: ObjectStore) -> None:
     p = np.full(600, 0.5)
     p[::50] = 1e-40  # in (0, 1], but 1/p overflows float32

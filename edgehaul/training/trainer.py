@@ -252,6 +252,7 @@ class TrainResult:
 
 
 DECISION_TAUS = (0.0, 0.25, 0.5, 0.75, 1.0)  # shares of the balancing undone at decision time (`_Run.calibrate`)
+RANKING_MIN_ROWS = 5  # validation rows per class, at least, before early stopping ranks epochs by them
 CALIBRATION_MIN_ROWS = 10  # validation rows of every class present, at least, before tau is chosen on them
 
 @dataclass
@@ -587,8 +588,12 @@ class _Run:
 
     def keep_best(self, row: dict[str, float]) -> bool:
         """Remember the epoch if its validation macro-F1 is the best; True when training should stop (no
-        better epoch for `patience` epochs). Without validation rows every epoch is 'best': the last is kept."""
+        better epoch for `patience` epochs). Without validation rows every epoch is 'best': the last is kept; so
+        with fewer than `RANKING_MIN_ROWS` per class (a dozen readings cannot rank epochs: the barely trained
+        first epochs would win by chance and be registered)."""
         f1 = row["val_macro_f1"]
+        if row.get("val_samples", 0) < RANKING_MIN_ROWS * self.n_classes:
+            f1 = math.nan
         if not math.isfinite(f1) or f1 > self.best.macro_f1:
             self.best = _Best(int(row["epoch"]), f1 if math.isfinite(f1) else -math.inf,
                               copy.deepcopy(self.raw_model.state_dict()) if self.d.rank == 0 else None)
