@@ -84,7 +84,7 @@ class Config:
     stream: int  # samples in the edge stream, both rounds together
     batch: int  # rows per raw batch at the edge
     bundle_rows: int  # rows per bundle, so that a 2% budget is several bundles
-    sample_passes: int  # training samples seen per model, whatever the dataset's size
+    sample_passes: int  # training samples seen per model, at least, whatever the dataset's size
     width: int  # LandCoverNet width
     seeds: tuple[int, ...]  # training seeds of the evaluated models (round-1 models: the first)
     budgets: tuple[float, ...] = BUDGETS
@@ -96,11 +96,13 @@ class Config:
     test_share: float = 0.25
     split_seed: int = 0
     stream_seed: int = 0
+    min_steps: int = 300  # optimiser steps per model, at least (a small cell gets smaller batches, not 16 steps)
 
 
 QUICK = Config(stream=2000, batch=500, bundle_rows=16, sample_passes=3_000, width=8, seeds=(0,),
                budgets=QUICK_BUDGETS, gait_stream=4_000, gait_test=2_000)
-FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=24_000, width=16, seeds=(0, 1, 2))
+FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=24_000, width=16, seeds=(0, 1, 2),
+              min_steps=1_000)
 
 
 # ---------------------------------------------------------------- ground truth held out by place
@@ -246,11 +248,11 @@ def shuffled(batches: list[pa.Table], seed: int) -> list[pa.Table]:
     return [t.slice(a, size) for a in range(0, t.num_rows, size)]
 
 
-def thinned(spool: Spool, capacity: float, salt: str) -> list[SpoolEntry]:
+def thinned(spool: Spool, capacity: float, salt: str, pack_rows: int | None = None) -> list[SpoolEntry]:
     """A tiered edge's answer to a link that carries less than waits: a recorded random thinning of the waiting
     bundles down to `capacity` bytes (`Spool.thin_to`, updating each row's inclusion_p), never a cut by drain
     order; what then waits, in drain order."""
-    spool.thin_to(int(capacity), salt=salt)
+    spool.thin_to(int(capacity), salt=salt, pack_rows=pack_rows)
     return spool.pending()
 
 
@@ -312,6 +314,17 @@ def version_rows(store: ObjectStore, version: int, contract: Contract | None = N
     return t.rename_columns(["label" if c == label else c for c in t.column_names])
 
 
+def schedule(rows: int, cfg: Config, batch_size: int, val_fraction: float = 0.15) -> tuple[int, int, int]:
+    """(batch size, epochs, patience) of a model trained on `rows` rows: at least `cfg.min_steps` optimiser steps and
+    `cfg.sample_passes` rows seen. Batches are at most 1/16 of the rows, so a 10% cell takes as many steps an epoch
+    as the 100% one instead of two (a model of a few dozen steps predicts what its class weights say, not what it
+    saw); patience grows with the epochs, so early stopping waits as many steps."""
+    batch = max(16, min(batch_size, rows // 16))
+    per_epoch = max(1, math.ceil(rows * (1 - val_fraction) / batch))
+    epochs = min(200, max(3, math.ceil(cfg.sample_passes / max(rows, 1)), math.ceil(cfg.min_steps / per_epoch)))
+    return batch, epochs, max(4, epochs // 5)
+
+
 def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int,
              run_id: str, contract: Contract | None = None) -> tuple[str, dict[str, Any]]:
     """The trainer the train_model flow runs, on one dataset version: (the model URI, its quality gate)."""
@@ -321,14 +334,15 @@ def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int
 
     # Early stopping on a held-out stretch of the landed rows keeps the best epoch; the gate is off so a cell
     # that learns nothing is reported as such instead of ending the bench.
+    spec = (contract or load_contract(KIND)).training or _NO_TRAINING
+    batch, epochs, patience = schedule(rows, cfg, int(spec.batch_size))
     tc = TrainConfig(
         run_id=run_id, dataset_uri=table_uri(store, contract.kind if contract else KIND), dataset_version=version,
         seed=seed, contract_id=(contract or load_contract(KIND)).id,
         model_name=((contract or load_contract(KIND)).training or _NO_TRAINING).model_name,
         augment=((contract or load_contract(KIND)).training or _NO_TRAINING).augment,
-        batch_size=((contract or load_contract(KIND)).training or _NO_TRAINING).batch_size,
-        epochs=min(40, max(3, math.ceil(cfg.sample_passes / max(rows, 1)))), width=cfg.width, val_fraction=0.15,
-        patience=4, quality_gate=False, num_threads=1, keep_checkpoints=1, emit_events=False,
+        batch_size=batch, epochs=epochs, width=cfg.width, val_fraction=0.15,
+        patience=patience, quality_gate=False, num_threads=1, keep_checkpoints=1, emit_events=False,
         checkpoint_every_steps=100_000,
     )
     lineage = run(tc, store, 1).lineage
@@ -572,7 +586,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         scorer = scorer_for(name, policy, None, work / f"{pol}-state-{round(budget * 100)}")
         for r, rb in enumerate(rounds):
             sp, _ = edge_round(rb, contract, policy, scorer, work / f"{pol}{r}-{round(budget * 100)}")
-            spools[pol, r] = sp, thinned(sp, budget * raw[r], f"bench-{pol}-{r}")
+            spools[pol, r] = sp, thinned(sp, budget * raw[r], f"bench-{pol}-{r}", policy.flush_max_samples)
 
     cells: list[Cell] = []
 
@@ -648,7 +662,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         policy = policy_for("tier-model", cfg, budget)
         scorer = scorer_for("model", policy, st, work / f"model-state-{round(budget * 100)}")
         sp2, _ = edge_round(rounds[1], contract, policy, scorer, work / f"model{round(budget * 100)}")
-        order2 = thinned(sp2, budget * raw[1], "bench-model-1")
+        order2 = thinned(sp2, budget * raw[1], "bench-model-1", policy.flush_max_samples)
         v2 = land(cell, st, sp2, order2, budget * raw[1])
         finish(cell, st, v2 if v2 is not None else v1)
         shutil.rmtree(work / f"model{round(budget * 100)}", ignore_errors=True)
@@ -814,10 +828,13 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
         "What the centre can train when the link carries only part of what the edge sees. Per kind, an edge "
         "stream in two rounds goes through the product's edge path (`edge.batch.ingest_batch` into a `Spool`; "
         "tiered policies plan for the budget: `TieringPolicy.budget_share`, every row with its `inclusion_p`, and "
-        "thin what still waits to the link's bytes: `Spool.thin_to`, recorded, p updated), the link carries a "
+        "thin what still waits to the link's bytes: `Spool.thin_to`, recorded, p updated, the rows kept packed "
+        "into full bundles), the link carries a "
         "share of each round's raw bytes (FIFO: oldest first; random: a uniform sample), and the landed bundles "
         "go through `Uplink.send`, Great Expectations and a Delta commit, then the `train_model` trainer "
-        "(early stopping on a held-out stretch of the landed rows, balanced classes, 1/p weights), scored on "
+        "(early stopping on a held-out stretch of the landed rows, balanced classes, 1/p weights, the decision "
+        "rule chosen on that stretch, at least "
+        f"{cfg.get('min_steps', 0)} optimiser steps per model), scored on "
         "rows the edge never saw. FIFO and random send the same bytes. Intervals: 90% bootstrap over the test "
         f"rows and the seeds {list(cfg['seeds'])}. Mix columns: the largest gap, in points, between a cell's "
         "class shares (as landed; weighted by 1/inclusion_p) and the stream's. "

@@ -20,6 +20,7 @@ from benchmarks.bench_value import (
     pixel_array,
     pixel_hashes,
     policy_for,
+    schedule,
     scores,
     spatial_split,
     version_rows,
@@ -113,6 +114,21 @@ def test_scores_macro_f1_and_rare_recall() -> None:
     assert s["macro_f1"] == pytest.approx(np.mean(f1))
     assert s["rare_recall"] == pytest.approx(0.5)
     assert s["accuracy"] == pytest.approx(6 / 8)
+
+
+@pytest.mark.parametrize("rows", [20, 192, 384, 2_000, 4_000, 20_000])
+def test_every_model_gets_its_minimum_of_optimiser_steps_whatever_the_cell_size(rows: int) -> None:
+    """A 10% cell of a kind with batches of 256 once trained 16 steps in all (2 an epoch) and predicted the rare
+    class everywhere: each model now takes at least min_steps steps (up to the epoch cap) and sees sample_passes rows."""
+    from benchmarks.bench_value import FULL, QUICK
+
+    for cfg in (QUICK, FULL):
+        batch, epochs, patience = schedule(rows, cfg, 256)
+        steps = epochs * int(np.ceil(rows * 0.85 / batch))
+        assert 16 <= batch <= 256 and (batch <= max(16, rows // 16))
+        assert steps >= cfg.min_steps or epochs == 200
+        assert epochs * rows >= min(cfg.sample_passes, 200 * rows)
+        assert 4 <= patience < epochs or epochs <= 4
 
 
 @pytest.mark.integration

@@ -223,6 +223,38 @@ def test_a_pass_short_of_the_plan_thins_at_random_and_p_follows(pump: Contract, 
     assert {e.bundle_id for e in again.pending()} == {e.bundle_id for e in spool.pending()}
 
 
+def test_thinning_small_bundles_lands_close_to_capacity_and_packs_the_rows_kept(pump: Contract,
+                                                                               tmp_path: Path) -> None:
+    """A budgeted edge with small batches spools many bundles of a few rows each, mostly fixed Parquet part. Thinned
+    to a third of what waits (urgent bundles over half of it are thinned too), what is left lands close to the
+    capacity (never a spool emptied because the footers alone were over it), in bundles packed to the policy's
+    row count, with p multiplied by the keep of every round and every sample sent or kept on the node."""
+    policy = TieringPolicy(version="small", budget_share=0.2, flush_max_samples=16, flush_max_bytes=64 * 1024)
+    spool = run_edge(pump, policy, tmp_path, n=3000, batch=100, seed=21)
+    before = landed(spool)
+    before_p = dict(zip(before.column("sample_id").to_pylist(), before.column("inclusion_p").to_pylist(), strict=True))
+    pending = spool.pending()
+    total = sum(e.manifest.nbytes for e in pending)
+    assert len(pending) >= 40 and before.num_rows / len(pending) < 10  # small bundles: the footers dominate
+    capacity = total // 3
+    rounds = spool.thin_to(capacity, salt="pass-small", pack_rows=policy.flush_max_samples)
+    after_entries = spool.pending()
+    left = sum(e.manifest.nbytes for e in after_entries)
+    assert 0.75 * capacity <= left <= capacity, (left, capacity, [r.keep for r in rounds])
+    after = landed(spool)
+    # the rows kept outnumber a third of those waiting: packed bundles pay their fixed part fewer times
+    assert after.num_rows > before.num_rows / 3
+    assert max(e.manifest.row_count for e in after_entries) == policy.flush_max_samples
+    keep = float(np.prod([r.keep for r in rounds]))
+    for sid, p in zip(after.column("sample_id").to_pylist(), after.column("inclusion_p").to_pylist(), strict=True):
+        assert p == pytest.approx(before_p[sid] * keep, rel=1e-5) or any(
+            p == pytest.approx(before_p[sid] * float(np.prod([r.keep for r in rounds[:k]])), rel=1e-5)
+            for k in range(1, len(rounds)))
+    raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
+    sent_ids = set(after.column("sample_id").to_pylist())
+    assert sent_ids.isdisjoint(raw_ids) and len(sent_ids) + len(raw_ids) == 3000
+
+
 # ------------------------------------------------------------------------------------------ integration
 def _macro_f1(truth: np.ndarray, pred: np.ndarray) -> float:
     f1 = []

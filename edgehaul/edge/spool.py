@@ -43,6 +43,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -90,6 +91,34 @@ class ThinResult:
     bundles: int = 0
     rows_kept: int = 0
     rows_out: int = 0
+
+
+
+def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float,
+                pack_rows: int | None = None) -> float:
+    """keep in [0, 1] with E[bytes after `Spool.thin`] = room: per group of bundles (contract, tier), the rows'
+    bytes times keep plus one fixed part per packed bundle (the rows kept / the group's largest bundle's rows,
+    rounded up; `pack_rows` or the largest original bundle's rows per bundle). Summary rows are counted as rows (a
+    budgeted edge sends few)."""
+    if room <= 0:
+        return 0.0
+    groups: dict[tuple[str, str], tuple[float, float, float, int]] = {}
+    for e in entries:
+        m = e.manifest
+        o = float(overhead.get(m.contract, 0))
+        rows, body, _, size = groups.get((m.contract, e.tier), (0.0, 0.0, o, pack_rows or 1))
+        groups[m.contract, e.tier] = (rows + m.row_count, body + max(m.nbytes - o, 0.0), o, max(size, m.row_count))
+
+    def expected(k: float) -> float:
+        return sum(k * body + math.ceil(k * rows / size - 1e-9) * o for rows, body, o, size in groups.values())
+
+    if expected(1.0) <= room:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # expected() is monotone in k
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) <= room else (lo, mid)
+    return lo
 
 
 class SpoolError(RuntimeError):
@@ -370,62 +399,79 @@ class Spool:
         return entry
 
     def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",),
-             skip: frozenset[str] = frozenset()) -> ThinResult:
+             skip: frozenset[str] = frozenset(), pack_rows: int | None = None) -> ThinResult:
         """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
         full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
         inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
         thinned out move to the raw store with their payload (kept on the node, as rows never drawn). Summary
-        rows stay. Never a cut by drain order: that would land only the top of the value ranking."""
+        rows stay. Never a cut by drain order: that would land only the top of the value ranking.
+
+        The rows that stay are packed into as few bundles as `pack_rows` rows per bundle allow (default: the
+        originals' largest row count), per tier and writer: a bundle's fixed Parquet part (schema, footer) costs
+        as much as a dozen small rows, and thinning twenty bundles to two rows each would spend the link on
+        footers. A packed bundle's scorer_version lists those of the bundles its rows come from."""
         if not 0.0 <= keep <= 1.0:
             raise SpoolError(f"thinning keep {keep} is outside [0, 1]")
         out = ThinResult(keep=keep, salt=salt)
         if keep >= 1.0:
             return out
+        groups: dict[tuple[str, ...], list[tuple[SpoolEntry, pa.Table]]] = {}
         for e in self.pending():
             if e.tier not in tiers or e.bundle_id in skip:
                 continue
             t = read_bundle(self.read(e.bundle_id), e.manifest)
             full = ~np.asarray(pc.fill_null(t.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
             stay = ~full | (uniforms(t.column("sample_id"), salt) < keep)
-            if stay.all():
-                continue
-            contract = contract_by_id(e.manifest.contract)
             m = e.manifest
             gone = t.filter(pa.array(~stay))
-            data, man = write_bundle(gone, contract, tier="low", policy_fingerprint=f"thinned-out|{salt}",
-                                     policy_version=m.policy_version, scorer_version=m.scorer_version, team=m.team)
-            if self.put(data, man) is None:
-                continue  # the raw store refused it (the ledger says why): leave this bundle whole
+            if gone.num_rows:
+                data, man = write_bundle(gone, contract_by_id(m.contract), tier="low",
+                                         policy_fingerprint=f"thinned-out|{salt}", policy_version=m.policy_version,
+                                         scorer_version=m.scorer_version, team=m.team)
+                if self.put(data, man) is None:
+                    continue  # the raw store refused it (the ledger says why): leave this bundle whole
             kept = t.filter(pa.array(stay))
             if kept.num_rows:
-                k_full = full[stay]
-                p = kept.column(INCLUSION_P).to_numpy().astype(np.float64)
-                p = np.where(k_full, p * keep, p).astype(np.float32)
+                p = kept.column(INCLUSION_P).to_numpy(zero_copy_only=False).astype(np.float64)
+                p = np.where(full[stay], p * keep, p).astype(np.float32)
                 kept = kept.set_column(kept.schema.get_field_index(INCLUSION_P), kept.schema.field(INCLUSION_P),
                                        pa.array(p, pa.float32()))
-                data, man = write_bundle(kept, contract, tier=e.tier, policy_fingerprint=f"thinned|{salt}",
-                                         policy_version=m.policy_version, scorer_version=m.scorer_version, team=m.team)
-                if self.put(data, man) is None:
-                    raise SpoolError(f"spool {self.root}: no room for thinned bundle of {e.bundle_id}")
-            with self._locked():
-                # Recorded like an acknowledgement: a rerun of the batch that built it never spools it again.
-                self._acks.execute("INSERT OR REPLACE INTO acks VALUES (?,?,?,?)",
-                                   (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
-                self._remove(e)
+            key = (m.contract, e.tier, m.policy_version, m.team)  # scorer versions differ batch to batch
+            groups.setdefault(key, []).append((e, kept))
             out.bundles += 1
             out.rows_out += gone.num_rows
             out.rows_kept += int(full[stay].sum())
+        for (contract_id, tier, version, team), parts in groups.items():
+            scorer = ",".join(sorted({e.manifest.scorer_version for e, _ in parts}))
+            stays = [k for _, k in parts if k.num_rows]
+            rows = pa.concat_tables(stays) if stays else pa.table({})
+            size = max(pack_rows or 0, *(e.manifest.row_count for e, _ in parts))
+            for a in range(0, rows.num_rows, size):
+                data, man = write_bundle(rows.slice(a, size), contract_by_id(contract_id), tier=tier,
+                                         policy_fingerprint=f"thinned|{salt}", policy_version=version,
+                                         scorer_version=scorer, team=team)
+                if self.put(data, man) is None:
+                    raise SpoolError(f"spool {self.root}: no room for a thinned bundle of {len(parts)} bundles")
+            with self._locked():
+                for e, _ in parts:
+                    # Recorded like an acknowledgement: a rerun of the batch that built it never spools it again.
+                    self._acks.execute("INSERT OR REPLACE INTO acks VALUES (?,?,?,?)",
+                                       (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
+                    self._remove(e)
         if out.bundles:
             log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store",
                      self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
         return out
 
     def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
-                skip: frozenset[str] = frozenset()) -> list[ThinResult]:
-        """Thin the waiting bundles until they fit `capacity_bytes`: the normal tier while the urgent bundles fit
-        (they are the latency path), every tier when they alone do not. keep = the bytes left for the rows / the
-        rows' bytes (a bundle's fixed Parquet overhead, measured once per contract, is not thinned away); again
-        while compression leaves it over. Bundles in `skip` (part-sent, in the retry queue) stay whole."""
+                skip: frozenset[str] = frozenset(), urgent_share: float = 0.5,
+                pack_rows: int | None = None) -> list[ThinResult]:
+        """Thin the waiting bundles until they fit `capacity_bytes`: the normal tier while the urgent bundles take at
+        most `urgent_share` of it (they are the latency path, as `TieringPolicy.urgent_max_share`), every tier
+        beyond it (urgent rows are then sampled with the rest, as the budgeted draw does). keep is solved so the
+        expected bytes after thinning meet the capacity: the rows that stay are packed into bundles of up to
+        `pack_rows` rows (`thin`), each paying a bundle's fixed Parquet part (measured once per contract) once;
+        again while chance leaves it over. Bundles in `skip` (part-sent, in the retry queue) stay whole."""
         done: list[ThinResult] = []
         overhead: dict[str, int] = {}
         for r in range(max_rounds):
@@ -434,20 +480,20 @@ class Spool:
             if total <= capacity_bytes or not pending:
                 break
             urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
-            tiers = ("normal",) if urgent < capacity_bytes else ("high", "normal")
+            tiers = ("normal",) if urgent <= urgent_share * capacity_bytes else ("high", "normal")
             thinned = [e for e in pending if e.tier in tiers and e.bundle_id not in skip]
             if not thinned:
                 break
             for e in thinned:
-                if e.manifest.contract not in overhead:  # a one-row bundle: the fixed part, near enough
+                if e.manifest.contract not in overhead:  # a one-row bundle less its row, near enough
                     one = read_bundle(self.read(e.bundle_id), e.manifest).slice(0, 1)
                     c = contract_by_id(e.manifest.contract)
-                    overhead[e.manifest.contract] = len(write_bundle(one, c, tier=e.tier)[0])
-            fixed = sum(overhead[e.manifest.contract] for e in thinned)
-            room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned)) - fixed
-            rows_bytes = sum(e.manifest.nbytes for e in thinned) - fixed
-            keep = min(1.0, max(0.0, room) / rows_bytes) if rows_bytes > 0 else 0.0
-            done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers, skip=skip))
+                    o1 = len(write_bundle(one, c, tier=e.tier)[0])
+                    overhead[e.manifest.contract] = max(0, o1 - (e.manifest.nbytes - o1) // max(
+                        e.manifest.row_count - 1, 1))
+            room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned))
+            keep = _solve_keep(thinned, overhead, room, pack_rows)
+            done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows))
         return done
 
     def write_staging(self, name: str, data: bytes) -> Path:

@@ -18,10 +18,12 @@ the inverse of the class's Horvitz-Thompson share, so every class weighs the sam
 
 The run, in phases (`train`): set up (model, optimiser, data, statistics, class weights), resume from
 the last checkpoint, epochs (shuffled batches, validation metrics per class, checkpoints) until the
-epochs are done or `patience` epochs bring no better validation macro-F1, then the best epoch's weights
-are checked and registered. A run registers nothing when its loss is not finite (`NonFiniteLoss`) or when
-its best validation macro-F1 is not above a uniform-prior guesser's (`QualityGateFailed`). A row whose
-payload does not decode is skipped and named in the lineage (`skipped_samples`), never a failed run.
+epochs are done or `patience` epochs bring no better validation macro-F1, then the best epoch's decision
+rule is chosen on the validation rows (how much of the class balancing to undo at decision time:
+`_Run.calibrate`), and its weights are checked and registered. A run registers nothing when its loss is not
+finite (`NonFiniteLoss`) or when its best validation macro-F1 is not above a uniform-prior guesser's
+(`QualityGateFailed`). A row whose payload does not decode is skipped and named in the lineage
+(`skipped_samples`), never a failed run.
 """
 
 from __future__ import annotations
@@ -248,6 +250,10 @@ class TrainResult:
     lineage: dict[str, Any]
     rank_files: list[dict[str, list[str]]]  # per rank: epoch -> data files it read
 
+
+DECISION_TAUS = (0.0, 0.25, 0.5, 0.75, 1.0)  # shares of the balancing undone at decision time (`_Run.calibrate`)
+RANKING_MIN_ROWS = 5  # validation rows per class, at least, before early stopping ranks epochs by them
+CALIBRATION_MIN_ROWS = 10  # validation rows of every class present, at least, before tau is chosen on them
 
 @dataclass
 class _Part:
@@ -582,8 +588,12 @@ class _Run:
 
     def keep_best(self, row: dict[str, float]) -> bool:
         """Remember the epoch if its validation macro-F1 is the best; True when training should stop (no
-        better epoch for `patience` epochs). Without validation rows every epoch is 'best': the last is kept."""
+        better epoch for `patience` epochs). Without validation rows every epoch is 'best': the last is kept; so
+        with fewer than `RANKING_MIN_ROWS` per class (a dozen readings cannot rank epochs: the barely trained
+        first epochs would win by chance and be registered)."""
         f1 = row["val_macro_f1"]
+        if row.get("val_samples", 0) < RANKING_MIN_ROWS * self.n_classes:
+            f1 = math.nan
         if not math.isfinite(f1) or f1 > self.best.macro_f1:
             self.best = _Best(int(row["epoch"]), f1 if math.isfinite(f1) else -math.inf,
                               copy.deepcopy(self.raw_model.state_dict()) if self.d.rank == 0 else None)
@@ -595,7 +605,6 @@ class _Run:
                      self.cfg.run_id, self.best.epoch, self.best.macro_f1, self.cfg.patience)
         return stop
 
-    # ---- phase 4: check and register
     def best_row(self) -> dict[str, float]:
         return next((h for h in self.history if h["epoch"] == self.best.epoch), self.history[-1]) if self.history \
             else {}
@@ -614,10 +623,64 @@ class _Run:
                 f"a uniform-prior guesser's {chance:.3f}: the model learnt nothing usable, nothing registered")
         return verdict
 
+    # ---- phase 4: the decision rule, then check and register
+    def calibrate(self) -> dict[str, float]:
+        """The decision rule of the balanced model, chosen on the validation rows: the output bias less
+        tau x log(class weight) for the tau of `DECISION_TAUS` with the best validation macro-F1 (weighted by
+        1/p, as every validation metric). Balanced training makes the rare class as likely as the commonest
+        a priori (tau 0); tau 1 puts the population's prior back (Bayes). A kind whose classes overlap loses
+        macro-F1 to false alarms at tau 0; one whose classes separate keeps tau 0. Written into the model's
+        last layer, so every reader of the model file (the edge scorer included) decides the same way. With
+        fewer than `CALIBRATION_MIN_ROWS` validation rows of some class, tau stays 0."""
+        cfg, d, n = self.cfg, self.d, self.n_classes
+        if self.class_w is None or cfg.val_fraction <= 0:
+            return {}
+        shift = torch.log(self.class_w.to(torch.float64)).cpu()
+        cms = np.zeros((len(DECISION_TAUS), n * n))
+        support = np.zeros(n)
+        files = shard(epoch_order(len(self.fragments), cfg.seed, 0), d.rank, d.world)
+        self.raw_model.eval()
+        with torch.no_grad():
+            for _, batch in stream(self.fragments, files, Position(), cfg.batch_size, self.columns):
+                _, va = _prepare(batch, self.contract, self.arch, cfg.val_fraction, d.device, {})
+                if not len(va.y):
+                    continue
+                logits = self.raw_model(va.x).double().cpu()
+                y, w = va.y.cpu(), va.w.double().cpu()
+                support += np.bincount(y.numpy(), minlength=n)
+                for i, tau in enumerate(DECISION_TAUS):
+                    pred = (logits - tau * shift).argmax(1)
+                    cms[i] += torch.bincount(y * n + pred, weights=w, minlength=n * n).numpy()
+        self.raw_model.train()
+        summed = np.asarray(d.all_sum(cms.ravel().tolist())).reshape(len(DECISION_TAUS), n, n)
+        rows = np.asarray(d.all_sum(support.tolist()))
+        f1 = [class_metrics(cm, self.contract.label_values)["val_macro_f1"] for cm in summed]
+        fewest = int(rows[rows > 0].min()) if (rows > 0).any() else 0
+        if not all(math.isfinite(f) for f in f1) or fewest < CALIBRATION_MIN_ROWS:
+            # a handful of validation rows of a class would pick tau by chance (and tau 1 can hand the commonest
+            # class every answer): the balanced model decides as trained
+            return {"tau": 0.0, "fewest_validation_rows": fewest}
+        best = max(range(len(f1)), key=lambda i: (round(f1[i], 9), -i))  # a tie keeps the smaller correction
+        tau = DECISION_TAUS[best]
+        if tau:
+            last = [m for m in self.raw_model.modules() if isinstance(m, torch.nn.Linear)][-1]
+            with torch.no_grad():
+                last.bias.sub_((tau * shift).to(last.bias.dtype).to(last.bias.device))
+        row = self.best_row()
+        if row:  # the registered model's figures: the gate judges the model as it will decide
+            row.update({"val_macro_f1_argmax": row.get("val_macro_f1", math.nan), "decision_tau": tau,
+                        **class_metrics(summed[best], self.contract.label_values)})
+        if d.rank == 0:
+            log.info("run %s: decision rule tau %.2f (validation macro-F1 by tau %s)", cfg.run_id, tau,
+                     [round(f, 3) for f in f1])
+        return {"tau": tau, "fewest_validation_rows": fewest,
+                **{f"val_macro_f1_tau_{t}": f for t, f in zip(DECISION_TAUS, f1, strict=True)}}
+
     def finish(self) -> TrainResult:
         cfg, d, contract = self.cfg, self.d, self.contract
         if self.best.state is not None:
             self.raw_model.load_state_dict(self.best.state)
+        decision = self.calibrate()
         if not all(bool(torch.isfinite(p).all()) for p in self.raw_model.parameters()):
             raise NonFiniteLoss(f"run {cfg.run_id}: the trained weights are not finite: nothing registered")
         skipped = {k: v for m in d.gather(self.skipped) for k, v in m.items()}
@@ -641,7 +704,7 @@ class _Run:
                 "kind": contract.kind, "model_family": self.arch["family"], "code_version": registry.code_version(),
                 "seed": cfg.seed, "config": cfg.model_dump(mode="json"), "metrics": self.history,
                 "final": final, "best_epoch": self.best.epoch, "stopped_early": self.best.stopped_early,
-                "quality_gate": gate, "checkpoint_share": self.ctl.report(),
+                "quality_gate": gate, "decision_rule": decision, "checkpoint_share": self.ctl.report(),
                 "rare_classes": rare_labels(final, contract.label_values) if final else [],
                 "skipped_rows": len(skipped),
                 "skipped_samples": [{"sample_id": k, "reason": v} for k, v in sorted(skipped.items())][
