@@ -722,7 +722,7 @@ def fleet(phases: list[Phase], *, window_s: float = WINDOW_S, limit: int = 4, wo
     return results
 
 
-# The bound README.md states ("Measured"): after the burst, the backlog is back at its
+# The bound docs/MEASURED.md states: after the burst, the backlog is back at its
 # steady level within this many seconds of the burst's contact, at 1,000 nodes x 1 bundle.
 BURST_RECOVERY_BOUND_S = 180.0
 

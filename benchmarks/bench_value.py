@@ -29,7 +29,8 @@ mean score of what is selected).
 
     python -m benchmarks value          # EDGEHAUL_BENCH_QUICK=1 (or --quick) for the CI variant
 Writes benchmarks/results/bench-value{,-quick}.{md,png,json}; the full run (or `--write-docs`) also
-docs/bench-value.{json,png} and README's "Model quality per uplinked byte" section. Each cell: bytes, rows,
+docs/bench-value.{json,png}, docs/MEASURED.md's "Model quality per uplinked byte" section and README's
+verdict. Each cell: bytes, rows,
 class mix landed and weighted by 1/inclusion_p against the stream's, macro-F1 and rare-class recall with
 90% bootstrap intervals over the test samples and the seeds.
 """
@@ -72,7 +73,9 @@ BUDGETS = (0.01, 0.02, 0.05, 0.10, 0.25, 1.0)
 QUICK_BUDGETS = (0.10, 1.0)
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "### Model quality per uplinked byte"
+MEASURED = DOCS / "MEASURED.md"
+SECTION = "## Model quality per uplinked byte"
+VERDICT = ("<!-- value-verdict -->", "<!-- /value-verdict -->")  # README's one-paragraph verdict, regenerated
 BOOTSTRAP = 400  # resamples (test samples x seeds) per interval
 POLICIES = ("fifo", "random", "tier-novelty", "tier-model")
 RESULTS = Path(__file__).parent / "results"
@@ -820,7 +823,8 @@ def chart(results: list[dict[str, Any]] | dict[str, Any], path: Path) -> None:
 
 
 def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
-    """README's section, regenerated from a run: what was measured, per kind the table and the verdict, the chart."""
+    """docs/MEASURED.md's section, regenerated from a run: what was measured, per kind the table and the verdict,
+    the chart."""
     cfg = results[0]["config"]
     out = [
         f"{SECTION} (`benchmarks/bench_value.py`)",
@@ -843,7 +847,7 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
            "1-100%, 3 seeds) was not made for these figures. " if quick else "")
         + f"{sum(r['seconds'] for r in results):.0f} s on 2 shared cores.",
         "",
-        "![Model quality per uplinked byte](docs/bench-value.png)",
+        "![Model quality per uplinked byte](bench-value.png)",
         "",
         "Plainly: " + plain_verdict(results),
         "",
@@ -872,7 +876,8 @@ def plain_verdict(results: list[dict[str, Any]]) -> str:
 
 
 def write_docs(results: list[dict[str, Any]], png: Path, quick: bool) -> None:
-    """docs/bench-value.{json,png} and README's section (up to the next heading of its level or above)."""
+    """docs/bench-value.{json,png}, docs/MEASURED.md's section (up to the next heading of its level or above) and
+    README's verdict paragraph."""
     DOCS.mkdir(exist_ok=True)
     entries = [{"kind": r["kind"], "budget": c["budget"], "policy": c["policy"], **{k: v for k, v in c.items()
                                                                                     if k not in ("policy", "budget")}}
@@ -882,12 +887,22 @@ def write_docs(results: list[dict[str, Any]], png: Path, quick: bool) -> None:
         "kinds": [{k: v for k, v in r.items() if k != "cells"} | {"verdicts": verdicts(r)} for r in results]},
         indent=1))
     shutil.copyfile(png, DOCS / "bench-value.png")
-    text = README.read_text()
+    text = MEASURED.read_text()
     if SECTION in text:
         a = text.index(SECTION)
-        ends = [e for e in (text.find("\n## ", a), text.find("\n### ", a + len(SECTION))) if e != -1]
+        ends = [e for e in (text.find("\n# ", a), text.find("\n## ", a + len(SECTION))) if e != -1]
         b = min(ends) + 1 if ends else len(text)
-        README.write_text(text[:a] + readme_section(results, quick) + "\n" + text[b:])
+        MEASURED.write_text(text[:a] + readme_section(results, quick) + "\n" + text[b:])
+    text = README.read_text()
+    if VERDICT[0] in text and VERDICT[1] in text:
+        a, b = text.index(VERDICT[0]) + len(VERDICT[0]), text.index(VERDICT[1])
+        README.write_text(text[:a] + "\n" + verdict_paragraph(results, quick) + "\n" + text[b:])
+
+
+def verdict_paragraph(results: list[dict[str, Any]], quick: bool) -> str:
+    """README's short form: the plain verdict, and where the tables are."""
+    return (f"Model quality per uplinked byte (`python -m benchmarks value`, {'quick' if quick else 'full'} run): "
+            + plain_verdict(results) + " Tables, chart and method: docs/MEASURED.md.")
 
 
 def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> None:
@@ -944,7 +959,7 @@ def run(quick: bool) -> dict[str, Any]:
     print(f"wrote {stem}.{{json,md,png}}")
     if not quick or "--write-docs" in sys.argv:
         write_docs(results, stem.with_suffix(".png"), quick)
-        print("wrote docs/bench-value.{json,png} and README's section")
+        print("wrote docs/bench-value.{json,png}, docs/MEASURED.md's section and README's verdict")
     publish_artifacts(combined, lines, stem.with_suffix(".png").read_bytes())
     return combined
 

@@ -1,5 +1,5 @@
 """One configuration story: every environment variable the code reads is a field of a settings object
-and a row of README's "Settings" table, and the settings validate with errors that name the variable.
+and a row of the settings table of docs/OPERATIONS.md, and the settings validate with errors that name the variable.
 
 The code side is read from the source (ast), not from a list kept by hand: a new `os.environ.get("X")`
 in edgehaul/ or edgehaul_dev/ fails here until X is a settings field and documented.
@@ -102,8 +102,8 @@ def _code_reads() -> tuple[dict[str, list[str]], list[str], dict[str, list[str]]
 
 
 def _readme_rows() -> dict[str, str]:
-    """README's settings table: variable -> its "used by" cell."""
-    text = (ROOT / "README.md").read_text()
+    """the settings table of docs/OPERATIONS.md: variable -> its "used by" cell."""
+    text = (ROOT / "docs" / "OPERATIONS.md").read_text()
     section = text.split("## Settings", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
@@ -138,7 +138,7 @@ def test_every_variable_the_code_reads_is_a_setting_and_documented() -> None:
     not_fields = {v: w for v, w in keyed.items() if v not in fields}
     assert not not_fields, f"read directly, not a settings field: {not_fields}"
     undocumented = {v: w for v, w in {**keyed, **named}.items() if v not in rows}
-    assert not undocumented, f"not in README's settings table: {undocumented}"
+    assert not undocumented, f"not in the settings table of docs/OPERATIONS.md: {undocumented}"
     unknown = {v: w for v, w in named.items() if v not in fields and v not in rows}
     assert not unknown, f"EDGEHAUL_* names that are neither settings nor documented: {unknown}"
 
@@ -153,13 +153,13 @@ def test_the_product_reads_the_environment_only_through_its_settings() -> None:
 def test_every_setting_is_described_and_in_the_table_with_its_kind() -> None:
     rows = _readme_rows()
     for var, kind in _fields().items():
-        assert var in rows, f"{var} ({kind}) missing from README's settings table"
-        assert rows[var].startswith(kind), f"{var}: README says {rows[var]!r}, the code says {kind}"
+        assert var in rows, f"{var} ({kind}) missing from the settings table of docs/OPERATIONS.md"
+        assert rows[var].startswith(kind), f"{var}: docs/OPERATIONS.md says {rows[var]!r}, the code says {kind}"
     for cls in CLASSES.values():
         for name, f in cls.model_fields.items():
             assert f.description and len(f.description) > 15, f"{cls.__name__}.{name} has no description"
     stale = {v: used for v, used in rows.items() if used.split(",")[0] in CLASSES and v not in _fields()}
-    assert not stale, f"README rows of settings that do not exist: {stale}"
+    assert not stale, f"docs/OPERATIONS.md rows of settings that do not exist: {stale}"
 
 
 @pytest.mark.parametrize(

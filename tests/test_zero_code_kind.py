@@ -1,4 +1,4 @@
-"""README's claim, tested: a new observation kind needs only its contract file. The contract is written into a
+"""Tested as claimed: a new observation kind needs only its contract file. The contract is written into a
 temporary contracts folder (EDGEHAUL_CONTRACTS_DIR, where the node and the core find contracts), its data into a
 drop folder as an instrument would, and it goes edge -> spool -> uplink -> validation -> dataset version ->
 training (it has a training section) -> model published and sent back to the node's scorer, with no code that
