@@ -36,7 +36,6 @@ def node_store(node: str) -> str:
 EXAMPLE_NODE = "node-a"  # the flows' default node: the first node of the local stack
 DEFAULT_POLICY = "default"  # the LinkProfile, TieringPolicy, RetentionPolicy and PriceSheet flows use by default
 DEFAULT_TEAM = "default"  # the team train_model bills by default; TeamQuota blocks are named after their team
-GATEWAY_SECRET = "edgehaul-gateway-hmac"  # Secret block of the webhook gateway's HMAC key
 
 
 class FlowStore(NamedTuple):

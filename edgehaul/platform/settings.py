@@ -34,8 +34,6 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field, PositiveInt, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from edgehaul.platform.roles import GATEWAY_SECRET
-
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 ENV_FILE = ".env"
 
@@ -116,10 +114,8 @@ class Settings(EnvSettings):
         default=Path("alerts.jsonl"), description="File the gateway's POST /alerts appends to (JSON lines).")
     gateway_port: int = Field(default=8787, ge=1, le=65535, description="Port of the webhook gateway (`edgehaul gateway`).")
     gateway_secret: SecretStr | None = Field(
-        default=None, description="The gateway's own secret (its /alerts token derives from it); overrides the "
-                                  "Secret block (tests, one-off runs). Senders sign with their own keys.")
-    gateway_secret_block: str = Field(
-        default=GATEWAY_SECRET, min_length=1, description="Prefect Secret block holding the gateway's own secret.")
+        default=None, description="The gateway's own secret (its /alerts token derives from it); unset: the 0600 "
+                                  "file `gateway-secret` in its state dir. Senders sign with their own keys.")
     gateway_senders: Path | None = Field(
         default=None, description="Senders registry of the webhook gateway: JSON file (mode 0600) of each sender's "
                                   "keys, nodes and hook kinds (format: edgehaul.services.gateway); unset: every hook "
