@@ -284,7 +284,7 @@ def sync(store: ObjectStore, node_id: str, state_dir: Path, *, outbox: Outbox | 
 def _fetch(s3: S3Client, bucket: str, key: str, item: Item, where: str) -> bytes:
     try:
         extra = {"Range": f"bytes=0-{item.size}"} if item.size else {}  # never more than one byte past its size
-        data = s3.get_object(Bucket=bucket, Key=key, **extra)["Body"].read()  # type: ignore[arg-type]
+        data = s3.get_object(Bucket=bucket, Key=key, **extra)["Body"].read()
     except ClientError as e:
         if s3compat.is_missing(e):
             raise DownlinkError(f"{where}: {item.kind} {item.name}: blob {item.sha256[:12]} is missing") from None

@@ -59,7 +59,7 @@ def load_factory(name: str) -> ScorerFactory:
         raise UnknownScorer(f"scorer {name!r} ({ep.value}) failed to import: {type(e).__name__}: {e}") from e
     if not callable(factory):
         raise UnknownScorer(f"scorer {name!r} ({ep.value}) is not callable")
-    return factory  # type: ignore[no-any-return]
+    return factory
 
 
 def build_scorer(name: str, ctx: ScorerContext) -> Scorer:

@@ -405,7 +405,7 @@ def openmetrics(view: FleetView, *, now: datetime | None = None) -> bytes:
             yield age
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(_Collector())  # type: ignore[arg-type]
+    reg.register(_Collector())
     return generate_latest(reg)
 
 

@@ -150,7 +150,7 @@ def _canon(rules: list[dict[str, Any]]) -> list[str]:
 
 def _existing(s3: S3Client, bucket: str) -> list[dict[str, Any]]:
     try:
-        return list(s3.get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", []))  # type: ignore[arg-type]
+        return list(s3.get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", []))
     except ClientError as e:
         if error_code(e) == "NoSuchLifecycleConfiguration":
             return []
@@ -159,7 +159,7 @@ def _existing(s3: S3Client, bucket: str) -> list[dict[str, Any]]:
 
 def _put(s3: S3Client, bucket: str, rules: list[dict[str, Any]]) -> None:
     s3.put_bucket_lifecycle_configuration(
-        Bucket=bucket, LifecycleConfiguration={"Rules": rules},  # type: ignore[typeddict-item]
+        Bucket=bucket, LifecycleConfiguration={"Rules": rules},
         TransitionDefaultMinimumObjectSize=DEFAULT_MIN_SIZE,
     )
 

@@ -154,7 +154,7 @@ def probe(store: ObjectStore, *, classes: bool = True, lifecycle: bool = True,
             part = s3.upload_part(Bucket=bucket, Key=base + "a", UploadId=up["UploadId"], PartNumber=1, Body=body)
             parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}
             ok, why = _fails(lambda: s3.complete_multipart_upload(
-                Bucket=bucket, Key=base + "a", UploadId=up["UploadId"], MultipartUpload=parts,  # type: ignore[arg-type]
+                Bucket=bucket, Key=base + "a", UploadId=up["UploadId"], MultipartUpload=parts,
                 IfNoneMatch="*"), "PreconditionFailed", "412")
             out["mpu-complete-if-none-match"] = (ok, why)
             if not ok:  # it completed: its ETag is the multipart one
@@ -190,7 +190,7 @@ def probe(store: ObjectStore, *, classes: bool = True, lifecycle: bool = True,
                 made.append((cold, key))
                 try:
                     s3.copy_object(Bucket=cold, Key=key, CopySource={"Bucket": bucket, "Key": base + "a"},
-                                   StorageClass=c)  # type: ignore[arg-type]
+                                   StorageClass=c)
                     got_class = s3.head_object(Bucket=cold, Key=key).get("StorageClass") or "STANDARD"
                     out[f"storage-class {c}"] = (got_class == c, f"copy accepted, HEAD says {got_class}")
                 except ClientError as e:
@@ -258,12 +258,12 @@ def _probe_lifecycle(s3: S3Client, bucket: str, base: str) -> dict[str, tuple[bo
 
     def restore() -> None:
         if before:
-            s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": before})  # type: ignore[typeddict-item]
+            s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": before})
         else:
             s3.delete_bucket_lifecycle(Bucket=bucket)
 
     try:
-        s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [*before, rule]})  # type: ignore[typeddict-item]
+        s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [*before, rule]})
         back = [r for r in s3.get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", []) if r.get("ID") == rid]
         out["lifecycle-expiration-rules"] = (bool(back), "rule read back" if back else "rule missing on read-back")
         kept = bool(back) and "ObjectSizeGreaterThan" in json.dumps(back[0].get("Filter", {}))
@@ -274,7 +274,7 @@ def _probe_lifecycle(s3: S3Client, bucket: str, base: str) -> dict[str, tuple[bo
     trule = {"ID": rid, "Status": "Enabled", "Filter": {"Prefix": base},
              "Transitions": [{"Days": 3650, "StorageClass": "STANDARD_IA"}]}
     try:
-        s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [*before, trule]})  # type: ignore[typeddict-item]
+        s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [*before, trule]})
         out["lifecycle-transition-rules"] = (True, "accepted")
         restore()
     except ClientError as e:

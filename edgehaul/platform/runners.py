@@ -89,7 +89,7 @@ def task_runner(config: RunnerConfig | None = None) -> TaskRunner[Any]:
 
 def configured(flow_obj: F, config: RunnerConfig | None = None) -> F:
     """A copy of a Prefect flow whose tasks run on the configured runner."""
-    return flow_obj.with_options(task_runner=task_runner(config))  # type: ignore[attr-defined,no-any-return]
+    return flow_obj.with_options(task_runner=task_runner(config))  # type: ignore[attr-defined]
 
 
 class EnvironmentTaskRunner(TaskRunner[Any]):

@@ -833,7 +833,7 @@ def _check_node_events(sender: Sender, model: NodeEvents, have: int) -> None:
         prev = max(prev, e.seq)
 
 
-def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlette:
+def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlette:  # noqa: C901 (handlers are closures over one state; to split)
     emit = emitter or PrefectEmitter()
     clock = config.clock
     state = GatewayState(config.state_dir / "gateway.sqlite", config.replay_capacity, clock)

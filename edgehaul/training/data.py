@@ -78,7 +78,7 @@ def open_fragments(ref: DatasetRef, contract: Contract) -> tuple[list[pds.Parque
     frags = sorted(ds.get_fragments(), key=lambda f: f.path)
     if not frags:
         raise DatasetError(f"{ref.uri}@v{ref.version} has no data files")
-    return frags, columns  # type: ignore[return-value]
+    return frags, columns
 
 
 def epoch_order(n_files: int, seed: int, epoch: int) -> list[int]:

@@ -68,7 +68,7 @@ def _w_train(store_d: dict[str, str], cfg: dict[str, Any], record: str, out: Any
             os.write(fd, json.dumps({"pos": pos.to_dict(), "ids": batch.column("sample_id").to_pylist()}).encode() + b"\n")
             yield pos, batch
 
-    trainer.stream = observed  # type: ignore[assignment]  # observation only: the batches pass unchanged
+    trainer.stream = observed  # observation only: the batches pass unchanged
     ready.set()
     res = launch.run(trainer.TrainConfig(**cfg), store_from(store_d))
     if out is not None:
