@@ -47,7 +47,7 @@ from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.private_files import write_private
 from edgehaul.platform.roles import DEFAULT_POLICY, node_store
 from edgehaul.platform.settings import get_settings
-from edgehaul.services.block_setup import Keys
+from edgehaul.services.block_setup import Keys, StoreSpec
 
 CONFIG_FILE = "node.json"
 ENV_FILE = "node.env"
@@ -61,13 +61,6 @@ class NodeError(RuntimeError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class StoreConfig(_Strict):
-    endpoint_url: str | None = Field(default=None, description="S3 endpoint of the central store; None: AWS.")
-    region: str = "us-east-1"
-    path_style: bool = True
-    prefix: str = ""
 
 
 class Schedules(_Strict):
@@ -86,7 +79,7 @@ class GatewayConfig(_Strict):
 class NodeConfig(_Strict):
     node_id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
     state_dir: str = Field(description="The node's persistent folder: everything it needs lives here.")
-    store: StoreConfig = Field(default_factory=StoreConfig)
+    store: StoreSpec = Field(default_factory=StoreSpec)
     keys: Keys | None = Field(default=None, description="The node's own S3 keys, written to <state>/s3-credentials "
                               "(0600) and never into a block; None: the file is provisioned on the node.")
     edge: dict[str, Any] = Field(default_factory=dict, description=f"EdgeNode fields: {', '.join(EDGE_FIELDS)}.")

@@ -73,6 +73,8 @@ class _Strict(BaseModel):
 
 
 class StoreSpec(_Strict):
+    """Where the central store is: the setup file's `store:` and an edge node's config (`edgehaul node init`)."""
+
     endpoint_url: str | None = Field(default=None, description="S3 endpoint; None for AWS S3 itself.")
     region: str = "us-east-1"
     path_style: bool = True
