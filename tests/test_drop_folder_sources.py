@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edgehaul.contracts import Contract, load_contract
@@ -212,6 +212,7 @@ FILES = st.lists(st.tuples(st.sampled_from(["good", "good-parquet", "huge", *BAD
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(files=FILES, runs_between=st.integers(1, 3))
+@example(files=[("wrong-schema", 1), ("wrong-schema", 1)], runs_between=1)  # twins in one run: both rejected
 def test_random_files_every_good_one_read_once_every_bad_one_rejected_no_run_fails(
         tmp_path_factory: pytest.TempPathFactory, files: list[tuple[str, int]], runs_between: int) -> None:
     """Good CSV and Parquet files, a huge one (many batches), broken ones of every sort, and files written under a

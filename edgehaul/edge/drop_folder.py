@@ -139,6 +139,7 @@ class DropFolder:
         f = contract.file if contract is not None else None
         self.observation_suffixes = MEDIA_SUFFIXES.get(f.media_type, ()) if f is not None else ()
         self.rejected_dir = self.done.parent / "rejected"
+        self._twins: dict[str, list[Path]] = {}  # sha -> later files of the same content in this claim
         self.settle_s, self._clock = settle_s, clock
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -221,7 +222,10 @@ class DropFolder:
             why = f"same content as a file rejected before: {before}"
             self._move(p, self.rejected_dir, why)
             out.rejected[p.name] = why
-        elif sha in claimed or self._known(sha):  # read before, or twice in this very folder
+        elif sha in claimed:  # twice in this very folder: it follows its twin, read or rejected (`_settle_twins`)
+            self._twins.setdefault(sha, []).append(p)
+            out.duplicates.append(p.name)
+        elif self._known(sha):  # read before
             with self._lock:
                 self._db.execute("INSERT INTO duplicate_files VALUES (?, ?, ?)", (p.name, sha, now))
             self._move(p, self.done)
@@ -337,6 +341,22 @@ class DropFolder:
         self._move(f.path, self.rejected_dir, why)
         if f.sidecar is not None and f.sidecar.exists():
             self._move(f.sidecar, self.rejected_dir)
+        self._settle_twins(f, rejected=f"same content as {f.path.name}, rejected: {why}")
+
+    def _settle_twins(self, f: DropFile, rejected: str | None = None) -> None:
+        """Files of the same content claimed with `f` follow it: to rejected/ with the reason, or to done/ unread.
+        After a crash before this, they are still in the folder and the next claim decides from the record."""
+        for twin in self._twins.pop(f.sha256, []):
+            try:
+                if rejected is not None:
+                    self._move(twin, self.rejected_dir, rejected)
+                    continue
+                with self._lock:
+                    self._db.execute("INSERT INTO duplicate_files VALUES (?, ?, ?)", (twin.name, f.sha256,
+                                                                                      self._clock()))
+                self._move(twin, self.done)
+            except FileNotFoundError:  # renamed or removed meanwhile: seen under its new name next time
+                continue
 
     def unchanged(self, f: DropFile) -> bool:
         try:
@@ -352,6 +372,7 @@ class DropFolder:
         self._move(f.path, self.done)
         if f.sidecar is not None and f.sidecar.exists():
             self._move(f.sidecar, self.done)
+        self._settle_twins(f)
 
     def _record(self, name: str, sha: str, size: int, rows: int, outcome: str, detail: str) -> None:
         with self._lock:
