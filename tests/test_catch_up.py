@@ -154,7 +154,8 @@ def test_catch_up_off_trains_exactly_the_requested_version(store: ObjectStore) -
     make_dataset(store, [120, 120])
     store_block, quota_block = _blocks(store)
     base = dict(team="geo", store_block=store_block, quota_block=quota_block, epochs=1, batch_size=32, width=8,
-                num_threads=1, max_hours=0.5, allow_local=True)
+                num_threads=1, max_hours=0.5, allow_local=True,
+                quality_gate=False)  # which version is trained, not how well: 1 epoch on 240 rows
     newest = train_model(TrainModelParams.model_validate({**base, "dataset_version": 0, "run_id": "c1"}))
     assert newest["dataset_version"] == 1 and newest["requested_version"] == 0
     again = train_model(TrainModelParams.model_validate({**base, "run_id": "c2"}))
