@@ -37,8 +37,8 @@ def test_the_sweep_commits_only_what_is_unsettled_within_its_bound(store: Object
     assert not swept["already_quarantined"] and not swept["quarantined"]
     swept2 = core_ingest(CoreIngestParams(store_block=block, sweep=True, max_bundles=2))
     assert swept2["bundles"] == 1 and swept2["valid"] == 1, swept2
-    ids = [m.bundle_id for _, m in new]
-    assert committed_bundle_ids(store, "landsat_patch", ids) == set(ids)
+    refs = [(m.node_id, m.bundle_id) for _, m in new]  # a bundle id is unique per node
+    assert committed_bundle_ids(store, "landsat_patch", refs) == set(refs)
     assert set(new_keys).isdisjoint(old_keys)
 
     # nothing new: the sweep takes no bundle at all (no manifest read, no validation, no commit)
