@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, load_contract
 from edgehaul.training import registry
-from edgehaul.training.data import is_validation
+from edgehaul.training.data import is_validation, val_block_rows
 from edgehaul.training.metrics import chance_macro_f1, class_metrics
 from edgehaul.training.model import build_model, inputs
 from edgehaul.training.trainer import NonFiniteLoss, QualityGateFailed, TrainConfig, train
@@ -80,6 +80,15 @@ def test_validation_holds_out_whole_stretches_of_a_nodes_readings() -> None:
     assert 0.1 < val.mean() < 0.3
     assert (is_validation(rows.slice(640, 640), 0.2, block_rows=64) == val[640:1280]).all()  # stable
     assert not is_validation(rows, 0.0).any()
+
+
+def test_a_small_version_still_holds_rows_out_for_validation() -> None:
+    """Stretches of 64 readings hold nothing out of a 320-row version about half the time (5 stretches at 10%):
+    the stretch shrinks with the version, so the gates always have something to judge."""
+    assert val_block_rows(320, 0.1) == 1 and val_block_rows(1_000_000, 0.1) == 64 and val_block_rows(0, 0.1) == 1
+    for start in range(0, 20 * 320, 320):
+        rows = kind_rows(GAIT, 320, start_seq=start)
+        assert 10 <= int(is_validation(rows, 0.1, val_block_rows(320, 0.1)).sum()) <= 60
 
 
 def test_balanced_training_is_the_default_for_every_kind() -> None:
@@ -196,13 +205,15 @@ def test_a_validation_split_too_small_to_rank_epochs_keeps_the_last_epoch(store:
     """Eight validation readings cannot rank epochs: early stopping on them once kept a barely trained first epoch
     (a 10% digits cell predicted one class). Below 5 validation rows per class every epoch counts as better, so
     the run trains all its epochs and registers the last."""
-    k = next(k for k in range(0, 10_000) if list(is_validation(kind_rows(GAIT, 200, start_seq=64 * k), 0.25))
-             == [False] * 192 + [True] * 8)
-    t = kind_rows(GAIT, 200, seed=6, start_seq=64 * k, labels=np.arange(200) % 2, unusable_every=10_000)
+    # 200 rows at 4% are held out row by row (`val_block_rows`): a start where exactly 8 of them are
+    block = val_block_rows(200, 0.04)
+    k = next(k for k in range(0, 10_000)
+             if int(is_validation(kind_rows(GAIT, 200, start_seq=200 * k), 0.04, block).sum()) == 8)
+    t = kind_rows(GAIT, 200, seed=6, start_seq=200 * k, labels=np.arange(200) % 2, unusable_every=10_000)
     for c in GAIT.numeric_columns:  # no epoch better than another on validation: patience 1 would stop at once
         t = _replace(t, c, pa.array(np.ones(t.num_rows), t.schema.field(c).type))
     uri = _write(store, GAIT, [t])
-    res = train(_cfg(uri, GAIT, "tiny-val", epochs=5, patience=1, quality_gate=False), store)
+    res = train(_cfg(uri, GAIT, "tiny-val", epochs=5, patience=1, quality_gate=False, val_fraction=0.04), store)
     assert [h["val_samples"] for h in res.history] == [8.0] * 5
     assert res.lineage["best_epoch"] == 4 and not res.lineage["stopped_early"]
 

@@ -92,6 +92,12 @@ def shard(order: list[int], rank: int, world: int) -> list[int]:
     return order[rank::world]
 
 
+def val_block_rows(total_rows: int, val_fraction: float, stretches: int = 20) -> int:
+    """Length of a held-out stretch for a version of `total_rows`: VAL_BLOCK_ROWS, shorter when the version is
+    too small for about `stretches` held-out stretches (320 rows at 10%: single rows), never below 1."""
+    return max(1, min(VAL_BLOCK_ROWS, int(total_rows * val_fraction / stretches)))
+
+
 def is_validation(batch: pa.RecordBatch | pa.Table, val_fraction: float,
                   block_rows: int = VAL_BLOCK_ROWS) -> np.ndarray:
     """Stable hold-out by time: a row is validation when the crc32 of its stretch (`node_id`,

@@ -53,6 +53,7 @@ from edgehaul.platform.settings import torchrun_env
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointError, CheckpointStore, IntervalController, check_resumable
 from edgehaul.training.data import (
+    VAL_BLOCK_ROWS,
     DatasetRef,
     Position,
     decodable,
@@ -63,6 +64,7 @@ from edgehaul.training.data import (
     shard,
     stream,
     trainable,
+    val_block_rows,
 )
 from edgehaul.training.metrics import chance_of, class_metrics, rare_labels
 from edgehaul.training.model import (
@@ -293,9 +295,10 @@ def _decoded(rows: pa.RecordBatch, contract: Contract, arch: dict[str, Any], dev
 
 
 def _prepare(batch: pa.RecordBatch, contract: Contract, arch: dict[str, Any], val_fraction: float,
-             device: torch.device, skipped: dict[str, str] | None = None) -> tuple[_Part, _Part]:
+             device: torch.device, skipped: dict[str, str] | None = None,
+             val_block: int = VAL_BLOCK_ROWS) -> tuple[_Part, _Part]:
     rows = trainable(batch, contract)
-    val = is_validation(rows, val_fraction)
+    val = is_validation(rows, val_fraction, val_block)
     tr, va = rows.take(pa.array(np.flatnonzero(~val))), rows.take(pa.array(np.flatnonzero(val)))
     sk = skipped if skipped is not None else {}
     return _decoded(tr, contract, arch, device, sk), _decoded(va, contract, arch, device, sk)
@@ -420,6 +423,8 @@ class _Run:
         self.ckpts = CheckpointStore(self.store, cfg.run_id, keep=cfg.keep_checkpoints, emit_events=cfg.emit_events)
         ref = DatasetRef(cfg.dataset_uri, cfg.dataset_version, self.store.storage_options())
         self.fragments, self.columns = open_fragments(ref, contract)
+        # the held-out stretches are as long as the version allows: a small one still holds some rows out
+        self.val_block = val_block_rows(sum(f.count_rows() for f in self.fragments), cfg.val_fraction)
         # every rank reads the same rows: the same statistics and weights
         self.arch.update(_input_statistics(self.fragments, self.columns, contract, self.arch))
         balance = contract.training is None or contract.training.balance_classes
@@ -546,7 +551,8 @@ class _Run:
             tr = va = _empty(contract, self.arch, d.device)
             if nxt is not None:
                 self.pos, batch = nxt
-                tr, va = _prepare(batch, contract, self.arch, cfg.val_fraction, d.device, self.skipped)
+                tr, va = _prepare(batch, contract, self.arch, cfg.val_fraction, d.device, self.skipped,
+                                  self.val_block)
                 if self.class_w is not None:  # the loss only: validation metrics stay weighted to the population
                     tr.w = tr.w * self.class_w[tr.y]
             has_batch, global_n, global_w = d.all_sum([float(nxt is not None), float(len(tr.y)), float(tr.w.sum())])
@@ -642,7 +648,7 @@ class _Run:
         self.raw_model.eval()
         with torch.no_grad():
             for _, batch in stream(self.fragments, files, Position(), cfg.batch_size, self.columns):
-                _, va = _prepare(batch, self.contract, self.arch, cfg.val_fraction, d.device, {})
+                _, va = _prepare(batch, self.contract, self.arch, cfg.val_fraction, d.device, {}, self.val_block)
                 if not len(va.y):
                     continue
                 logits = self.raw_model(va.x).double().cpu()
