@@ -527,12 +527,14 @@ def _landed_since(stack: localstack.StackState, since: datetime) -> dict[str, Bu
 
 
 def _committed(stack: localstack.StackState, ids: set[str]) -> set[str]:
+    """Which of the node's bundle ids its dataset holds (bundle ids are scoped by node)."""
     from edgehaul.core.datasets import DatasetError, committed_bundle_ids
 
     try:
-        return committed_bundle_ids(store_for(stack, "ingest"), "landsat_patch", sorted(ids))
+        refs = committed_bundle_ids(store_for(stack, "ingest"), "landsat_patch", sorted((NODE, b) for b in ids))
     except DatasetError:
         return set()
+    return {b for _, b in refs}
 
 
 def _spool_empty(layout: NodeLayout) -> bool:
