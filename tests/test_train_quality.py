@@ -19,7 +19,7 @@ from edgehaul.training import registry
 from edgehaul.training.data import is_validation, val_block_rows
 from edgehaul.training.metrics import chance_macro_f1, class_metrics
 from edgehaul.training.model import build_model, inputs
-from edgehaul.training.trainer import NonFiniteLoss, QualityGateFailed, TrainConfig, train
+from edgehaul.training.trainer import NonFiniteLoss, QualityGateFailed, TrainConfig, _class_weights, train
 from tests.train_support import kind_rows
 
 GAIT = load_contract("daphnet_gait")
@@ -216,6 +216,27 @@ def test_a_validation_split_too_small_to_rank_epochs_keeps_the_last_epoch(store:
     res = train(_cfg(uri, GAIT, "tiny-val", epochs=5, patience=1, quality_gate=False, val_fraction=0.04), store)
     assert [h["val_samples"] for h in res.history] == [8.0] * 5
     assert res.lineage["best_epoch"] == 4 and not res.lineage["stopped_early"]
+
+
+@pytest.mark.integration
+def test_balanced_loss_counts_a_class_rows_alike_and_the_prior_stays_the_streams(store: ObjectStore) -> None:
+    """The loss's class weights balance the loss's own row weights, (1/p)^weight_power (0: landed counts, so
+    every class has the same total weight and a row with a small p is not worth 10 of its class); the decision
+    rule's prior is always from 1/p counts (the stream's mix); weight_power 1: both Horvitz-Thompson."""
+    from edgehaul.training.data import DatasetRef, open_fragments
+
+    labels = np.r_[np.zeros(300, dtype=np.int64), np.ones(50, dtype=np.int64)]
+    p = np.r_[np.full(150, 0.1), np.ones(150), np.ones(50)]  # class 0 stands for 1,650 rows, class 1 for 50
+    uri = _write(store, GAIT, [kind_rows(GAIT, 350, seed=5, labels=labels, inclusion_p=p, unusable_every=10**9)])
+    frags, cols = open_fragments(DatasetRef(uri, 0, store.storage_options()), GAIT)
+    loss_w, prior_w = _class_weights(frags, cols, GAIT, 2, power=0.0)
+    assert loss_w.tolist() == pytest.approx([1.0, 6.0])
+    assert prior_w.tolist() == pytest.approx([1.0, 33.0])
+    ht_loss, ht_prior = _class_weights(frags, cols, GAIT, 2, power=1.0)
+    assert ht_loss.tolist() == pytest.approx([1.0, 33.0]) and ht_prior.tolist() == pytest.approx([1.0, 33.0])
+    half, _ = _class_weights(frags, cols, GAIT, 2, power=0.5)  # class 0: 150 x sqrt(10) + 150 rows' worth
+    assert half.tolist() == pytest.approx([1.0, (150 * 10**0.5 + 150) / 50], rel=1e-5)
+    assert TrainConfig.model_fields["weight_power"].default == 0.5
 
 
 @pytest.mark.integration

@@ -11,10 +11,15 @@ were filtered out. The epoch ends when every rank's shard is exhausted.
 
 What is trained follows the contract (`cfg.contract_id`): the model family of its training section,
 inputs decoded by `edgehaul.decode` and standardised by statistics measured on the data, the label
-column it names. The estimator: each row's loss weighs 1/inclusion_p (Horvitz-Thompson: a row the edge
-kept with probability p stands for 1/p rows of the stream, so the weighted data has the stream's mix),
-times its class's weight where `training.balance_classes` (on by default) asks for balanced training:
-the inverse of the class's Horvitz-Thompson share, so every class weighs the same in the loss.
+column it names. The estimator: a row the edge kept with probability p stands for 1/p rows of the stream
+(Horvitz-Thompson), so 1/p-weighted counts give the stream's class mix and every validation metric is
+weighted by 1/p. Where `training.balance_classes` (on by default) asks for balanced training, a row's loss
+weighs (1/p)^`weight_power` times its class's weight, the inverse of the class's share of those same
+weights, so every class weighs the same in the loss; the decision rule puts the 1/p-weighted (stream's)
+class prior back. `weight_power` 1 is Horvitz-Thompson within classes too; 0 counts the landed rows of a
+class alike; the default 0.5 sits between: unbiased across classes, biased within a class toward the rows the
+edge valued by at most the square root of the spread of p (which the policy's coverage floor bounds), for a
+loss that does not hang on the few rows with the smallest p. Without balancing the loss weighs 1/p.
 
 The run, in phases (`train`): set up (model, optimiser, data, statistics, class weights), resume from
 the last checkpoint, epochs (shuffled batches, validation metrics per class, checkpoints) until the
@@ -127,6 +132,10 @@ class TrainConfig(BaseModel):
     num_threads: int | None = Field(default=None, ge=1, le=256)
     flow_run_id: str | None = None
     emit_events: bool = Field(default=True, description="Emit Prefect events (off where no API is reachable).")
+    weight_power: float = Field(default=0.5, ge=0, le=1, description=(
+        "With balanced classes, a row's loss weight is (1/inclusion_p)^this x its class weight: 0 counts a "
+        "class's landed rows alike (the class mix still from 1/p), 1 is Horvitz-Thompson within classes; 0.5 "
+        "bounds the within-class bias by the square root of p's spread (docs/ARCHITECTURE.md)."))
 
 
 @dataclass
@@ -342,23 +351,34 @@ def _input_statistics(fragments: list[Any], columns: list[str], contract: Contra
     return input_statistics(np.concatenate(parts)[:max_rows])
 
 
-def _class_weights(fragments: list[Any], columns: list[str], contract: Contract, n_classes: int,
-                   max_rows: int = 65_536, max_weight: float = 100.0) -> torch.Tensor:
-    """Inverse population share per class (counts weighted by 1/inclusion_p), scaled so the commonest class
-    weighs 1 and capped at `max_weight`; a class absent from the sample weighs as much as the rarest present."""
-    assert contract.label_column is not None
-    counts = np.zeros(n_classes, dtype=np.float64)
-    for rows in _sample_rows(fragments, columns, contract, max_rows, batch_size=8192):
-        y = labels_to_targets(rows.column(contract.label_column), contract).numpy()
-        w = sample_weights(rows)
-        np.add.at(counts, y, np.where(np.isfinite(w), w, 0.0))
+def _inverse_shares(counts: np.ndarray, max_weight: float) -> np.ndarray:
+    """Inverse share per class, the commonest 1, capped at `max_weight`; an absent class as the rarest present."""
     present = counts > 0
-    w = np.ones(n_classes, dtype=np.float64)
+    w = np.ones(len(counts), dtype=np.float64)
     if present.any():
         w[present] = np.minimum(counts[present].max() / counts[present], max_weight)
         w[~present] = w[present].max()
-    log.info("class weights %s", [round(float(v), 3) for v in w])
-    return torch.from_numpy(w.astype(np.float32))
+    return w
+
+
+def _class_weights(fragments: list[Any], columns: list[str], contract: Contract, n_classes: int,
+                   max_rows: int = 65_536, max_weight: float = 100.0,
+                   power: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss class weights, population class weights): inverse class shares of the row weights the loss uses,
+    (1/inclusion_p)^power, so the loss weighs every class the same; and of the 1/inclusion_p counts (the
+    stream's mix), whose log the decision rule puts back as the prior."""
+    assert contract.label_column is not None
+    counts = np.zeros((2, n_classes), dtype=np.float64)
+    for rows in _sample_rows(fragments, columns, contract, max_rows, batch_size=8192):
+        y = labels_to_targets(rows.column(contract.label_column), contract).numpy()
+        w = sample_weights(rows)
+        w = np.where(np.isfinite(w), w, 0.0)
+        np.add.at(counts[0], y, w**power)
+        np.add.at(counts[1], y, w)
+    loss_w, pop_w = (_inverse_shares(c, max_weight) for c in counts)
+    log.info("class weights %s (population %s)", [round(float(v), 3) for v in loss_w],
+             [round(float(v), 3) for v in pop_w])
+    return torch.from_numpy(loss_w.astype(np.float32)), torch.from_numpy(pop_w.astype(np.float32))
 
 
 ProgressFn = Callable[[float, str], None]
@@ -428,8 +448,11 @@ class _Run:
         # every rank reads the same rows: the same statistics and weights
         self.arch.update(_input_statistics(self.fragments, self.columns, contract, self.arch))
         balance = contract.training is None or contract.training.balance_classes
-        self.class_w = (_class_weights(self.fragments, self.columns, contract, self.n_classes).to(d.device)
-                        if balance else None)
+        self.class_w: torch.Tensor | None = None  # the loss's, per class
+        self.prior_w: torch.Tensor | None = None  # 1/share of the stream (1/p-weighted): the decision rule's prior
+        if balance:
+            cw, pw = _class_weights(self.fragments, self.columns, contract, self.n_classes, power=cfg.weight_power)
+            self.class_w, self.prior_w = cw.to(d.device), pw
         self.ctl = IntervalController(
             target_share=cfg.max_checkpoint_share,
             interval=cfg.checkpoint_every_steps or cfg.first_checkpoint_steps,
@@ -554,7 +577,7 @@ class _Run:
                 tr, va = _prepare(batch, contract, self.arch, cfg.val_fraction, d.device, self.skipped,
                                   self.val_block)
                 if self.class_w is not None:  # the loss only: validation metrics stay weighted to the population
-                    tr.w = tr.w * self.class_w[tr.y]
+                    tr.w = tr.w ** self.cfg.weight_power * self.class_w[tr.y]
             has_batch, global_n, global_w = d.all_sum([float(nxt is not None), float(len(tr.y)), float(tr.w.sum())])
             if has_batch == 0:
                 break
@@ -631,17 +654,17 @@ class _Run:
 
     # ---- phase 4: the decision rule, then check and register
     def calibrate(self) -> dict[str, float]:
-        """The decision rule of the balanced model, chosen on the validation rows: the output bias less
-        tau x log(class weight) for the tau of `DECISION_TAUS` with the best validation macro-F1 (weighted by
-        1/p, as every validation metric). Balanced training makes the rare class as likely as the commonest
-        a priori (tau 0); tau 1 puts the population's prior back (Bayes). A kind whose classes overlap loses
-        macro-F1 to false alarms at tau 0; one whose classes separate keeps tau 0. Written into the model's
-        last layer, so every reader of the model file (the edge scorer included) decides the same way. With
-        fewer than `CALIBRATION_MIN_ROWS` validation rows of some class, tau stays 0."""
+        """The decision rule of the balanced model, chosen on the validation rows: the output bias less tau x
+        log(population class weight: 1/p-weighted) for the tau of `DECISION_TAUS` with the best validation macro-F1
+        (weighted by 1/p, as every validation metric). Balanced training makes the rare class as likely as the commonest
+        a priori (tau 0); tau 1 puts the population's prior back (Bayes). A kind whose classes overlap loses macro-F1 to
+        false alarms at tau 0; one whose classes separate keeps tau 0. Written into the model's last layer, so every
+        reader of the model file (the edge scorer included) decides the same way. With fewer than `CALIBRATION_MIN_ROWS`
+        validation rows of some class, tau stays 0."""
         cfg, d, n = self.cfg, self.d, self.n_classes
-        if self.class_w is None or cfg.val_fraction <= 0:
+        if self.prior_w is None or cfg.val_fraction <= 0:
             return {}
-        shift = torch.log(self.class_w.to(torch.float64)).cpu()
+        shift = torch.log(self.prior_w.to(torch.float64)).cpu()
         cms = np.zeros((len(DECISION_TAUS), n * n))
         support = np.zeros(n)
         files = shard(epoch_order(len(self.fragments), cfg.seed, 0), d.rank, d.world)
