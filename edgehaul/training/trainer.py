@@ -123,6 +123,8 @@ class TrainConfig(BaseModel):
                           "validation macro-F1 (the best epoch's weights are registered); 0: never stop early.")
     quality_gate: bool = Field(default=True, description="Register nothing when the best validation macro-F1 "
                                "is not above a uniform-prior guesser's (`metrics.chance_macro_f1`).")
+    calibrate: bool = Field(default=True, description="After training, choose the decision rule on the validation "
+                            "rows (`_Run.calibrate`: one more read of the data).")
     shuffle: bool = Field(default=True, description="Permute rows within each file (seeded per epoch).")
     checkpoint_every_steps: int | None = Field(default=None, ge=1, description="Fixed interval; None adapts.")
     max_checkpoint_share: float = Field(default=0.05, gt=0, lt=1, description="Checkpoint cost cap per interval.")
@@ -662,7 +664,7 @@ class _Run:
         reader of the model file (the edge scorer included) decides the same way. With fewer than `CALIBRATION_MIN_ROWS`
         validation rows of some class, tau stays 0."""
         cfg, d, n = self.cfg, self.d, self.n_classes
-        if self.prior_w is None or cfg.val_fraction <= 0:
+        if not cfg.calibrate or self.prior_w is None or cfg.val_fraction <= 0:
             return {}
         shift = torch.log(self.prior_w.to(torch.float64)).cpu()
         cms = np.zeros((len(DECISION_TAUS), n * n))

@@ -101,7 +101,8 @@ def drill_trainer_kill(env: DrillEnv, rng: random.Random, data: ObjectStore) -> 
     cfg = {"run_id": run_id, "dataset_uri": datasets.table_uri(data, KIND), "dataset_version": version,
            "epochs": epochs, "batch_size": BATCH, "width": 8, "seed": rng.randrange(1000),
            "checkpoint_every_steps": rng.randint(1, 4), "keep_checkpoints": 2, "device": "cpu", "num_threads": 1,
-           "emit_events": False, "quality_gate": False, "patience": 0}  # kills and resumes, not learning
+           "emit_events": False, "quality_gate": False, "patience": 0,
+           "calibrate": False}  # kills and resumes, not learning: each epoch's reads are what it counts
     ds = dataset_ids(data)
     d = env.trial_dir("train")
     killed_log, resumed_log = d / "killed.jsonl", d / "resumed.jsonl"
