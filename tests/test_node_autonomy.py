@@ -178,6 +178,9 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
         # ~1.1 MB of bundles (+ raw store) per simulated hour, kept up to 10 h: bundles alone outgrow the cap, so
         # the 85% alert fires whatever the phase of the schedules and however late a loaded host runs them
         "edge": {"spool_cap_bytes": CAP, "bundle_ttl_seconds": int(10 * HOUR)},
+        # the Landsat labels steer the tiers (as before unlabelled scoring was the default): the bundle volume the
+        # cap is sized for; this test is about autonomy, not value
+        "tiering": {"use_labels": True},
         "link": {"bandwidth_bps": 100e6},
         "batch_size": SAMPLES_PER_HOUR,
         "schedules": {"ingest_every_s": INGEST_H * HOUR, "drain_every_s": DRAIN_H * HOUR, "poll_s": 1},

@@ -108,6 +108,8 @@ def test_a_kind_from_a_contract_file_alone_goes_all_the_way(store: ObjectStore, 
     assert lineage is not None and lineage["dataset_version"] == loop.version
     assert lineage["dataset_uri"].rstrip("/").endswith("/hive_climate")
     assert loop.scorer_version == loop.train["model_id"] and loop.scores
-    # trained as the contract's training section says (10 epochs), and it learned the rule behind the rows
+    # trained as the contract's training section says (at most 10 epochs: early stopping ends a run whose
+    # validation no longer improves), and it learned the rule behind the rows
     history = loop.train["history"]
-    assert len(history) == 10 and history[-1]["val_macro_f1"] >= 0.9 and history[-1]["val_rare_recall"] >= 0.8
+    assert len(history) == 10 or (3 <= len(history) < 10 and lineage["stopped_early"]), (len(history), lineage)
+    assert history[-1]["val_macro_f1"] >= 0.9 and history[-1]["val_rare_recall"] >= 0.8
