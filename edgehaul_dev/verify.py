@@ -339,7 +339,8 @@ def _resume(store: ObjectStore, work: Path) -> tuple[bool, str]:
     uri = _dataset(store)
     # no events: a MODEL_READY of these made-up models would start production publish_model runs that fail
     base = dict(dataset_uri=uri, dataset_version=0, team="verify", model_name="verify-resume", seed=7, epochs=3,
-                batch_size=16, width=8, num_threads=1, checkpoint_every_steps=5, val_fraction=0.15, emit_events=False)
+                batch_size=16, width=8, num_threads=1, checkpoint_every_steps=5, val_fraction=0.15, emit_events=False,
+                quality_gate=False, patience=0)  # resume is checked, not learning: every epoch runs, both register
     reference = train(TrainConfig.model_validate({**base, "run_id": "verify-uninterrupted"}), store)
     cfg = TrainConfig.model_validate({**base, "run_id": "verify-killed"})
     cfg_path, res_path = work / "run.json", work / "result.json"

@@ -99,7 +99,7 @@ def test_placement_on_runs_executed_by_real_workers(stack: localstack.StackState
     LinkProfile(bandwidth_bps=100e6, latency_ms=5, loss_rate=0.0).save(f"verify-{tag}", overwrite=True)
     deploy.ensure_pools(["central-gpu", "edge-default"])
     train = {"team": team, "store_block": f"verify-{tag}", "epochs": 1, "width": 4, "batch_size": 64,
-             "num_threads": 1, "max_hours": 0.1}
+             "num_threads": 1, "max_hours": 0.1, "quality_gate": False}  # placement, not learning
     uplink = {"edge_node": f"verify-{tag}", "object_store": f"verify-{tag}", "link_profile": f"verify-{tag}",
               "simulate": True, "max_seconds": 30}
     # The real flows, deployed the way `prefect deploy` does (code in the repository, no download).
