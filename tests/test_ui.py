@@ -465,7 +465,7 @@ def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_a
     assert out["cost"]["month"] == demo.this_month()  # month to date: the demo's own use shows
     lap("demo")
     # make deploy: blocks, pools, deployments, triggers, alert automations, workers
-    deployed = deploy.deploy()
+    deployed = deploy.deploy(edge_workers=True)  # the demo simulates its nodes here, as `make verify-demo` does
     lap("deploy")
     try:
         # a run through the deployments: another sample count than the demo's, so edge batches are new; one
