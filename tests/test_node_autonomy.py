@@ -106,6 +106,17 @@ def _drop(folder: Path, hour: int) -> list[str]:
     return table.column("sample_id").to_pylist()
 
 
+def _stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM to the process group (a node or a served flow and its children), SIGKILL if it outlives `timeout_s`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @contextlib.contextmanager
 def _node_running(layout: NodeLayout, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "ab") as out:
@@ -115,13 +126,7 @@ def _node_running(layout: NodeLayout, log: Path) -> Iterator[subprocess.Popen[by
     try:
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop_group(proc, 60)
 
 
 async def _run_states(layout: NodeLayout) -> dict[str, list[str]]:
@@ -485,13 +490,7 @@ def _centre(stack: localstack.StackState, tmp_path: Path, sweep_s: float = 0) ->
         time.sleep(2)  # the triggers service loads the new automation
         yield uid
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop_group(proc, 30)
 
 
 def _node_config(stack: localstack.StackState, state: Path, relay: Relay, gw_relay: Relay,
