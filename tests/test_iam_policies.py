@@ -103,6 +103,9 @@ def engine() -> Iterator[Engine]:
         yield eng
     finally:
         _auth_after(eng.endpoint, float(previous))
+        # moto's backend outlives the server in this process: leave no buckets for the next moto user
+        urllib.request.urlopen(urllib.request.Request(f"{eng.endpoint}/moto-api/reset", method="POST"),
+                               timeout=10).close()
         server.stop()
 
 

@@ -461,6 +461,7 @@ def test_a_rule_the_server_changed_is_withdrawn_and_fails_the_run(stack: object)
     # moto (5.2) stores a Transition rule without its ObjectSizeGreaterThan filter, as another S3 server does
     # (it then moves small manifests to an infrequent-access class): the run fails naming the rule.
     import logging
+    import urllib.request
 
     import boto3
     from moto.server import ThreadedMotoServer
@@ -473,6 +474,10 @@ def test_a_rule_the_server_changed_is_withdrawn_and_fails_the_run(stack: object)
     server.start()
     try:
         host, port = server.get_host_and_port()
+        # moto keeps one backend per process: another test's moto buckets (test_iam_policies writes empty
+        # lineage.json objects) would be this run's store too
+        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST"),
+                               timeout=10).close()
         store = ObjectStore(endpoint_url=f"http://{host}:{port}", access_key_id=SecretStr("moto"),
                             secret_access_key=SecretStr("moto"))
         s3 = boto3.client("s3", endpoint_url=store.endpoint_url, aws_access_key_id="moto",
