@@ -204,7 +204,7 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
     # training (queued; a run covered by a newer model ends at once, announcing nothing), each model ready
     # triggers publishing.
     chain: list[Any] = []
-    landed = batches = 0
+    landed = batches = committed = ready = 0
     for _ in range(10):  # the landed events reach the server a moment after the drains end
         landed = _count_events(state.prefect_api_url, events.BUNDLE_LANDED, since, state.api_auth_string)
         if landed:
@@ -223,13 +223,17 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
         # step every time, and call the chain done only when it has stayed done for 10 s.
         batches = _count_events(state.prefect_api_url, events.LANDING_BATCH, since, state.api_auth_string)
         ready = _count_events(state.prefect_api_url, events.MODEL_READY, since, state.api_auth_string)
+        # a batch whose samples were all committed before (an earlier run with the same seeds) commits no
+        # version, so it starts no training: wait for a training run only when a commit announced one
+        committed = _count_events(state.prefect_api_url, events.DATASET_COMMITTED, since, state.api_auth_string)
         named = _chain_runs(since)
         chain = [r for _, r in named]
         ok = {n: [r for d, r in named if d == n and r.state and r.state.is_completed()] for n in CHAIN}
         ingests = [r for d, r in named if d == CHAIN[0]]
         publishes = [r for d, r in named if d == CHAIN[2]]
         settled = all(r.state and r.state.is_final() for r in chain)
-        if settled and batches and len(ingests) >= batches and ok[CHAIN[1]] and len(publishes) >= ready:
+        trained = bool(ok[CHAIN[1]]) or not committed
+        if settled and batches and len(ingests) >= batches and trained and len(publishes) >= ready:
             if quiet_since is None or quiet_since[1] != len(chain):
                 quiet_since = (time.monotonic(), len(chain))
             elif time.monotonic() - quiet_since[0] >= 10:
@@ -244,7 +248,11 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
         time.sleep(3)
     if landed and time.monotonic() >= deadline:
         pending = [f"{r.name}:{r.state_name}" for r in chain if not (r.state and r.state.is_final())]
-        raise TimeoutError(f"event chain not finished after {timeout:.0f} s ({len(chain)} runs; pending {pending})")
+        ended = [f"{r.name}:{r.state_name}:{((r.state.message or '') if r.state else '')[:200]}" for r in chain
+                 if r.state and r.state.is_final()]
+        raise TimeoutError(f"event chain not finished after {timeout:.0f} s ({len(chain)} runs; pending {pending}; "
+                           f"ended {ended}; events: {batches} landing batches, {committed} commits, {ready} models "
+                           f"ready)")
     if landed:  # the count of the summary: events that arrived during the wait too
         landed = _count_events(state.prefect_api_url, events.BUNDLE_LANDED, since, state.api_auth_string)
     runs += chain
