@@ -77,6 +77,24 @@ def test_epoch_order_is_a_seeded_permutation_split_into_disjoint_shards(n: int, 
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
 
 
+def test_the_same_data_in_two_tables_streams_in_the_same_order(tmp_path: Path) -> None:
+    """Data file names are random: the file order (and so each epoch's order) comes from what the files hold,
+    so the same commits train the same model in any store."""
+    from deltalake import write_deltalake
+
+    batches = [processed_rows(30, seed=s, start_seq=1000 * s) for s in (3, 1, 2, 5, 4)]
+    orders = []
+    for name in ("a", "b"):
+        uri = str(tmp_path / name)
+        for t in (batches if name == "a" else batches[::-1]):  # committed in another order too
+            write_deltalake(uri, t, mode="append")
+        frags, columns = open_fragments(DatasetRef(uri, len(batches) - 1, {}), CONTRACT)
+        assert len({f.path for f in frags}) == len(batches)
+        orders.append([b.column("sample_id").to_pylist()
+                       for _, b in stream(frags, epoch_order(len(frags), 7, 0), Position(), 1024, columns)])
+    assert orders[0] == orders[1]
+
+
 @settings(max_examples=200)
 @given(c=st.floats(1e-4, 100), t=st.floats(1e-5, 10), target=st.floats(0.01, 0.5))
 def test_checkpoint_interval_is_the_smallest_under_the_cost_target(c: float, t: float, target: float) -> None:

@@ -14,7 +14,7 @@ weigh 1/p: `sample_weights`).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -65,7 +65,8 @@ def latest_version(uri: str, storage_options: dict[str, str]) -> int:
 
 
 def open_fragments(ref: DatasetRef, contract: Contract) -> tuple[list[pds.ParquetFileFragment], list[str]]:
-    """The version's data files, sorted by path (the order every rank agrees on), and the columns to read."""
+    """The version's data files in content order (the order every rank and every store agrees on), and the
+    columns to read."""
     dt = open_uri(ref.uri, ref.storage_options, ref.version)
     ds = dt.to_pyarrow_dataset()
     columns = columns_for(contract)
@@ -75,10 +76,27 @@ def open_fragments(ref: DatasetRef, contract: Contract) -> tuple[list[pds.Parque
                            f"(has {ds.schema.names})")
     if INCLUSION_P in ds.schema.names:
         columns.append(INCLUSION_P)
-    frags = sorted(ds.get_fragments(), key=lambda f: f.path)
+    frags = sorted(ds.get_fragments(), key=_content_order(dt))
     if not frags:
         raise DatasetError(f"{ref.uri}@v{ref.version} has no data files")
     return frags, columns
+
+
+def _content_order(dt: Any) -> Callable[[pds.ParquetFileFragment], tuple[str, str, int, str]]:
+    """Sort key of a version's data files by what they hold (their sample id range and row count from the
+    Delta log's statistics), the path last: file names are random, so a path order would make the same data
+    train differently in every store it is committed to."""
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    have = set(adds.column_names)
+    lo = adds.column("min.sample_id").to_pylist() if "min.sample_id" in have else [None] * adds.num_rows
+    hi = adds.column("max.sample_id").to_pylist() if "max.sample_id" in have else [None] * adds.num_rows
+    stats = {path.rsplit("/", 1)[-1]: (a or "", b or "", int(n or 0))
+             for path, a, b, n in zip(adds.column("path").to_pylist(), lo, hi, adds.column("num_records").to_pylist(),
+                                      strict=True)}
+
+    def key(frag: pds.ParquetFileFragment) -> tuple[str, str, int, str]:
+        return (*stats.get(frag.path.rsplit("/", 1)[-1], ("", "", 0)), frag.path)
+    return key
 
 
 def epoch_order(n_files: int, seed: int, epoch: int) -> list[int]:
