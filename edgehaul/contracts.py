@@ -518,34 +518,32 @@ class _Doc:
                 (FeatureSpec(per="column", stats=("norm",)),) if any(c.numeric for c in columns) else ())
         if not isinstance(v, list):
             raise self.fail("features", f"must be a list, got {type(v).__name__}")
-        out = []
+        return tuple(self.feature(raw, f"features[{i}]", layout, tensor, columns) for i, raw in enumerate(v))
+
+    def feature(self, raw: Any, where: str, layout: str, tensor: TensorSpec | None,
+                columns: tuple[ColumnSpec, ...]) -> FeatureSpec:
+        f = self.mapping(raw, where, {"per", "stats", "columns", "function", "outputs"})
+        if "function" in f:
+            fn = self.string(f["function"], f"{where}.function")
+            if ":" not in fn:
+                raise self.fail(f"{where}.function", f"must be 'module:function', got {fn!r}")
+            outputs = self.strings(self.need(f, "outputs", where), f"{where}.outputs")
+            return FeatureSpec(per=None, function=fn, outputs=outputs, stats=())
+        per = self.string(self.need(f, "per", where), f"{where}.per", ("channel", "column"))
+        if per == "channel":
+            if tensor is None:
+                raise self.fail(f"{where}.per", f"is channel, but a {layout} kind has no tensor to decode")
+            stats = self.strings(f.get("stats", ["mean", "std"]), f"{where}.stats")
+            if bad := [s for s in stats if s not in FEATURE_STATS]:
+                raise self.fail(f"{where}.stats", f"has unknown statistics {bad} (known: {list(FEATURE_STATS)})")
+            return FeatureSpec(per="channel", stats=stats)
+        if layout != "columns":
+            raise self.fail(f"{where}.per", f"is column, but a {layout} kind has no typed columns")
         numeric = {c.name for c in columns if c.numeric}
-        for i, raw in enumerate(v):
-            where = f"features[{i}]"
-            f = self.mapping(raw, where, {"per", "stats", "columns", "function", "outputs"})
-            if "function" in f:
-                fn = self.string(f["function"], f"{where}.function")
-                if ":" not in fn:
-                    raise self.fail(f"{where}.function", f"must be 'module:function', got {fn!r}")
-                outputs = self.strings(self.need(f, "outputs", where), f"{where}.outputs")
-                out.append(FeatureSpec(per=None, function=fn, outputs=outputs, stats=()))
-                continue
-            per = self.string(self.need(f, "per", where), f"{where}.per", ("channel", "column"))
-            if per == "channel":
-                if tensor is None:
-                    raise self.fail(f"{where}.per", f"is channel, but a {layout} kind has no tensor to decode")
-                stats = self.strings(f.get("stats", ["mean", "std"]), f"{where}.stats")
-                if bad := [s for s in stats if s not in FEATURE_STATS]:
-                    raise self.fail(f"{where}.stats", f"has unknown statistics {bad} (known: {list(FEATURE_STATS)})")
-                out.append(FeatureSpec(per="channel", stats=stats))
-            else:
-                if layout != "columns":
-                    raise self.fail(f"{where}.per", f"is column, but a {layout} kind has no typed columns")
-                cols = self.strings(f.get("columns", [c.name for c in columns if c.numeric]), f"{where}.columns")
-                if bad := [c for c in cols if c not in numeric]:
-                    raise self.fail(f"{where}.columns", f"names {bad}, not numeric columns of this kind")
-                out.append(FeatureSpec(per="column", stats=("norm",), columns=cols))
-        return tuple(out)
+        cols = self.strings(f.get("columns", [c.name for c in columns if c.numeric]), f"{where}.columns")
+        if bad := [c for c in cols if c not in numeric]:
+            raise self.fail(f"{where}.columns", f"names {bad}, not numeric columns of this kind")
+        return FeatureSpec(per="column", stats=("norm",), columns=cols)
 
     def training(self, v: Any, layout: str, tensor: TensorSpec | None, label: LabelSpec, kind: str
                  ) -> TrainingSpec | None:
@@ -626,6 +624,35 @@ def _default_raw_columns(layout: str, tensor: TensorSpec | None, file: FileSpec 
     return raw
 
 
+def _layout(d: _Doc, doc: dict[str, Any]) -> str:
+    given = [k for k in ("tensor", "file", "columns") if k in doc]
+    if len(given) != 1:
+        raise ContractInvalid(f"{d.path}: a contract describes its observation with exactly one of tensor, file or "
+                              f"columns; it has {given or 'none'}")
+    return given[0]
+
+
+def _raw_columns(d: _Doc, doc: dict[str, Any], layout: str, tensor: TensorSpec | None, file: FileSpec | None,
+                 columns: tuple[ColumnSpec, ...], label: LabelSpec) -> dict[str, str]:
+    raw_columns = doc.get("raw_columns")
+    if raw_columns is None:
+        raw_columns = _default_raw_columns(layout, tensor, file, columns, label)
+    for name, typ in d.mapping(raw_columns, "raw_columns").items():
+        if typ not in _ARROW_TYPES:
+            raise d.fail(f"raw_columns.{name}", f"has unknown type {typ!r} (known: {sorted(_ARROW_TYPES)})")
+    return dict(raw_columns)
+
+
+def _expectations(d: _Doc, doc: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    expectations = doc.get("expectations", [])
+    if not isinstance(expectations, list):
+        raise d.fail("expectations", "must be a list")
+    for i, exp in enumerate(expectations):
+        if not isinstance(exp, dict) or not isinstance(exp.get("type"), str) or not isinstance(exp.get("kwargs"), dict):
+            raise d.fail(f"expectations[{i}]", "needs a string `type` and a `kwargs` mapping")
+    return tuple(expectations)
+
+
 def _parse(path: Path) -> Contract:
     raw = path.read_bytes()
     d = _Doc(path)
@@ -636,11 +663,7 @@ def _parse(path: Path) -> Contract:
     doc = d.mapping(doc, "(top level)", _TOP_KEYS)
     kind = d.name(d.need(doc, "kind", ""), "kind")
     version = d.integer(d.need(doc, "version", ""), "version")
-    given = [k for k in ("tensor", "file", "columns") if k in doc]
-    if len(given) != 1:
-        raise ContractInvalid(f"{path}: a contract describes its observation with exactly one of tensor, file or "
-                              f"columns; it has {given or 'none'}")
-    layout = given[0]
+    layout = _layout(d, doc)
     tensor = d.tensor(doc["tensor"], "tensor", "pixels") if layout == "tensor" else None
     file = d.file(doc["file"]) if layout == "file" else None
     columns = d.columns(doc["columns"]) if layout == "columns" else ()
@@ -650,22 +673,12 @@ def _parse(path: Path) -> Contract:
     decoded = tensor or (file.decode if file else None)
     features = d.features(doc.get("features"), layout, decoded, columns)
     training = d.training(doc.get("training"), layout, decoded, label, kind)
-    raw_columns = doc.get("raw_columns")
-    if raw_columns is None:
-        raw_columns = _default_raw_columns(layout, tensor, file, columns, label)
-    for name, typ in d.mapping(raw_columns, "raw_columns").items():
-        if typ not in _ARROW_TYPES:
-            raise d.fail(f"raw_columns.{name}", f"has unknown type {typ!r} (known: {sorted(_ARROW_TYPES)})")
-    expectations = doc.get("expectations", [])
-    if not isinstance(expectations, list):
-        raise d.fail("expectations", "must be a list")
-    for i, exp in enumerate(expectations):
-        if not isinstance(exp, dict) or not isinstance(exp.get("type"), str) or not isinstance(exp.get("kwargs"), dict):
-            raise d.fail(f"expectations[{i}]", "needs a string `type` and a `kwargs` mapping")
+    raw_columns = _raw_columns(d, doc, layout, tensor, file, columns, label)
+    expectations = _expectations(d, doc)
     description = doc.get("description", "")
     c = Contract(
-        kind=kind, version=version, layout=layout, label=label, raw_columns=dict(raw_columns),
-        expectations=tuple(expectations), sha256=hashlib.sha256(raw).hexdigest(), source=str(path),
+        kind=kind, version=version, layout=layout, label=label, raw_columns=raw_columns,
+        expectations=expectations, sha256=hashlib.sha256(raw).hexdigest(), source=str(path),
         description=str(description or "").strip(), tensor_spec=tensor, file=file, columns=columns,
         features=features, training=training, raw=_raw_spec(d, doc.get("raw")), **_limits(d, doc),
     )

@@ -51,6 +51,7 @@ from edgehaul.contracts import (
     ColumnSpec,
     Contract,
     ContractInvalid,
+    FeatureSpec,
     TensorSpec,
 )
 from edgehaul.decode import DecodeError, binary_values, column_matrix, decode_file, raw_tensors
@@ -445,6 +446,123 @@ class _Alive:
             self.x = self.x[sel]
 
 
+def _absent_column(name: str, typ: pa.DataType, n: int, contract: Contract, rj: _Rejects,
+                   node_id: str | None) -> pa.Array:
+    if name == "node_id" and node_id:
+        return pa.array(np.full(n, node_id, dtype=object), pa.string())
+    if name == contract.label_column or name in {c.name for c in contract.columns if c.nullable}:
+        return pa.nulls(n, typ)  # absent = null in every row: allowed
+    rj.add(np.ones(n, dtype=bool), MISSING_FIELD, f"column {name!r} absent from the raw batch")
+    return pa.nulls(n, typ)
+
+
+def _cast_column(col: pa.Array, name: str, typ: pa.DataType, contract: Contract, rj: _Rejects) -> pa.Array:
+    if pa.types.is_timestamp(typ):
+        fmt = contract.raw.capture_time if name == "capture_time" else "iso8601"
+        cast, bad = parse_times(col, fmt)
+        if bad.any():
+            rj.add(bad, BAD_TYPE, _bad_times(col, name, fmt))
+        return cast
+    cast, bad = cast_rows(col, typ)
+    if bad.any():  # only the rows whose value does not convert: the batch's good rows go on
+        rj.add(bad, BAD_TYPE, _bad_values(col, name, typ))
+    return cast
+
+
+def _raw_columns(raw: pa.Table, contract: Contract, rj: _Rejects, node_id: str | None,
+                 hashes: pa.Array | None) -> tuple[dict[str, pa.Array], pa.Array | None]:
+    """Each column of the contract's raw schema in its type (absent ones filled); the payload hashes, or
+    None once they no longer hash the payload."""
+    n = raw.num_rows
+    cols: dict[str, pa.Array] = {}
+    for name, typ in zip(contract.raw_schema.names, contract.raw_schema.types, strict=True):
+        if name not in raw.column_names:
+            cols[name] = _absent_column(name, typ, n, contract, rj, node_id)
+            continue
+        col = raw.column(name).combine_chunks()
+        if col.type.equals(typ):
+            cols[name] = col
+            continue
+        if name == contract.payload_column and contract.layout == "tensor" and _is_number_list(col.type):
+            cols[name] = _pack_payload(col, name, contract, rj)
+            hashes = None  # hashes of the lists are not hashes of the tensor bytes
+            continue
+        cols[name] = _cast_column(col, name, typ, contract, rj)
+    return cols, hashes
+
+
+def _fill_sample_ids(cols: dict[str, pa.Array], rj: _Rejects, key: str | None) -> None:
+    ids_arr = cols["sample_id"]
+    id_null = _null_mask(ids_arr)
+    if id_null.any():
+        filled = np.asarray(ids_arr.to_pylist(), dtype=object)
+        where = f"{key[:16]}:" if key else ""
+        filled[id_null] = [f"<no-id:{where}row {i}>" for i in np.flatnonzero(id_null)]
+        cols["sample_id"] = pa.array(filled, pa.string())
+        rj.add(id_null, MISSING_FIELD, "sample_id is null")
+
+
+def _check_node(cols: dict[str, pa.Array], rj: _Rejects, node_id: str) -> None:
+    node_null = _null_mask(cols["node_id"])
+    if node_null.any():
+        cols["node_id"] = pc.fill_null(cols["node_id"], node_id)
+    other = ~np.asarray(pc.equal(cols["node_id"], node_id).to_numpy(zero_copy_only=False), dtype=bool)
+    if other.any():
+        nodes = cols["node_id"]
+        rj.add(other, WRONG_NODE,
+               lambda idx: [f"node_id {nodes[int(i)].as_py()!r}, this node is {node_id!r}" for i in idx])
+
+
+def _check_required(cols: dict[str, pa.Array], rj: _Rejects, contract: Contract) -> None:
+    payload = contract.payload_column  # None for a columns kind
+    required = [*IDENTITY_COLUMNS[1:], *([payload] if payload else [])]
+    required += [c.name for c in contract.columns if not c.nullable]
+    for name in required:
+        rj.add(_null_mask(cols[name]), MISSING_FIELD, f"{name} is null")
+
+
+def _reject_duplicates(ids_arr: pa.Array, rj: _Rejects) -> None:
+    # Duplicates: keep the first occurrence of each id among rows still alive.
+    codes = pc.dictionary_encode(ids_arr).indices.to_numpy(zero_copy_only=False)
+    alive_idx = np.flatnonzero(rj.alive)
+    _, first = np.unique(codes[alive_idx], return_index=True)
+    dup = np.zeros(len(ids_arr), dtype=bool)
+    dup[alive_idx] = True
+    dup[alive_idx[first]] = False
+    rj.add(dup, DUPLICATE_ID, "sample id seen earlier in this batch")
+
+
+def _check_labels(cols: dict[str, pa.Array], rj: _Rejects, contract: Contract, label_col: str) -> None:
+    label = cols[label_col]
+    lab_null = _null_mask(label)
+    if not contract.label.nullable:
+        rj.add(lab_null, MISSING_FIELD, f"{label_col} is null (the contract's label is not nullable)")
+    lab = pc.fill_null(label, contract.label_values[0]).to_numpy(zero_copy_only=False)
+    bad = ~np.isin(lab, np.asarray(contract.label_values)) & ~lab_null
+    if bad.any():
+        rj.add(bad, BAD_LABEL, lambda idx: [f"label {lab[i]} not in {list(contract.label_values)}" for i in idx])
+
+
+def _alive_rows(cols: dict[str, pa.Array], rj: _Rejects, contract: Contract, hashes: pa.Array | None) -> _Alive:
+    if contract.layout == "tensor":
+        return _tensor_rows(cols, rj, contract, hashes)
+    if contract.layout == "file":
+        return _file_rows(cols, rj, contract, hashes)
+    return _column_rows(cols, rj, contract)
+
+
+def _rejects_table(ids: pa.Array, rj: _Rejects) -> pa.Table:
+    bad_idx = np.flatnonzero(~rj.alive)
+    return pa.table(
+        {
+            "sample_id": pc.take(ids, pa.array(bad_idx, pa.int64())),
+            "reason": pa.array(rj.reason[bad_idx].tolist(), pa.string()),
+            "detail": pa.array(rj.detail[bad_idx].tolist(), pa.string()),
+        },
+        schema=REJECTS_SCHEMA,
+    )
+
+
 def preprocess(
     raw: pa.Table, contract: Contract, *, node_id: str | None = None, key: str | None = None,
     hashes: pa.Array | None = None,
@@ -464,108 +582,22 @@ def preprocess(
     if hashes is not None and len(hashes) != n:
         raise ValueError(f"{len(hashes)} content hashes for a batch of {n} rows")
     rj = _Rejects(n)
-    payload = contract.payload_column  # None for a columns kind
-    nullable = {c.name for c in contract.columns if c.nullable}
-    cols: dict[str, pa.Array] = {}
-    for name, typ in zip(contract.raw_schema.names, contract.raw_schema.types, strict=True):
-        if name not in raw.column_names:
-            if name == "node_id" and node_id:
-                cols[name] = pa.array(np.full(n, node_id, dtype=object), pa.string())
-                continue
-            if name == contract.label_column or name in nullable:  # absent = null in every row: allowed
-                cols[name] = pa.nulls(n, typ)
-                continue
-            cols[name] = pa.nulls(n, typ)
-            rj.add(np.ones(n, dtype=bool), MISSING_FIELD, f"column {name!r} absent from the raw batch")
-            continue
-        col = raw.column(name).combine_chunks()
-        if col.type.equals(typ):
-            cols[name] = col
-            continue
-        if name == payload and contract.layout == "tensor" and _is_number_list(col.type):
-            cols[name] = _pack_payload(col, name, contract, rj)
-            hashes = None  # hashes of the lists are not hashes of the tensor bytes
-            continue
-        if pa.types.is_timestamp(typ):
-            fmt = contract.raw.capture_time if name == "capture_time" else "iso8601"
-            cast, bad = parse_times(col, fmt)
-            cols[name] = cast
-            if bad.any():
-                rj.add(bad, BAD_TYPE, _bad_times(col, name, fmt))
-            continue
-        cast, bad = cast_rows(col, typ)
-        cols[name] = cast
-        if bad.any():  # only the rows whose value does not convert: the batch's good rows go on
-            rj.add(bad, BAD_TYPE, _bad_values(col, name, typ))
-
-    ids_arr = cols["sample_id"]
-    id_null = _null_mask(ids_arr)
-    if id_null.any():
-        filled = np.asarray(ids_arr.to_pylist(), dtype=object)
-        where = f"{key[:16]}:" if key else ""
-        filled[id_null] = [f"<no-id:{where}row {i}>" for i in np.flatnonzero(id_null)]
-        ids_arr = pa.array(filled, pa.string())
-        cols["sample_id"] = ids_arr
-        rj.add(id_null, MISSING_FIELD, "sample_id is null")
-
+    cols, hashes = _raw_columns(raw, contract, rj, node_id, hashes)
+    _fill_sample_ids(cols, rj, key)
     if node_id:
-        node_null = _null_mask(cols["node_id"])
-        if node_null.any():
-            cols["node_id"] = pc.fill_null(cols["node_id"], node_id)
-        other = ~np.asarray(pc.equal(cols["node_id"], node_id).to_numpy(zero_copy_only=False), dtype=bool)
-        if other.any():
-            nodes = cols["node_id"]
-            rj.add(other, WRONG_NODE,
-                   lambda idx: [f"node_id {nodes[int(i)].as_py()!r}, this node is {node_id!r}" for i in idx])
-
-    required = [*IDENTITY_COLUMNS[1:], *([payload] if payload else [])]
-    required += [c.name for c in contract.columns if not c.nullable]
-    for name in required:
-        rj.add(_null_mask(cols[name]), MISSING_FIELD, f"{name} is null")
-
-    # Duplicates: keep the first occurrence of each id among rows still alive.
+        _check_node(cols, rj, node_id)
+    _check_required(cols, rj, contract)
     if n:
-        codes = pc.dictionary_encode(ids_arr).indices.to_numpy(zero_copy_only=False)
-        alive_idx = np.flatnonzero(rj.alive)
-        _, first = np.unique(codes[alive_idx], return_index=True)
-        dup = np.zeros(n, dtype=bool)
-        dup[alive_idx] = True
-        dup[alive_idx[first]] = False
-        rj.add(dup, DUPLICATE_ID, "sample id seen earlier in this batch")
-
-    label_col = contract.label_column
-    if label_col is not None and n:
-        label = cols[label_col]
-        lab_null = _null_mask(label)
-        if not contract.label.nullable:
-            rj.add(lab_null, MISSING_FIELD, f"{label_col} is null (the contract's label is not nullable)")
-        lab = pc.fill_null(label, contract.label_values[0]).to_numpy(zero_copy_only=False)
-        bad = ~np.isin(lab, np.asarray(contract.label_values)) & ~lab_null
-        if bad.any():
-            rj.add(bad, BAD_LABEL, lambda idx: [f"label {lab[i]} not in {list(contract.label_values)}" for i in idx])
-
-    if contract.layout == "tensor":
-        alive = _tensor_rows(cols, rj, contract, hashes)
-    elif contract.layout == "file":
-        alive = _file_rows(cols, rj, contract, hashes)
-    else:
-        alive = _column_rows(cols, rj, contract)
+        _reject_duplicates(cols["sample_id"], rj)
+    if contract.label_column is not None and n:
+        _check_labels(cols, rj, contract, contract.label_column)
+    alive = _alive_rows(cols, rj, contract, hashes)
     features = _features(alive, rj, contract)
 
     schema = preprocessed_schema(contract)
     out = {name: features[name] if name in features else alive.cols[name] for name in schema.names}
     accepted = pa.table(out).cast(schema)
-
-    bad_idx = np.flatnonzero(~rj.alive)
-    rejects = pa.table(
-        {
-            "sample_id": pc.take(cols["sample_id"], pa.array(bad_idx, pa.int64())),
-            "reason": pa.array(rj.reason[bad_idx].tolist(), pa.string()),
-            "detail": pa.array(rj.detail[bad_idx].tolist(), pa.string()),
-        },
-        schema=REJECTS_SCHEMA,
-    )
-    return PreprocessResult(accepted=accepted, rejects=rejects, n_input=n)
+    return PreprocessResult(accepted=accepted, rejects=_rejects_table(cols["sample_id"], rj), n_input=n)
 
 
 def _pack_payload(col: pa.Array, name: str, contract: Contract, rj: _Rejects) -> pa.Array:
@@ -708,45 +740,58 @@ def feature_function(contract: Contract, i: int) -> Callable[..., Any]:
     return fn
 
 
+def _channel_stats(alive: _Alive, contract: Contract, f: FeatureSpec) -> dict[str, np.ndarray]:
+    spec = contract.tensor
+    assert spec is not None and alive.x is not None
+    xc = spec.channels_last(alive.x)
+    stats: dict[str, np.ndarray] = {}
+    if "mean" in f.stats or "std" in f.stats:
+        stats["mean"], stats["std"] = channel_features(xc, contract)
+    if "min" in f.stats or "max" in f.stats:
+        lo, hi = channel_extremes(xc, spec)
+        stats["min"], stats["max"] = lo, hi
+    return {f"{stat}_{ch}": stats[stat][:, j] for stat in f.stats for j, ch in enumerate(spec.channels)}
+
+
+def _column_norms(alive: _Alive, contract: Contract, f: FeatureSpec) -> dict[str, np.ndarray]:
+    cols = f.columns or contract.numeric_columns
+    mat = column_matrix(pa.table({c: alive.cols[c] for c in cols}), contract, cols)
+    return {f"norm_{c}": mat[:, j] for j, c in enumerate(cols)}
+
+
+def _add_function_features(alive: _Alive, rj: _Rejects, contract: Contract, i: int,
+                           out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`out` with the outputs of `features[i].function`; a row with a non-finite output is rejected and
+    every array (the alive rows, `out`) is filtered along."""
+    f = contract.features[i]
+    m = len(alive.cols["sample_id"])
+    got = _function_features(alive, contract, i)
+    bad = np.zeros(m, dtype=bool)
+    for a in got.values():
+        bad |= ~np.isfinite(a)
+    if bad.any():
+        why = np.full(m, "", dtype=object)
+        for j in np.flatnonzero(bad).tolist():
+            why[j] = f"{f.function}: " + ", ".join(f"{o}={a[j]}" for o, a in got.items() if not np.isfinite(a[j]))
+        sel = rj.add_alive(bad, BAD_FEATURE, why)
+        alive.filter(sel)
+        out = {k: v[sel] for k, v in out.items()}
+        got = {k: v[sel] for k, v in got.items()}
+    out.update(got)
+    return out
+
+
 def _features(alive: _Alive, rj: _Rejects, contract: Contract) -> dict[str, pa.Array | np.ndarray]:
     """Feature columns per `contract.features` for the alive rows (a function's non-finite value rejects
     its row, and every array is filtered along)."""
     out: dict[str, np.ndarray] = {}
-    m = len(alive.cols["sample_id"])
     for i, f in enumerate(contract.features):
         if f.per == "channel":
-            spec = contract.tensor
-            assert spec is not None and alive.x is not None
-            xc = spec.channels_last(alive.x)
-            stats: dict[str, np.ndarray] = {}
-            if "mean" in f.stats or "std" in f.stats:
-                stats["mean"], stats["std"] = channel_features(xc, contract)
-            if "min" in f.stats or "max" in f.stats:
-                lo, hi = channel_extremes(xc, spec)
-                stats["min"], stats["max"] = lo, hi
-            for stat in f.stats:
-                for j, ch in enumerate(spec.channels):
-                    out[f"{stat}_{ch}"] = stats[stat][:, j]
+            out.update(_channel_stats(alive, contract, f))
         elif f.per == "column":
-            cols = f.columns or contract.numeric_columns
-            mat = column_matrix(pa.table({c: alive.cols[c] for c in cols}), contract, cols)
-            for j, c in enumerate(cols):
-                out[f"norm_{c}"] = mat[:, j]
+            out.update(_column_norms(alive, contract, f))
         else:
-            got = _function_features(alive, contract, i)
-            bad = np.zeros(m, dtype=bool)
-            for a in got.values():
-                bad |= ~np.isfinite(a)
-            if bad.any():
-                why = np.full(m, "", dtype=object)
-                for j in np.flatnonzero(bad).tolist():
-                    why[j] = f"{f.function}: " + ", ".join(f"{o}={a[j]}" for o, a in got.items() if not np.isfinite(a[j]))
-                sel = rj.add_alive(bad, BAD_FEATURE, why)
-                alive.filter(sel)
-                out = {k: v[sel] for k, v in out.items()}
-                got = {k: v[sel] for k, v in got.items()}
-                m = int(sel.sum())
-            out.update(got)
+            out = _add_function_features(alive, rj, contract, i, out)
     return {k: pa.array(v, pa.float32()) for k, v in out.items()}
 
 

@@ -63,7 +63,7 @@ from urllib.parse import unquote
 from botocore.exceptions import ClientError
 
 from edgehaul.core.datasets import open_uri
-from edgehaul.ops.storage_classes import CLASSES, check_delete, check_move, storage_class
+from edgehaul.ops.storage_classes import CLASSES, Verdict, check_delete, check_move, storage_class
 from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import error_code
 
@@ -398,7 +398,205 @@ def _due_move(rule: RetentionRule, age: timedelta, idle: timedelta) -> str | Non
     return None
 
 
-def plan(  # noqa: C901 (one pass over the zones; to split into per-zone phases)
+@dataclass
+class _Survey:
+    """What planning knows before it decides: the hot listing, the keys that stay hot (and why), last uses."""
+
+    store: ObjectStore
+    policy: RetentionPolicy
+    now: datetime
+    force_reason: str | None
+    s3: S3Client
+    hot: dict[tuple[str, str], ObjectInfo]
+    accesses: list[dict[str, Any]]
+    protected: dict[str, str] = field(default_factory=dict)  # key -> why it stays hot
+    used_at: dict[str, datetime] = field(default_factory=dict)  # dataset file -> last use of a version reading it
+
+    @property
+    def cold_bucket(self) -> str:
+        return self.store.bucket("cold")
+
+    def last_use(self, o: ObjectInfo, created: datetime) -> datetime:
+        t = max(created, self.used_at.get(o.key, created))
+        for rec in self.accesses:
+            if rec.get("bucket") == o.bucket and o.key.startswith(rec.get("prefix") or ""):
+                t = max(t, _iso(rec["at"], t))
+        return t
+
+
+def _list_hot(s3: S3Client, store: ObjectStore) -> dict[tuple[str, str], ObjectInfo]:
+    base = _base(store)
+    hot: dict[tuple[str, str], ObjectInfo] = {}
+    for bucket in dict.fromkeys(store.bucket(z) for z in ("landing", "curated", "checkpoints", "ops")):
+        for o in list_objects(s3, bucket, base):
+            hot[(o.bucket, o.key)] = o
+    return hot
+
+
+def _protect_dataset_files(p: Plan, sv: _Survey, lineages: list[dict[str, Any]]) -> None:
+    """Files read by protected Delta versions stay hot; every dataset file gets its last use."""
+    curated = sv.store.bucket("curated")
+    roots = sorted({k.split("/_delta_log/")[0] for (b, k) in sv.hot if b == curated and "/_delta_log/" in k})
+    for tf in delta_protection(sv.store, roots, sv.policy, lineages, sv.accesses).values():
+        p.protected_versions[tf.uri] = dict(sorted(tf.protected.items()))
+        p.notes.extend(tf.notes)
+        for k in tf.protected_keys:
+            sv.protected[k] = f"referenced: {tf.uri} protected versions"
+        p.protected_keys |= tf.protected_keys
+        sv.used_at.update(tf.used_at)
+
+
+def _protect_published_models(p: Plan, sv: _Survey) -> None:
+    # the published model (and the one it replaced, the rollback target) stay hot: edges load them
+    store, s3 = sv.store, sv.s3
+    prefixes: dict[str, str] = {}
+    for (b, k) in sv.hot:
+        if b == store.bucket("models") and k.startswith(store.key("models")) and k.endswith("/latest.json"):
+            ptr = json.loads(s3.get_object(Bucket=b, Key=k)["Body"].read())
+            for mid in (ptr.get("model_id"), ptr.get("previous")):
+                if mid:
+                    prefixes[k.removesuffix("latest.json") + f"{mid}/"] = f"referenced: published model {mid}"
+    if not prefixes:
+        return
+    cold_origins = [origin_of(store, c.key) for c in list_objects(s3, store.bucket("cold"), store.key("cold"))
+                    if c.key.count("/") > store.key("cold").count("/")]
+    for (b, k) in [*sv.hot, *cold_origins]:
+        for pre, why in prefixes.items():
+            if b == store.bucket("models") and k.startswith(pre):
+                sv.protected[k] = why
+                p.protected_keys.add(k)
+
+
+def _expired(rule: RetentionRule, v: Verdict) -> str:
+    return f"expired after {rule.expire_after_days:g}d" + (f"; {v.reason}" if v.forced else "")
+
+
+@dataclass(frozen=True)
+class _ColdCopy:
+    """A cold object with its origin and what its HEAD says."""
+
+    obj: ObjectInfo
+    src_bucket: str
+    src_key: str
+    data_class: str  # "" when its origin is not managed
+    rule: RetentionRule | None
+    created: datetime
+    since: datetime  # in its storage class since
+    storage_class: str
+    source_etag: str | None
+
+
+def _cold_copy(sv: _Survey, c: ObjectInfo) -> _ColdCopy | None:
+    """The cold object's origin and HEAD, where a decision needs them (None: nothing to decide)."""
+    try:
+        sb, sk = origin_of(sv.store, c.key)
+    except ValueError:
+        return None
+    dc = classify(sv.store, sb, sk)
+    rule = sv.policy.rule(dc) if dc else None
+    expires = rule is not None and rule.expire_after_days is not None
+    if not ((sb, sk) in sv.hot or sk in sv.protected or expires):
+        return None
+    h = _head(sv.s3, sv.cold_bucket, c.key)
+    if h is None:
+        return None
+    meta = h.get("Metadata", {})
+    return _ColdCopy(c, sb, sk, dc or "", rule, _iso(meta.get("eh-created"), c.last_modified),
+                     _iso(meta.get("eh-class-since"), c.last_modified), h.get("StorageClass") or "STANDARD",
+                     meta.get("eh-source-etag"))
+
+
+def _plan_cold_copy(p: Plan, sv: _Survey, cc: _ColdCopy) -> bool:
+    """Decide one cold copy; True when that settles its hot source too (the hot pass leaves it alone)."""
+    c, sb, sk, cold, cls = cc.obj, cc.src_bucket, cc.src_key, sv.cold_bucket, cc.storage_class
+    src = sv.hot.get((sb, sk))
+    if src is not None and sk in sv.protected:
+        # an interrupted move of a file that became referenced: keep it in the table, drop the copy
+        p.actions.append(Action("delete", cold, c.key, cold, c.key, c.size, c.etag, cls, cc.data_class,
+                                cc.created.isoformat(), f"{sv.protected[sk]}; redundant cold copy"))
+        return True
+    if src is not None:
+        if cc.source_etag == src.etag:
+            p.actions.append(Action("move", sb, sk, cold, c.key, src.size, src.etag, cls, cc.data_class,
+                                    cc.created.isoformat(), "finish interrupted move"))
+            return True
+        p.notes.append(f"s3://{sb}/{sk} was rewritten after its cold copy; the cold copy is stale")
+        return False
+    if sk in sv.protected:
+        if not storage_class(cls).instant_read:
+            p.skip(c.key, f"restore needs an S3 restore from {cls} first")
+            return False
+        p.actions.append(Action("restore", cold, c.key, sb, sk, c.size, c.etag, "STANDARD", cc.data_class,
+                                cc.created.isoformat(), f"{sv.protected[sk]}; restored early on purpose"))
+        return False
+    rule = cc.rule
+    if rule is not None and rule.expire_after_days is not None and sv.now - cc.created >= rule.expire_after_days * DAY:
+        v = check_delete(cls, cc.since, sv.now, sv.force_reason)
+        if not v.allowed:
+            p.skip(c.key, v.reason)
+            return False
+        p.actions.append(Action("delete", cold, c.key, cold, c.key, c.size, c.etag, cls, cc.data_class,
+                                cc.created.isoformat(), _expired(rule, v)))
+    return False
+
+
+def _plan_cold(p: Plan, sv: _Survey) -> set[tuple[str, str]]:
+    """Cold tier: expiry, restores of newly protected files, and finishing moves whose journal was lost.
+    Returns the hot objects a cold copy settled."""
+    settled: set[tuple[str, str]] = set()
+    for c in list_objects(sv.s3, sv.cold_bucket, sv.store.key("cold")):
+        cc = _cold_copy(sv, c)
+        if cc is not None and _plan_cold_copy(p, sv, cc):
+            settled.add((cc.src_bucket, cc.src_key))
+    return settled
+
+
+def _plan_hot_object(p: Plan, sv: _Survey, o: ObjectInfo, dc: str, rule: RetentionRule) -> None:
+    """Expire, move to cold, or leave one managed hot object."""
+    created = o.last_modified
+    age = sv.now - created
+    if rule.expire_after_days is not None and age >= rule.expire_after_days * DAY:
+        v = check_delete(o.storage_class, o.last_modified, sv.now, sv.force_reason)
+        if not v.allowed:
+            p.skip(o.key, v.reason)
+            return
+        ck = cold_key(sv.store, o.bucket, o.key)
+        p.actions.append(Action("delete", o.bucket, o.key, sv.cold_bucket, ck, o.size, o.etag, o.storage_class, dc,
+                                created.isoformat(), _expired(rule, v)))
+        return
+    due = _due_move(rule, age, sv.now - sv.last_use(o, created))
+    if due is None:
+        return
+    if _is_meta_file(o.key):
+        p.skip(o.key, "skipped: metadata object stays hot")
+        return
+    if storage_class(o.storage_class).rank >= CLASSES[rule.cold_storage_class].rank:
+        p.skip(o.key, f"skipped: already {o.storage_class}")
+        return
+    v = check_move(o.size, o.storage_class, o.last_modified, rule.cold_storage_class, sv.now, sv.force_reason)
+    if not v.allowed:
+        p.skip(o.key, v.reason)
+        return
+    p.actions.append(Action("move", o.bucket, o.key, sv.cold_bucket, cold_key(sv.store, o.bucket, o.key), o.size,
+                            o.etag, rule.cold_storage_class, dc, created.isoformat(),
+                            due + (f"; {v.reason}" if v.forced else "")))
+
+
+def _plan_hot(p: Plan, sv: _Survey, settled: set[tuple[str, str]]) -> None:
+    for (bucket, key), o in sv.hot.items():
+        if (bucket, key) in settled:
+            continue
+        dc = classify(sv.store, bucket, key)
+        rule = sv.policy.rule(dc) if dc else None
+        if rule is None or dc is None:
+            continue
+        if key in sv.protected:
+            p.skip(key, sv.protected[key])
+            continue
+        _plan_hot_object(p, sv, o, dc, rule)
+
+
+def plan(
     store: ObjectStore, policy: RetentionPolicy, now: datetime, *, force_reason: str | None = None,
     s3: S3Client | None = None,
 ) -> Plan:
@@ -407,137 +605,13 @@ def plan(  # noqa: C901 (one pass over the zones; to split into per-zone phases)
         raise ValueError("plan: `now` must be timezone-aware")
     s3 = s3 or store.client()
     p = Plan(now=now)
-    base = _base(store)
     lineages = model_lineages(s3, store)
     accesses = access_records(s3, store)
-    hot: dict[tuple[str, str], ObjectInfo] = {}
-    for bucket in dict.fromkeys(store.bucket(z) for z in ("landing", "curated", "checkpoints", "ops")):
-        for o in list_objects(s3, bucket, base):
-            hot[(o.bucket, o.key)] = o
-    roots = sorted({k.split("/_delta_log/")[0] for (b, k) in hot if b == store.bucket("curated") and "/_delta_log/" in k})
-    tables = delta_protection(store, roots, policy, lineages, accesses)
-    protected: dict[str, str] = {}
-    used_at: dict[str, datetime] = {}
-    for root, tf in tables.items():
-        p.protected_versions[tf.uri] = dict(sorted(tf.protected.items()))
-        p.notes.extend(tf.notes)
-        for k in tf.protected_keys:
-            protected[k] = f"referenced: {tf.uri} protected versions"
-        p.protected_keys |= tf.protected_keys
-        used_at.update(tf.used_at)
-        del root
-    # the published model (and the one it replaced, the rollback target) stay hot: edges load them
-    protected_prefixes: dict[str, str] = {}
-    for (b, k) in hot:
-        if b == store.bucket("models") and k.startswith(store.key("models")) and k.endswith("/latest.json"):
-            ptr = json.loads(s3.get_object(Bucket=b, Key=k)["Body"].read())
-            for mid in (ptr.get("model_id"), ptr.get("previous")):
-                if mid:
-                    protected_prefixes[k.removesuffix("latest.json") + f"{mid}/"] = f"referenced: published model {mid}"
-    cold_origins = [origin_of(store, c.key) for c in list_objects(s3, store.bucket("cold"), store.key("cold"))
-                    if c.key.count("/") > store.key("cold").count("/")] if protected_prefixes else []
-    for (b, k) in [*hot, *cold_origins]:
-        for pre, why in protected_prefixes.items():
-            if b == store.bucket("models") and k.startswith(pre):
-                protected[k] = why
-                p.protected_keys.add(k)
-
-    def last_use(o: ObjectInfo, created: datetime) -> datetime:
-        t = max(created, used_at.get(o.key, created))
-        for rec in accesses:
-            if rec.get("bucket") == o.bucket and o.key.startswith(rec.get("prefix") or ""):
-                t = max(t, _iso(rec["at"], t))
-        return t
-
-    # cold tier: expiry, restores of newly protected files, and finishing moves whose journal was lost
-    cold_bucket = store.bucket("cold")
-    cold_seen: set[tuple[str, str]] = set()
-    for c in list_objects(s3, cold_bucket, store.key("cold")):
-        try:
-            sb, sk = origin_of(store, c.key)
-        except ValueError:
-            continue
-        dc = classify(store, sb, sk)
-        rule = policy.rule(dc) if dc else None
-        src = hot.get((sb, sk))
-        needs_head = src is not None or sk in protected or (rule is not None and rule.expire_after_days is not None)
-        if not needs_head:
-            continue
-        h = _head(s3, cold_bucket, c.key)
-        if h is None:
-            continue
-        meta = h.get("Metadata", {})
-        created = _iso(meta.get("eh-created"), c.last_modified)
-        since = _iso(meta.get("eh-class-since"), c.last_modified)
-        cls = h.get("StorageClass") or "STANDARD"
-        if src is not None and sk in protected:
-            # an interrupted move of a file that became referenced: keep it in the table, drop the copy
-            cold_seen.add((sb, sk))
-            p.actions.append(Action("delete", cold_bucket, c.key, cold_bucket, c.key, c.size, c.etag, cls, dc or "",
-                                    created.isoformat(), f"{protected[sk]}; redundant cold copy"))
-            continue
-        if src is not None:
-            if meta.get("eh-source-etag") == src.etag:
-                cold_seen.add((sb, sk))
-                p.actions.append(Action("move", sb, sk, cold_bucket, c.key, src.size, src.etag, cls, dc or "",
-                                        created.isoformat(), "finish interrupted move"))
-            else:
-                p.notes.append(f"s3://{sb}/{sk} was rewritten after its cold copy; the cold copy is stale")
-            continue
-        if sk in protected:
-            if not storage_class(cls).instant_read:
-                p.skip(c.key, f"restore needs an S3 restore from {cls} first")
-                continue
-            p.actions.append(Action("restore", cold_bucket, c.key, sb, sk, c.size, c.etag, "STANDARD", dc or "",
-                                    created.isoformat(), f"{protected[sk]}; restored early on purpose"))
-            continue
-        if rule is not None and rule.expire_after_days is not None and now - created >= rule.expire_after_days * DAY:
-            v = check_delete(cls, since, now, force_reason)
-            if not v.allowed:
-                p.skip(c.key, v.reason)
-                continue
-            p.actions.append(Action("delete", cold_bucket, c.key, cold_bucket, c.key, c.size, c.etag, cls, dc or "",
-                                    created.isoformat(),
-                                    f"expired after {rule.expire_after_days:g}d" + (f"; {v.reason}" if v.forced else "")))
-
-    for (bucket, key), o in hot.items():
-        if (bucket, key) in cold_seen:
-            continue
-        dc = classify(store, bucket, key)
-        rule = policy.rule(dc) if dc else None
-        if rule is None or dc is None:
-            continue
-        if key in protected:
-            p.skip(key, protected[key])
-            continue
-        created = o.last_modified
-        age = now - created
-        if rule.expire_after_days is not None and age >= rule.expire_after_days * DAY:
-            v = check_delete(o.storage_class, o.last_modified, now, force_reason)
-            if not v.allowed:
-                p.skip(key, v.reason)
-                continue
-            ck = cold_key(store, bucket, key)
-            p.actions.append(Action("delete", bucket, key, cold_bucket, ck, o.size, o.etag, o.storage_class, dc,
-                                    created.isoformat(),
-                                    f"expired after {rule.expire_after_days:g}d" + (f"; {v.reason}" if v.forced else "")))
-            continue
-        due = _due_move(rule, age, now - last_use(o, created))
-        if due is None:
-            continue
-        if _is_meta_file(key):
-            p.skip(key, "skipped: metadata object stays hot")
-            continue
-        if storage_class(o.storage_class).rank >= CLASSES[rule.cold_storage_class].rank:
-            p.skip(key, f"skipped: already {o.storage_class}")
-            continue
-        v = check_move(o.size, o.storage_class, o.last_modified, rule.cold_storage_class, now, force_reason)
-        if not v.allowed:
-            p.skip(key, v.reason)
-            continue
-        p.actions.append(Action("move", bucket, key, cold_bucket, cold_key(store, bucket, key), o.size, o.etag,
-                                rule.cold_storage_class, dc, created.isoformat(),
-                                due + (f"; {v.reason}" if v.forced else "")))
+    sv = _Survey(store, policy, now, force_reason, s3, _list_hot(s3, store), accesses)
+    _protect_dataset_files(p, sv, lineages)
+    _protect_published_models(p, sv)
+    settled = _plan_cold(p, sv)
+    _plan_hot(p, sv, settled)
     log.info("lifecycle plan at %s: %s, skipped %s", now.date(), p.counts(), dict(p.skipped))
     return p
 
@@ -625,13 +699,9 @@ def _drop_unverified(s3: S3Client, a: Action, dst: dict[str, Any] | None) -> Non
                     a.dst_bucket, a.dst_key)
 
 
-def _transfer(
-    s3: S3Client, a: Action, now: datetime, hook: Hook | None, *, multipart_threshold: int, part_bytes: int
-) -> str:
-    """Move (hot->cold) or restore (cold->hot) one object; idempotent. Returns the outcome."""
-    dst = _head(s3, a.dst_bucket, a.dst_key)
-    src = _head(s3, a.src_bucket, a.src_key)
-    copied = _holds_plan(dst, a)
+def _source_outcome(s3: S3Client, a: Action, src: dict[str, Any] | None, dst: dict[str, Any] | None,
+                    copied: bool) -> str | None:
+    """The outcome when the source is gone or is no longer the planned version (None: go on)."""
     if src is None:
         # gone without a verified copy: deleted by someone else since the plan; nothing to move
         if copied:
@@ -643,39 +713,67 @@ def _transfer(
             _drop_unverified(s3, a, dst)  # an interrupted copy of another version
         log.warning("%s s3://%s/%s changed since planned; left for the next plan", a.kind, a.src_bucket, a.src_key)
         return "skipped: changed since planned"
+    return None
+
+
+def _copy_meta(a: Action, src: dict[str, Any], now: datetime) -> dict[str, str]:
+    meta = {k: v for k, v in src.get("Metadata", {}).items() if not k.startswith("eh-")}
+    if a.kind == "move":
+        meta.update({"eh-source": f"{a.src_bucket}/{a.src_key}", "eh-source-etag": a.etag,
+                     "eh-created": a.created, "eh-class-since": now.isoformat()})
+    else:  # restore: drop the cold bookkeeping, keep the first-written time
+        meta["eh-created"] = a.created
+        meta["eh-source-etag"] = a.etag
+    return meta
+
+
+def _copy_checked(
+    s3: S3Client, a: Action, src: dict[str, Any], now: datetime, *, multipart_threshold: int, part_bytes: int
+) -> str | None:
+    """Copy the planned version and verify the copy; the outcome when the source changed meanwhile."""
+    meta = _copy_meta(a, src, now)
+    try:
+        _copy(s3, a, meta, src.get("ContentType") or "binary/octet-stream",
+              multipart_threshold=multipart_threshold, part_bytes=part_bytes)
+    except ClientError as e:
+        # the server honoured CopySourceIfMatch: the source changed between the HEAD above and the copy
+        if not s3compat.is_precondition_failed(e):
+            raise
+        log.warning("%s s3://%s/%s changed during the copy (copy refused); left for the next plan",
+                    a.kind, a.src_bucket, a.src_key)
+        return "skipped: changed since planned"
+    dst = _head(s3, a.dst_bucket, a.dst_key)
+    if _copy_verified(s3, a, dst):
+        return None
+    # Some servers ignore CopySourceIfMatch: a source rewritten between the HEAD above and the
+    # copy leaves a copy of other bytes under the planned ETag. Whatever is wrong with it (size,
+    # ETag, source changed), it is removed before anything else is decided.
+    if dst is not None:
+        s3.delete_object(Bucket=a.dst_bucket, Key=a.dst_key)
+    after = _head(s3, a.src_bucket, a.src_key)
+    if after is None or _etag(after["ETag"]) != a.etag:
+        log.warning("%s s3://%s/%s changed during the copy; copy removed, left for the next plan",
+                    a.kind, a.src_bucket, a.src_key)
+        return "skipped: changed since planned"
+    raise LifecycleError(f"{a.kind} s3://{a.src_bucket}/{a.src_key}: copy not verified at "
+                         f"s3://{a.dst_bucket}/{a.dst_key} (removed; the source is unchanged)")
+
+
+def _transfer(
+    s3: S3Client, a: Action, now: datetime, hook: Hook | None, *, multipart_threshold: int, part_bytes: int
+) -> str:
+    """Move (hot->cold) or restore (cold->hot) one object; idempotent. Returns the outcome."""
+    dst = _head(s3, a.dst_bucket, a.dst_key)
+    src = _head(s3, a.src_bucket, a.src_key)
+    copied = _holds_plan(dst, a)
+    outcome = _source_outcome(s3, a, src, dst, copied)
+    if outcome is not None:
+        return outcome
+    assert src is not None  # _source_outcome answered for a missing source
     if not copied:
-        if a.kind == "move":
-            meta = {k: v for k, v in src.get("Metadata", {}).items() if not k.startswith("eh-")}
-            meta.update({"eh-source": f"{a.src_bucket}/{a.src_key}", "eh-source-etag": a.etag,
-                         "eh-created": a.created, "eh-class-since": now.isoformat()})
-        else:  # restore: drop the cold bookkeeping, keep the first-written time
-            meta = {k: v for k, v in src.get("Metadata", {}).items() if not k.startswith("eh-")}
-            meta["eh-created"] = a.created
-            meta["eh-source-etag"] = a.etag
-        try:
-            _copy(s3, a, meta, src.get("ContentType") or "binary/octet-stream",
-                  multipart_threshold=multipart_threshold, part_bytes=part_bytes)
-        except ClientError as e:
-            # the server honoured CopySourceIfMatch: the source changed between the HEAD above and the copy
-            if not s3compat.is_precondition_failed(e):
-                raise
-            log.warning("%s s3://%s/%s changed during the copy (copy refused); left for the next plan",
-                        a.kind, a.src_bucket, a.src_key)
-            return "skipped: changed since planned"
-        dst = _head(s3, a.dst_bucket, a.dst_key)
-        if not _copy_verified(s3, a, dst):
-            # Some servers ignore CopySourceIfMatch: a source rewritten between the HEAD above and the
-            # copy leaves a copy of other bytes under the planned ETag. Whatever is wrong with it (size,
-            # ETag, source changed), it is removed before anything else is decided.
-            if dst is not None:
-                s3.delete_object(Bucket=a.dst_bucket, Key=a.dst_key)
-            after = _head(s3, a.src_bucket, a.src_key)
-            if after is None or _etag(after["ETag"]) != a.etag:
-                log.warning("%s s3://%s/%s changed during the copy; copy removed, left for the next plan",
-                            a.kind, a.src_bucket, a.src_key)
-                return "skipped: changed since planned"
-            raise LifecycleError(f"{a.kind} s3://{a.src_bucket}/{a.src_key}: copy not verified at "
-                                 f"s3://{a.dst_bucket}/{a.dst_key} (removed; the source is unchanged)")
+        outcome = _copy_checked(s3, a, src, now, multipart_threshold=multipart_threshold, part_bytes=part_bytes)
+        if outcome is not None:
+            return outcome
     if hook:
         hook("copied", a)
     s3.delete_object(Bucket=a.src_bucket, Key=a.src_key)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -109,129 +110,143 @@ def _notify(block_id: UUID, level: int, alert: str, detail: str) -> Any:
     )
 
 
-def alert_automations(policy: AlertPolicy, notify_block_id: UUID) -> list[Any]:
-    """The three alert automations (prefect.automations.AutomationCore objects), not yet applied."""
+def _automation(name: str, description: str, actions: list[Any], **trigger: Any) -> Any:
+    """An alert automation (prefect.automations.AutomationCore) on a reactive event trigger."""
     from prefect.automations import AutomationCore
-    from prefect.events.actions import RunDeployment
     from prefect.events.schemas.automations import EventTrigger, Posture
 
-    rt = events.ALERT_LABELS["retransmission_rate"]
-    used = events.ALERT_LABELS["used_fraction"]
-    l1 = AutomationCore(
-        name=L1_NAME,
-        description=(
-            f"Level 1: {policy.sustained_samples} link-stats samples with retransmission rate >= "
-            f"{policy.retransmission_rate:.1%} within {policy.sustained_window_s:.0f} s on one link (a single spike "
-            "does not fire)."
-        ),
-        tags=TAGS,
-        trigger=EventTrigger(
-            expect={events.LINK_STATS},
-            match={rt: at_least_globs(round(policy.retransmission_rate * 1000))},
-            for_each={"prefect.resource.id"},
-            posture=Posture.Reactive,
-            threshold=policy.sustained_samples,
-            within=timedelta(seconds=policy.sustained_window_s),
-        ),
-        actions=[
-            _notify(
-                notify_block_id, 1, "link-retransmission", '"retransmission_rate": {{ event.payload.retransmission_rate }}'
-            )
-        ],
+    return AutomationCore(name=name, description=description, tags=TAGS,
+                          trigger=EventTrigger(posture=Posture.Reactive, **trigger), actions=actions)
+
+
+def _link_retransmission(policy: AlertPolicy, block_id: UUID) -> Any:
+    return _automation(
+        L1_NAME,
+        f"Level 1: {policy.sustained_samples} link-stats samples with retransmission rate >= "
+        f"{policy.retransmission_rate:.1%} within {policy.sustained_window_s:.0f} s on one link (a single spike "
+        "does not fire).",
+        [_notify(block_id, 1, "link-retransmission", '"retransmission_rate": {{ event.payload.retransmission_rate }}')],
+        expect={events.LINK_STATS},
+        match={events.ALERT_LABELS["retransmission_rate"]: at_least_globs(round(policy.retransmission_rate * 1000))},
+        for_each={"prefect.resource.id"},
+        threshold=policy.sustained_samples,
+        within=timedelta(seconds=policy.sustained_window_s),
     )
-    l2 = AutomationCore(
-        name=L2_NAME,
-        description=f"Level 2: an edge spool reports fill >= {policy.spool_watermark:.0%}.",
-        tags=TAGS,
-        trigger=EventTrigger(
-            expect={events.SPOOL_WATERMARK},
-            match={used: at_least_globs(round(policy.spool_watermark * 1000))},
-            for_each={"prefect.resource.id"},
-            posture=Posture.Reactive,
-            threshold=1,
-        ),
-        actions=[_notify(notify_block_id, 2, "spool-watermark", '"used_fraction": {{ event.payload.used_fraction }}')],
+
+
+def _spool_watermark(policy: AlertPolicy, block_id: UUID) -> Any:
+    return _automation(
+        L2_NAME,
+        f"Level 2: an edge spool reports fill >= {policy.spool_watermark:.0%}.",
+        [_notify(block_id, 2, "spool-watermark", '"used_fraction": {{ event.payload.used_fraction }}')],
+        expect={events.SPOOL_WATERMARK},
+        match={events.ALERT_LABELS["used_fraction"]: at_least_globs(round(policy.spool_watermark * 1000))},
+        for_each={"prefect.resource.id"},
+        threshold=1,
     )
-    l3 = AutomationCore(
-        name=L3_NAME,
-        description="Level 3: a checkpoint write failed (every failed attempt is reported).",
-        tags=TAGS,
-        trigger=EventTrigger(expect={events.CHECKPOINT_FAILED}, posture=Posture.Reactive, threshold=1),
-        actions=[_notify(notify_block_id, 3, "checkpoint-failed", '"error": {{ (event.payload.error or "") | tojson }}')],
+
+
+def _checkpoint_failed(policy: AlertPolicy, block_id: UUID) -> Any:
+    return _automation(
+        L3_NAME,
+        "Level 3: a checkpoint write failed (every failed attempt is reported).",
+        [_notify(block_id, 3, "checkpoint-failed", '"error": {{ (event.payload.error or "") | tojson }}')],
+        expect={events.CHECKPOINT_FAILED},
+        threshold=1,
     )
-    failed = AutomationCore(
-        name=RUN_FAILED_NAME,
-        description="Level 2: a run of any pipeline stage ended Failed or Crashed (its name, flow and message).",
-        tags=TAGS,
-        trigger=EventTrigger(
-            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
-            match={"prefect.resource.name": f"!{CHECK_PREFIX}*"},  # a check's deliberate failure pages no one
-            match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(PIPELINE_FLOWS)},
-            posture=Posture.Reactive,
-            threshold=1,
-        ),
-        actions=[_notify(notify_block_id, 2, "run-failed",
-                         '"run": "{{ flow_run.name }}", "flow": "{{ flow.name }}", "state": "{{ flow_run.state.name }}", '
-                         '"message": {{ (flow_run.state.message or "")[:300] | tojson }}')],
+
+
+def _run_failed(policy: AlertPolicy, block_id: UUID) -> Any:
+    return _automation(
+        RUN_FAILED_NAME,
+        "Level 2: a run of any pipeline stage ended Failed or Crashed (its name, flow and message).",
+        [_notify(block_id, 2, "run-failed",
+                 '"run": "{{ flow_run.name }}", "flow": "{{ flow.name }}", "state": "{{ flow_run.state.name }}", '
+                 '"message": {{ (flow_run.state.message or "")[:300] | tojson }}')],
+        expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+        match={"prefect.resource.name": f"!{CHECK_PREFIX}*"},  # a check's deliberate failure pages no one
+        match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(PIPELINE_FLOWS)},
+        threshold=1,
     )
-    silent = AutomationCore(
-        name=NODE_SILENT_NAME,
-        description="Level 2: fleet_report found a node quiet longer than its pass schedule (or the default bound) "
-                    "allows.",
-        tags=TAGS,
-        trigger=EventTrigger(expect={events.NODE_SILENT}, for_each={"prefect.resource.id"}, posture=Posture.Reactive,
-                             threshold=1),
-        actions=[_notify(notify_block_id, 2, "node-silent",
-                         '"node": "{{ event.payload.node_id }}", "last_seen": {{ event.payload.last_seen | tojson }}, '
-                         '"allowed_s": {{ event.payload.allowed_s }}, "reason": {{ event.payload.reason | tojson }}')],
+
+
+def _node_silent(policy: AlertPolicy, block_id: UUID) -> Any:
+    return _automation(
+        NODE_SILENT_NAME,
+        "Level 2: fleet_report found a node quiet longer than its pass schedule (or the default bound) allows.",
+        [_notify(block_id, 2, "node-silent",
+                 '"node": "{{ event.payload.node_id }}", "last_seen": {{ event.payload.last_seen | tojson }}, '
+                 '"allowed_s": {{ event.payload.allowed_s }}, "reason": {{ event.payload.reason | tojson }}')],
+        expect={events.NODE_SILENT},
+        for_each={"prefect.resource.id"},
+        threshold=1,
     )
-    stale = AutomationCore(
-        name=MODEL_STALE_NAME,
-        description="Level 2: the published model trails its dataset's latest version beyond the policy bound.",
-        tags=TAGS,
-        trigger=EventTrigger(expect={events.MODEL_STALE}, posture=Posture.Reactive, threshold=1),
-        actions=[_notify(notify_block_id, 2, "model-stale",
-                         '"model": "{{ event.payload.model_id }}", "trained_version": {{ event.payload.trained_version }}, '
-                         '"latest_version": {{ event.payload.latest_version }}, "age_s": {{ event.payload.age_s }}, '
-                         '"max_age_s": {{ event.payload.max_age_s }}')],
+
+
+def _model_stale(policy: AlertPolicy, block_id: UUID) -> Any:
+    return _automation(
+        MODEL_STALE_NAME,
+        "Level 2: the published model trails its dataset's latest version beyond the policy bound.",
+        [_notify(block_id, 2, "model-stale",
+                 '"model": "{{ event.payload.model_id }}", "trained_version": {{ event.payload.trained_version }}, '
+                 '"latest_version": {{ event.payload.latest_version }}, "age_s": {{ event.payload.age_s }}, '
+                 '"max_age_s": {{ event.payload.max_age_s }}')],
+        expect={events.MODEL_STALE},
+        threshold=1,
     )
-    dropped = AutomationCore(
-        name=DROP_REJECTED_NAME,
-        description="Level 2: an edge run rejected drop-folder files (or read files with most rows rejected); "
-                    "the payload names each file and why.",
-        tags=TAGS,
-        trigger=EventTrigger(expect={events.DROP_REJECTED}, for_each={"prefect.resource.id"},
-                             posture=Posture.Reactive, threshold=1),
-        actions=[_notify(notify_block_id, 2, "drop-rejected",
-                         '"node": "{{ event.payload.node_id }}", "message": {{ event.payload.message[:500] | tojson }}')],
+
+
+def _drop_rejected(policy: AlertPolicy, block_id: UUID) -> Any:
+    return _automation(
+        DROP_REJECTED_NAME,
+        "Level 2: an edge run rejected drop-folder files (or read files with most rows rejected); "
+        "the payload names each file and why.",
+        [_notify(block_id, 2, "drop-rejected",
+                 '"node": "{{ event.payload.node_id }}", "message": {{ event.payload.message[:500] | tojson }}')],
+        expect={events.DROP_REJECTED},
+        for_each={"prefect.resource.id"},
+        threshold=1,
     )
-    out = [l1, l2, l3, failed, silent, stale, dropped]
+
+
+def _checkpoint_retry(policy: AlertPolicy) -> Any:
+    # The trainer already retries each write in-process and emits CHECKPOINT_FAILED per attempt, so
+    # re-running on that event would start a second trainer beside a live one. The automatic retry
+    # fires when the train_model run itself failed with CheckpointError: it re-runs the same
+    # deployment ('inferred' from the event) with the failed run's parameters and its run_id, so
+    # the new run resumes from the last committed checkpoint.
+    from prefect.events.actions import RunDeployment
+
+    params = (
+        "{{ dict(flow_run.parameters.params or {}, run_id=(flow_run.parameters.params or {}).run_id"
+        " or 'train-' ~ flow_run.id) }}"
+    )
+    return _automation(
+        L3_RETRY_NAME,
+        "Level 3 retry: re-run a train_model deployment run that failed on a checkpoint write.",
+        [RunDeployment(
+            source="inferred", deployment_id=None, parameters={"params": params}, job_variables=None,
+            schedule_after=timedelta(seconds=policy.retry_delay_s),
+        )],
+        expect={"prefect.flow-run.Failed"},
+        match={"prefect.state-message": "*CheckpointError*"},
+        match_related={"prefect.resource.role": "flow", "prefect.resource.name": "train_model"},
+        threshold=1,
+    )
+
+
+# The notifying alerts, in the order they are applied.
+_ALERTS: tuple[Callable[[AlertPolicy, UUID], Any], ...] = (
+    _link_retransmission, _spool_watermark, _checkpoint_failed, _run_failed, _node_silent, _model_stale,
+    _drop_rejected,
+)
+
+
+def alert_automations(policy: AlertPolicy, notify_block_id: UUID) -> list[Any]:
+    """The alert automations (prefect.automations.AutomationCore objects), not yet applied."""
+    out = [build(policy, notify_block_id) for build in _ALERTS]
     if policy.checkpoint_retry:
-        # The trainer already retries each write in-process and emits CHECKPOINT_FAILED per attempt, so
-        # re-running on that event would start a second trainer beside a live one. The automatic retry
-        # fires when the train_model run itself failed with CheckpointError: it re-runs the same
-        # deployment ('inferred' from the event) with the failed run's parameters and its run_id, so
-        # the new run resumes from the last committed checkpoint.
-        params = (
-            "{{ dict(flow_run.parameters.params or {}, run_id=(flow_run.parameters.params or {}).run_id"
-            " or 'train-' ~ flow_run.id) }}"
-        )
-        out.append(AutomationCore(
-            name=L3_RETRY_NAME,
-            description="Level 3 retry: re-run a train_model deployment run that failed on a checkpoint write.",
-            tags=TAGS,
-            trigger=EventTrigger(
-                expect={"prefect.flow-run.Failed"},
-                match={"prefect.state-message": "*CheckpointError*"},
-                match_related={"prefect.resource.role": "flow", "prefect.resource.name": "train_model"},
-                posture=Posture.Reactive,
-                threshold=1,
-            ),
-            actions=[RunDeployment(
-                source="inferred", deployment_id=None, parameters={"params": params}, job_variables=None,
-                schedule_after=timedelta(seconds=policy.retry_delay_s),
-            )],
-        ))
+        out.append(_checkpoint_retry(policy))
     return out
 
 

@@ -833,195 +833,261 @@ def _check_node_events(sender: Sender, model: NodeEvents, have: int) -> None:
         prev = max(prev, e.seq)
 
 
-def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlette:  # noqa: C901 (handlers are closures over one state; to split)
-    emit = emitter or PrefectEmitter()
-    clock = config.clock
-    state = GatewayState(config.state_dir / "gateway.sqlite", config.replay_capacity, clock)
-    quota = RateQuota(config.rate_per_s, config.rate_burst, clock)
-    stats = config.stats
-    stats.update({k: stats.get(k, 0) for k in ("accepted", "rejected", "queued", "batches", "batch_errors",
-                                                "node_events", "node_events_skipped")})
-    wake = asyncio.Event()
-    node_locks: dict[str, asyncio.Lock] = {}
+@dataclass(frozen=True)
+class _Admitted:
+    """A request that passed every check and holds its webhook-id in the replay store."""
 
-    async def verify(request: Request, sender_id: str, kind_name: str) -> tuple[Sender, HookKind, str, int, bytes]:
+    sender: Sender
+    kind: HookKind
+    kind_name: str
+    msg_id: str
+    model: _NodeHook
+    verdict: str  # the replay store's answer: "ok", or "replayed" for a fan-out kind
+
+
+class _Gateway:
+    """The gateway's handlers over one state: replay store, quota, stats and the batch flusher's wake-up."""
+
+    def __init__(self, config: GatewayConfig, emitter: Emitter | None) -> None:
+        self.config = config
+        self.emit = emitter or PrefectEmitter()
+        self.clock = config.clock
+        self.state = GatewayState(config.state_dir / "gateway.sqlite", config.replay_capacity, self.clock)
+        self.quota = RateQuota(config.rate_per_s, config.rate_burst, self.clock)
+        self.stats = config.stats
+        self.stats.update({k: self.stats.get(k, 0) for k in ("accepted", "rejected", "queued", "batches",
+                                                              "batch_errors", "node_events", "node_events_skipped")})
+        self.wake = asyncio.Event()
+        self.node_locks: dict[str, asyncio.Lock] = {}
+
+    # ---- verification: route, signature, clock, binding, quota ----
+
+    def _route(self, sender_id: str, kind_name: str) -> tuple[Sender, HookKind]:
         kind = HOOKS.get(kind_name)
         if kind is None:
             raise _Reject(404, f"unknown hook kind {kind_name!r}", {"kinds": sorted(HOOKS)})
-        sender = config.senders.get(sender_id)
+        sender = self.config.senders.get(sender_id)
         if sender is None:
             raise _Reject(401, f"unknown sender {sender_id[:64]!r}")
+        return sender, kind
+
+    async def _signed_body(self, request: Request, sender: Sender) -> tuple[str, int, bytes]:
+        """The webhook-id, timestamp and body of a request one of the sender's keys signed."""
         msg_id, ts, sig = (_header(request, h) for h in (ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER))
         if not _MSG_ID.match(msg_id):
             raise _Reject(400, f"{ID_HEADER} must be 1-256 visible ASCII characters")
         if not _SECONDS.match(ts):
             raise _Reject(400, f"{TIMESTAMP_HEADER} must be integer unix seconds, got {ts[:40]!r}")
         given = _signatures(sig)
-        body = await _read_capped(request, config.max_body_bytes)
+        body = await _read_capped(request, self.config.max_body_bytes)
         expected = [digest(k, msg_id, ts, body) for k in sender.keys]
         if not any(hmac.compare_digest(e, g) for e in expected for g in given):
             raise _Reject(401, f"bad signature for sender {sender.id!r}: expected v1 HMAC-SHA256 of "
                                "webhook-id + '.' + webhook-timestamp + '.' + body with one of its keys")
-        sent = int(ts)
-        skew = clock() - sent
-        if abs(skew) > config.tolerance_s:
-            raise _Reject(401, f"stale request: timestamp is {skew:+.0f} s from now, tolerance {config.tolerance_s:.0f} s")
+        return msg_id, int(ts), body
+
+    def _check_fresh(self, sent: int) -> None:
+        tolerance = self.config.tolerance_s
+        skew = self.clock() - sent
+        if abs(skew) > tolerance:
+            raise _Reject(401, f"stale request: timestamp is {skew:+.0f} s from now, tolerance {tolerance:.0f} s")
+
+    def _spend_quota(self, sender: Sender) -> None:
+        # Only a signed request spends the sender's quota: nobody else can exhaust it.
+        wait = self.quota.take(sender.id)
+        if wait:
+            raise _Reject(429, f"sender {sender.id!r} is over its rate of {self.config.rate_per_s:g} requests/s; "
+                               f"retry in {wait:.1f} s", retry_after_s=wait)
+
+    async def verify(self, request: Request, sender_id: str, kind_name: str) -> tuple[Sender, HookKind, str, int, bytes]:
+        sender, kind = self._route(sender_id, kind_name)
+        msg_id, sent, body = await self._signed_body(request, sender)
+        self._check_fresh(sent)
         if kind_name not in sender.hooks:
             raise _Reject(403, f"sender {sender.id!r} may not send {kind_name!r} (allowed: {sorted(sender.hooks)})")
-        # Only a signed request spends the sender's quota: nobody else can exhaust it.
-        wait = quota.take(sender.id)
-        if wait:
-            raise _Reject(429, f"sender {sender.id!r} is over its rate of {config.rate_per_s:g} requests/s; "
-                               f"retry in {wait:.1f} s", retry_after_s=wait)
+        self._spend_quota(sender)
         return sender, kind, msg_id, sent, body
 
-    async def handle(request: Request) -> JSONResponse:
+    # ---- admission: payload, node binding, replay store ----
+
+    @staticmethod
+    def _payload(kind: HookKind, kind_name: str, body: bytes) -> _NodeHook:
+        doc = _parse_json(body)
+        if not isinstance(doc, dict):
+            raise _Reject(422, "body must be a JSON object")
+        try:
+            return kind.schema.model_validate(doc)
+        except ValidationError as e:
+            errs = _field_errors(e)  # the first in the error line too: the node keeps it with what it set aside
+            raise _Reject(422, f"invalid {kind_name} payload: {errs[0]['field']}: {errs[0]['message']}"[:400],
+                          errs) from None
+
+    def _reserve(self, sender: Sender, kind: HookKind, msg_id: str, sent: int, model: _NodeHook) -> str:
+        # An id stays refused while its timestamp would still be accepted.
+        config = self.config
+        expires = max(sent, self.clock()) + config.tolerance_s + 1
+        landed = None
+        if kind.coalesced and isinstance(model, BundleUploaded):
+            landed = Pending(model.object_key, model.node_id, model.bundle_id, sender.id)
+        verdict = self.state.reserve(sender.id, msg_id, expires, landed)
+        if verdict == "replayed" and not kind.fan_out:  # node events: deduplicated by (node, seq) below
+            raise _Reject(409, f"replayed request: webhook-id {msg_id[:64]!r} was already accepted")
+        if verdict == "full":
+            raise _Reject(429, f"sender {sender.id!r} has {config.replay_capacity} live webhook-ids, its share "
+                               "of the replay store; retry later", retry_after_s=config.tolerance_s / 10)
+        return verdict
+
+    async def admit(self, request: Request, sender_id: str, kind_name: str) -> _Admitted:
+        sender, kind, msg_id, sent, body = await self.verify(request, sender_id, kind_name)
+        model = self._payload(kind, kind_name, body)
+        node_id = model.node_id
+        if not sender.may_speak_for(node_id):
+            raise _Reject(403, f"sender {sender.id!r} may not speak for node {node_id!r} "
+                               f"(allowed: {', '.join(sender.nodes)})")
+        if isinstance(model, NodeEvents):
+            _check_node_events(sender, model, self.state.node_seq(node_id))
+        verdict = self._reserve(sender, kind, msg_id, sent, model)
+        return _Admitted(sender, kind, kind_name, msg_id, model, verdict)
+
+    # ---- POST /hooks/{sender}/{kind} ----
+
+    async def handle(self, request: Request) -> JSONResponse:
         kind_name, sender_id = request.path_params["kind"], request.path_params["sender"]
         try:
-            sender, kind, msg_id, sent, body = await verify(request, sender_id, kind_name)
-            doc = _parse_json(body)
-            if not isinstance(doc, dict):
-                raise _Reject(422, "body must be a JSON object")
-            try:
-                model = kind.schema.model_validate(doc)
-            except ValidationError as e:
-                errs = _field_errors(e)  # the first in the error line too: the node keeps it with what it set aside
-                raise _Reject(422, f"invalid {kind_name} payload: {errs[0]['field']}: {errs[0]['message']}"[:400],
-                              errs) from None
-            node_id = model.node_id
-            if not sender.may_speak_for(node_id):
-                raise _Reject(403, f"sender {sender.id!r} may not speak for node {node_id!r} "
-                                   f"(allowed: {', '.join(sender.nodes)})")
-            if isinstance(model, NodeEvents):
-                _check_node_events(sender, model, state.node_seq(node_id))
-            # An id stays refused while its timestamp would still be accepted.
-            expires = max(sent, clock()) + config.tolerance_s + 1
-            landed = None
-            if kind.coalesced and isinstance(model, BundleUploaded):
-                landed = Pending(model.object_key, node_id, model.bundle_id, sender.id)
-            verdict = state.reserve(sender.id, msg_id, expires, landed)
-            if verdict == "replayed" and not kind.fan_out:  # node events: deduplicated by (node, seq) below
-                raise _Reject(409, f"replayed request: webhook-id {msg_id[:64]!r} was already accepted")
-            if verdict == "full":
-                raise _Reject(429, f"sender {sender.id!r} has {config.replay_capacity} live webhook-ids, its share "
-                                   "of the replay store; retry later", retry_after_s=config.tolerance_s / 10)
+            a = await self.admit(request, sender_id, kind_name)
         except _Reject as r:
-            stats["rejected"] += 1
+            self.stats["rejected"] += 1
             log.info("rejected %s/%s: %d %s", sender_id[:64], kind_name[:64], r.status, r.error)
             return r.response()
         except Exception as e:  # one line, never a traceback per request to an unauthenticated caller
-            stats["rejected"] += 1
+            self.stats["rejected"] += 1
             log.error("request %s/%s failed: %s: %s", sender_id[:64], kind_name[:64], type(e).__name__, str(e)[:200])
             return JSONResponse({"error": "internal error"}, status_code=500)
 
-        if kind.coalesced:
-            stats["accepted"] += 1
-            stats["queued"] += 1
-            wake.set()
-            return JSONResponse({"event": kind.event, "queued": True, "webhook_id": msg_id}, status_code=202)
-
-        if kind.fan_out and isinstance(model, NodeEvents):
+        if a.kind.coalesced:
+            self.stats["accepted"] += 1
+            self.stats["queued"] += 1
+            self.wake.set()
+            return JSONResponse({"event": a.kind.event, "queued": True, "webhook_id": a.msg_id}, status_code=202)
+        if a.kind.fan_out and isinstance(a.model, NodeEvents):
             try:
-                return await forward_node_events(sender, msg_id, model, replayed=verdict == "replayed")
+                return await self.forward_node_events(a.sender, a.msg_id, a.model, replayed=a.verdict == "replayed")
             except Exception as e:  # as above: one line and a 500, which the fuzz tests say never happens
-                stats["rejected"] += 1
-                log.error("node events %s failed: %s: %s", sender.id, type(e).__name__, str(e)[:200])
+                self.stats["rejected"] += 1
+                log.error("node events %s failed: %s: %s", a.sender.id, type(e).__name__, str(e)[:200])
                 return JSONResponse({"error": "internal error"}, status_code=500)
+        return await self._emit_one(a)
 
+    async def _emit_one(self, a: _Admitted) -> JSONResponse:
+        sender, kind = a.sender, a.kind
         # Same sender and id -> same event id, so even a replay that outlived the store dedups.
-        event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"edgehaul-gateway:{sender.id}:{msg_id}")
-        payload = {**model.model_dump(mode="json"), "source": "gateway", "hook": kind_name, "sender": sender.id}
+        event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"edgehaul-gateway:{sender.id}:{a.msg_id}")
+        payload = {**a.model.model_dump(mode="json"), "source": "gateway", "hook": a.kind_name, "sender": sender.id}
         try:
-            await emit(kind.event, {**kind.resource(model), "edgehaul.sender.id": sender.id}, payload, event_id)
+            await self.emit(kind.event, {**kind.resource(a.model), "edgehaul.sender.id": sender.id}, payload, event_id)
         except Exception as e:
-            state.release(sender.id, msg_id)  # not accepted: the sender may retry the same request
-            stats["rejected"] += 1
+            self.state.release(sender.id, a.msg_id)  # not accepted: the sender may retry the same request
+            self.stats["rejected"] += 1
             log.warning("event %s not emitted: %s", kind.event, e)
             return _Reject(503, "event could not be delivered to Prefect; retry").response()
-        stats["accepted"] += 1
-        log.info("accepted %s/%s -> %s %s", sender.id, kind_name, kind.event, event_id)
+        self.stats["accepted"] += 1
+        log.info("accepted %s/%s -> %s %s", sender.id, a.kind_name, kind.event, event_id)
         return JSONResponse({"event": kind.event, "event_id": str(event_id)}, status_code=202)
 
-    async def forward_node_events(sender: Sender, msg_id: str, model: NodeEvents, *, replayed: bool) -> JSONResponse:
+    # ---- node events: fan-out, once per (node, seq) ----
+
+    async def forward_node_events(self, sender: Sender, msg_id: str, model: NodeEvents, *,
+                                  replayed: bool) -> JSONResponse:
         """Re-emit a node's outbox batch in seq order, each seq once; the high-water mark advances
         after each event Prefect acknowledged, so a batch cut off midway resumes where it stopped."""
         node = model.node_id
-        async with node_locks.setdefault(node, asyncio.Lock()):  # two batches of one node: one at a time
-            return await _forward_locked(sender, msg_id, model, replayed=replayed)
+        async with self.node_locks.setdefault(node, asyncio.Lock()):  # two batches of one node: one at a time
+            return await self._forward_locked(sender, msg_id, model, replayed=replayed)
 
-    async def _forward_locked(sender: Sender, msg_id: str, model: NodeEvents, *, replayed: bool) -> JSONResponse:
+    def _node_event(self, sender: Sender, node: str, ev: NodeEvent, now: float) -> tuple[dict[str, str], dict[str, Any]]:
+        """The resource and payload of one forwarded node event."""
+        age = max(0.0, now - ev.occurred.timestamp())
+        stale = age > self.config.stale_after_s
+        resource = {"prefect.resource.id": f"edgehaul.node.{node}", "edgehaul.node.id": node,
+                    "edgehaul.node": node, "edgehaul.sender.id": sender.id, "edgehaul.forwarded": "true",
+                    "edgehaul.stale": "true" if stale else "false", **events.alert_labels(ev.payload)}
+        payload = {**ev.payload, "seq": ev.seq, "age_s": round(age, 3), "stale": stale, "sender": sender.id}
+        return resource, payload
+
+    async def _forward_locked(self, sender: Sender, msg_id: str, model: NodeEvents, *, replayed: bool) -> JSONResponse:
         node = model.node_id
-        have = state.node_seq(node)
+        have = self.state.node_seq(node)
         emitted = skipped = 0
-        now = clock()
+        now = self.clock()
         for ev in model.events:
             if ev.seq <= have:
                 skipped += 1
                 continue
-            age = max(0.0, now - ev.occurred.timestamp())
-            stale = age > config.stale_after_s
-            resource = {"prefect.resource.id": f"edgehaul.node.{node}", "edgehaul.node.id": node,
-                        "edgehaul.node": node, "edgehaul.sender.id": sender.id, "edgehaul.forwarded": "true",
-                        "edgehaul.stale": "true" if stale else "false", **events.alert_labels(ev.payload)}
-            payload = {**ev.payload, "seq": ev.seq, "age_s": round(age, 3), "stale": stale, "sender": sender.id}
+            resource, payload = self._node_event(sender, node, ev, now)
             event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"edgehaul-node-event:{node}:{ev.seq}")
             try:
-                await emit(ev.event, resource, payload, event_id, ev.occurred)
+                await self.emit(ev.event, resource, payload, event_id, ev.occurred)
             except Exception as e:
                 if not replayed:
-                    state.release(sender.id, msg_id)  # the node retries; done seqs are skipped then
-                stats["node_events"] += emitted
+                    self.state.release(sender.id, msg_id)  # the node retries; done seqs are skipped then
+                self.stats["node_events"] += emitted
                 log.warning("node %s: %d events emitted, stopped at seq %d: %s", node, emitted, ev.seq, e)
                 return _Reject(503, f"event seq {ev.seq} could not be delivered to Prefect; retry").response()
-            state.advance_node_seq(node, ev.seq)
+            self.state.advance_node_seq(node, ev.seq)
             emitted += 1
-        stats["accepted"] += 1
-        stats["node_events"] += emitted
-        stats["node_events_skipped"] += skipped
+        self.stats["accepted"] += 1
+        self.stats["node_events"] += emitted
+        self.stats["node_events_skipped"] += skipped
         log.info("node %s: %d events emitted, %d already had (seq <= %d)", node, emitted, skipped, have)
         return JSONResponse({"node_id": node, "emitted": emitted, "skipped": skipped,
-                             "seq": state.node_seq(node)}, status_code=202)
+                             "seq": self.state.node_seq(node)}, status_code=202)
 
-    async def flush(force: bool = False) -> int:
+    # ---- landed bundles: coalesced batches ----
+
+    def _batch_due(self, force: bool) -> bool:
+        n, oldest, claimed = self.state.pending()
+        return claimed or n >= self.config.batch_max or (
+            n > 0 and oldest is not None and (force or self.clock() - oldest >= self.config.batch_window_s))
+
+    async def flush(self, force: bool = False) -> int:
         """Send due batches; the number sent. A batch is due at batch_max keys or when its oldest
         hook has waited batch_window_s; an unsent claimed batch is always due."""
         sent = 0
-        while True:
-            n, oldest, claimed = state.pending()
-            due = claimed or n >= config.batch_max or (
-                n > 0 and oldest is not None and (force or clock() - oldest >= config.batch_window_s))
-            if not due:
-                return sent
-            got = state.claim_batch(config.batch_max)
+        while self._batch_due(force):
+            got = self.state.claim_batch(self.config.batch_max)
             if got is None:
                 return sent
             batch, rows = got
             resource, payload = events.landing_batch(
                 batch, "gateway", [(r.object_key, r.node_id, r.bundle_id) for r in rows],
                 senders=sorted({r.sender for r in rows}))
-            await emit(events.LANDING_BATCH, resource, payload, uuid.UUID(batch))
-            state.finish_batch(batch)
-            stats["batches"] += 1
+            await self.emit(events.LANDING_BATCH, resource, payload, uuid.UUID(batch))
+            self.state.finish_batch(batch)
+            self.stats["batches"] += 1
             sent += 1
             log.info("batch %s: %d bundles from %d nodes", batch[:8], len(rows), len(payload["nodes"]))
+        return sent
 
-    async def flusher() -> None:
+    async def flusher(self) -> None:
         backoff = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=max(backoff, min(0.5, config.batch_window_s / 4)))
-            wake.clear()
+                await asyncio.wait_for(self.wake.wait(), timeout=max(backoff, min(0.5, self.config.batch_window_s / 4)))
+            self.wake.clear()
             try:
-                await flush()
+                await self.flush()
                 backoff = 0.0
             except Exception as e:  # kept queued (and claimed): re-sent with the same id
-                stats["batch_errors"] += 1
+                self.stats["batch_errors"] += 1
                 backoff = min(max(2 * backoff, 1.0), 30.0)
                 log.warning("batch not emitted, retry in %.0f s: %s", backoff, e)
 
-    async def alerts(request: Request) -> JSONResponse:
+    # ---- POST /alerts, GET /healthz, lifespan ----
+
+    async def alerts(self, request: Request) -> JSONResponse:
         # Sink for the alert automations' webhook notifications (local stack): one JSON line per alert
         # in config.alert_log, so operators and `make verify` can see what fired without a pager.
+        config = self.config
         if not config.alert_log or not config.alerts_secret:
             return JSONResponse({"error": "no alert log or gateway secret configured"}, status_code=404)
         given = request.headers.get("authorization", "")
@@ -1031,20 +1097,20 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
             doc = _parse_json(await _read_capped(request, config.max_body_bytes))
         except _Reject as r:
             return r.response()
-        line = json.dumps({"received": clock(), **(doc if isinstance(doc, dict) else {"body": doc})})
+        line = json.dumps({"received": self.clock(), **(doc if isinstance(doc, dict) else {"body": doc})})
         with open(config.alert_log, "a") as f:
             f.write(line + "\n")
         log.warning("alert: %s", str(doc.get("subject", "")) if isinstance(doc, dict) else "")
         return JSONResponse({"ok": True}, status_code=202)
 
-    async def health(_: Request) -> JSONResponse:
-        n, _oldest, _claimed = state.pending()
-        return JSONResponse({"ok": True, "kinds": sorted(HOOKS), "senders": len(config.senders),
-                             "replay_entries": state.replay_entries(), "pending": n, **stats})
+    async def health(self, _: Request) -> JSONResponse:
+        n, _oldest, _claimed = self.state.pending()
+        return JSONResponse({"ok": True, "kinds": sorted(HOOKS), "senders": len(self.config.senders),
+                             "replay_entries": self.state.replay_entries(), "pending": n, **self.stats})
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        task = asyncio.create_task(flusher())
+    async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.flusher())
         try:
             yield
         finally:
@@ -1052,18 +1118,21 @@ def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlet
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             with contextlib.suppress(Exception):  # best effort: what is left stays queued on disk
-                await asyncio.wait_for(flush(force=True), timeout=10)
-            if isinstance(emit, PrefectEmitter):
-                await emit.close()
-            state.close()
+                await asyncio.wait_for(self.flush(force=True), timeout=10)
+            if isinstance(self.emit, PrefectEmitter):
+                await self.emit.close()
+            self.state.close()
 
+
+def create_app(config: GatewayConfig, emitter: Emitter | None = None) -> Starlette:
+    gw = _Gateway(config, emitter)
     return Starlette(
         routes=[
-            Route("/hooks/{sender}/{kind}", handle, methods=["POST"]),
-            Route("/alerts", alerts, methods=["POST"]),
-            Route("/healthz", health, methods=["GET"]),
+            Route("/hooks/{sender}/{kind}", gw.handle, methods=["POST"]),
+            Route("/alerts", gw.alerts, methods=["POST"]),
+            Route("/healthz", gw.health, methods=["GET"]),
         ],
-        lifespan=lifespan,
+        lifespan=gw.lifespan,
     )
 
 
