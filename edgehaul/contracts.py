@@ -332,8 +332,26 @@ class Contract:
         return out
 
     @property
+    def derived_feature_columns(self) -> list[str]:
+        """Features a core derives from the row's own columns (`norm_<column>`: the reading scaled by the
+        contract's range, `decode.derived_features`): the edge computes them to score, no bundle carries them,
+        so no reading travels twice."""
+        return [f"{stat}_{c}" for f in self.features if f.per == "column"
+                for stat in f.stats for c in (f.columns or self.numeric_columns)]
+
+    @property
     def bundle_schema(self) -> pa.Schema:
-        """Schema of preprocessed, scored rows as they travel in bundles and land in datasets."""
+        """Schema of preprocessed, scored rows as they travel in bundles and land in datasets: every feature
+        but the derived ones (`derived_feature_columns`)."""
+        derived = set(self.derived_feature_columns)
+        return self._row_schema([c for c in self.feature_columns if c not in derived])
+
+    @property
+    def edge_schema(self) -> pa.Schema:
+        """The rows as a node holds them to score: the bundle schema with every feature, derived ones included."""
+        return self._row_schema(self.feature_columns)
+
+    def _row_schema(self, features: list[str]) -> pa.Schema:
         fields = [
             pa.field("sample_id", pa.string(), nullable=False),
             pa.field("node_id", pa.string(), nullable=False),
@@ -348,7 +366,7 @@ class Contract:
         else:
             # Raw tensor or file bytes; null for low-tier summary rows.
             fields.append(pa.field(self.payload_columns[0], pa.binary()))
-        fields += [pa.field(c, pa.float32(), nullable=False) for c in self.feature_columns]
+        fields += [pa.field(c, pa.float32(), nullable=False) for c in features]
         fields += [
             pa.field("value", pa.float32(), nullable=False),
             pa.field("tier", pa.string(), nullable=False),
@@ -669,7 +687,7 @@ def _parse(path: Path) -> Contract:
         description=str(description or "").strip(), tensor_spec=tensor, file=file, columns=columns,
         features=features, training=training, raw=_raw_spec(d, doc.get("raw")), **_limits(d, doc),
     )
-    names = c.bundle_schema.names
+    names = c.edge_schema.names
     if dup := sorted({n for n in names if names.count(n) > 1}):
         raise ContractInvalid(f"{path}: columns {dup} appear twice in the bundle schema (a feature, data or "
                               "label column clashes with another)")

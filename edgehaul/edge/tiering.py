@@ -174,7 +174,8 @@ def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
     """(full-row bytes, summary bytes or 0 where a left row sends none) per row, the same from `assign`'s
     preprocessed rows and the Batcher's scored ones. Under a budget, summaries that would take more than half
     of what the urgent rows leave are not sent at all: the budget buys rows first."""
-    base = rows.select([c for c in rows.column_names if c not in _SCORED])
+    wire = set(contract.bundle_schema.names)  # what a bundle carries: no derived feature
+    base = rows.select([c for c in rows.column_names if c not in _SCORED and c in wire])
     full = _row_bytes(base) + _SCORED_ROW_BYTES
     summ = summary_bytes(base, contract, full)
     summ = np.where(summary_earns(full, summ, policy), summ, 0)
@@ -189,9 +190,9 @@ def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
 
 
 def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contract: Contract) -> pa.Table:
-    """Preprocessed rows + values -> bundle-schema rows with tier and inclusion_p (is_summary false everywhere;
-    the Batcher sends the rows `draw`n and keeps the others on the node, with a summary where it earns its
-    bytes)."""
+    """Preprocessed rows + values -> bundle-schema rows (derived features dropped) with tier and inclusion_p
+    (is_summary false everywhere; the Batcher sends the rows `draw`n and keeps the others on the node, with a
+    summary where it earns its bytes)."""
     if len(values) != accepted.num_rows:
         raise ValueError(f"{len(values)} values for {accepted.num_rows} rows")
     v = np.asarray(values, dtype=np.float32)
@@ -207,7 +208,8 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
     t = t.append_column("tier", pa.array(tiers.tolist(), pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(len(v), dtype=bool)))
     t = t.append_column(INCLUSION_P, pa.array(np.asarray(p, dtype=np.float32), pa.float32()))
-    return t.cast(contract.bundle_schema)
+    schema = contract.bundle_schema  # the derived features stay on the node: a core derives them
+    return t.select(schema.names).cast(schema)
 
 
 def summarise(rows: pa.Table, contract: Contract) -> pa.Table:
