@@ -224,6 +224,9 @@ class Contract:
     max_rows: int = DEFAULT_LIMITS["max_rows"]
     max_unpacked_bytes: int = DEFAULT_LIMITS["max_unpacked_bytes"]
     min_inclusion_p: float = DEFAULT_MIN_INCLUSION_P
+    # A low-tier row left on the node sends a summary only where its row is this many times the summary's bytes
+    # (None: the tiering policy's `summary_min_ratio`): the kind knows what its summary is worth to training.
+    summary_min_ratio: float | None = None
     allow_nonfinite: tuple[str, ...] = ()  # float columns where NaN/inf are data, not an error
     raw: RawSpec = RawSpec()
 
@@ -615,7 +618,8 @@ def _raw_spec(d: _Doc, v: Any) -> RawSpec:
 
 
 def _limits(d: _Doc, doc: dict[str, Any]) -> dict[str, Any]:
-    raw = d.mapping(doc.get("limits") or {}, "limits", {*DEFAULT_LIMITS, "allow_nonfinite", "min_inclusion_p"})
+    raw = d.mapping(doc.get("limits") or {}, "limits",
+                    {*DEFAULT_LIMITS, "allow_nonfinite", "min_inclusion_p", "summary_min_ratio"})
     out: dict[str, Any] = {}
     for name, default in DEFAULT_LIMITS.items():
         out[name] = d.integer(raw.get(name, default), f"limits.{name}")
@@ -623,6 +627,11 @@ def _limits(d: _Doc, doc: dict[str, Any]) -> dict[str, Any]:
     if not 0 < p <= 1:
         raise d.fail("limits.min_inclusion_p", f"must be in (0, 1], got {p}")
     out["min_inclusion_p"] = p
+    if "summary_min_ratio" in raw:
+        r = d.number(raw["summary_min_ratio"], "limits.summary_min_ratio")
+        if not r >= 1:
+            raise d.fail("limits.summary_min_ratio", f"must be >= 1 (a summary smaller than its row), got {r}")
+        out["summary_min_ratio"] = r
     out["allow_nonfinite"] = d.strings(raw.get("allow_nonfinite", []), "limits.allow_nonfinite") \
         if raw.get("allow_nonfinite") else ()
     return out
