@@ -10,7 +10,8 @@ spool TTL expiry, watermark check, and artifacts (a per-tier table with value ca
 byte against the no-tiering baseline, progress).
 
 Blocks: `edgehaul-edge-node` (or inline `node_id` + `spool_dir`), `edgehaul-tiering-policy`
-(default policy if none), `edgehaul-object-store` (only for the model scorer). No result-storage block:
+(default policy if none), `edgehaul-object-store` (only for the model scorer), `edgehaul-link-profile` (only
+to plan the budget: `link_profile`). No result-storage block:
 cached results are JSON records on the node's own disk (`<spool_dir>/prefect-results/`,
 `edgehaul.platform.caching.edge_result_storage`), which nothing central ever reads (`result_storage`
 names another block only for tests and benchmarks). Cache policy: one entry per batch, keyed on the
