@@ -65,6 +65,7 @@ from edgehaul.contracts import Contract, load_contract
 from edgehaul.edge import landsat
 from edgehaul.edge.landsat import Patches
 from edgehaul.edge.preprocess import content_hashes
+from edgehaul.edge.tiering import TierReport
 
 if TYPE_CHECKING:
     from edgehaul.edge.spool import Spool, SpoolEntry
@@ -256,8 +257,9 @@ class _Ticker:
 
 
 def edge_round(batches: list[pa.Table], contract: Contract, policy: TieringPolicy, scorer: Any,
-               spool_dir: Path) -> tuple[Spool, list[SpoolEntry]]:
-    """Run the batches through the product's edge path into a fresh spool; its drain order."""
+               spool_dir: Path, reports: list[dict[str, Any]] | None = None) -> tuple[Spool, list[SpoolEntry]]:
+    """Run the batches through the product's edge path into a fresh spool; its drain order. Each batch's
+    `TierReport` (rows and bytes per row per tier) is added to `reports`."""
     from edgehaul.edge.batch import ingest_batch
     from edgehaul.edge.preprocess import batch_key
     from edgehaul.edge.spool import Spool
@@ -265,8 +267,10 @@ def edge_round(batches: list[pa.Table], contract: Contract, policy: TieringPolic
     spool = Spool(spool_dir, cap_bytes=1 << 40, node_id=NODE, clock=_Ticker(), emit=lambda *a, **k: False)
     for raw in batches:
         key, hashes = batch_key(raw)
-        ingest_batch(raw, contract, policy, spool, scorer, key=key, hashes=hashes, node_id=NODE,
-                     scorer_version=scorer.version)
+        res = ingest_batch(raw, contract, policy, spool, scorer, key=key, hashes=hashes, node_id=NODE,
+                           scorer_version=scorer.version)
+        if reports is not None:
+            reports.append(res.report.to_dict())
     return spool, spool.pending()
 
 
@@ -598,12 +602,15 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
 
     t0 = time.perf_counter()
     spools: dict[tuple[str, int], tuple[Spool, list[SpoolEntry]]] = {}
+    edge_reports: dict[str, list[dict[str, Any]]] = {}  # "fifo", "<tier policy>@<budget>": per-batch TierReports
     for r, rb in enumerate(rounds):
-        spools["fifo", r] = edge_round(rb, contract, policy_for("fifo", cfg), ConstantScorer(), work / f"fifo{r}")
+        spools["fifo", r] = edge_round(rb, contract, policy_for("fifo", cfg), ConstantScorer(), work / f"fifo{r}",
+                                       edge_reports.setdefault("fifo", []))
         spools["random", r] = edge_round(shuffled(rb, r), contract, policy_for("random", cfg), ConstantScorer(),
                                          work / f"random{r}")
     raw = [sum(e.manifest.nbytes for e in spools["fifo", r][1]) for r in (0, 1)]
-    log(f"edge: FIFO and random x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}")
+    log(f"edge: FIFO and random x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}; bytes "
+        f"per row {TierReport.merge(edge_reports['fifo']).bytes_per_row()}")
 
     def scorer_for(name: str, policy: TieringPolicy, st: ObjectStore | None, where: Path) -> Any:
         where.mkdir(parents=True, exist_ok=True)
@@ -616,7 +623,8 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         policy = policy_for("tier-novelty", cfg, budget).model_copy(update={"scorer": name})
         scorer = scorer_for(name, policy, None, work / f"{pol}-state-{round(budget * 100)}")
         for r, rb in enumerate(rounds):
-            sp, _ = edge_round(rb, contract, policy, scorer, work / f"{pol}{r}-{round(budget * 100)}")
+            sp, _ = edge_round(rb, contract, policy, scorer, work / f"{pol}{r}-{round(budget * 100)}",
+                               edge_reports.setdefault(f"{pol}@{budget:.0%}", []))
             spools[pol, r] = sp, thinned(sp, budget * raw[r], f"bench-{pol}-{r}", policy.flush_max_samples)
 
     cells: list[Cell] = []
@@ -704,6 +712,8 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         "held_out": ks.held_out, "skewed": ks.skewed, "policies": list(policies), "anomaly": ks.anomaly,
         "test_patches": len(truth), "test_classes": test_classes,
         "stream_mix": mix, "rare_classes": rare,
+        # per edge policy: bytes per row per bundle tier (written) and of a full and a summary row (uncompressed)
+        "bytes_per_row": {k: TierReport.merge(v).bytes_per_row() for k, v in edge_reports.items()},
         "guard": {"versions_checked": guard.versions, "rows_checked": guard.rows,
                   "test_hashes": len(guard.test_hashes), "leaks": 0},
         "cells": [asdict(c) | {f"{k}_{s}": (c.mean(k) if s == "mean" else c.spread(k))
@@ -883,8 +893,11 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
         "",
     ]
     for r in results:
+        per_row = (r.get("bytes_per_row") or {}).get("fifo")
         out += [f"**{r['kind']}** ({'skewed' if r['skewed'] else 'balanced'} classes; held out: {r['held_out']}; "
-                f"stream mix {r['stream_mix']}):", "", markdown(r), "", "Verdict:", "",
+                f"stream mix {r['stream_mix']}"
+                + (f"; a full row {per_row.get('full_row_raw')} B uncompressed, {per_row.get('normal')} B per row as "
+                   "written in a bundle" if per_row else "") + "):", "", markdown(r), "", "Verdict:", "",
                 *[f"- {v}" for v in verdicts(r)], ""]
     return "\n".join(out)
 

@@ -263,27 +263,36 @@ def read_bundle(data: bytes, manifest: BundleManifest | None = None, *, columns:
     if rows > contract.max_rows:
         raise Unpacked(f"{where}: {rows} rows, contract {contract.id} allows {contract.max_rows}")
     check_schema(schema, contract)
-    wanted = None if columns is None else sorted(set(columns) & set(schema.names))
+    names = contract.bundle_schema.names
+    if columns is not None:
+        wanted: list[str] | None = sorted(set(columns) & set(schema.names))
+    else:  # an older bundle's derived features are not unpacked at all
+        wanted = None if set(schema.names) <= set(names) else [n for n in schema.names if n in names]
     table = read_bounded(data, wanted, unpacked_budget(contract, rows, wanted), what=where)
     return conform(table, contract) if columns is None else table
 
 
 def conform(table: pa.Table, contract: Contract) -> pa.Table:
     """Rows in the contract's bundle schema; a column added to the schema since (`contracts.ADDED_COLUMNS`)
-    and absent here gets the value it has by definition in older rows (inclusion_p 1: sent with certainty)."""
+    and absent here gets the value it has by definition in older rows (inclusion_p 1: sent with certainty); the
+    derived features an older bundle carried are dropped (a core derives them)."""
     want = contract.bundle_schema
     for name, default in ADDED_COLUMNS.items():
         if name not in table.column_names:
             table = table.append_column(want.field(name), pa.array([default] * table.num_rows, want.field(name).type))
-    return table.cast(want)
+    return table.select(want.names).cast(want)
 
 
 def check_schema(schema: pa.Schema, contract: Contract) -> None:
     """Schema drift is an error that names the columns: missing, extra, or a changed type. A bundle written
-    before a column was added (`contracts.ADDED_COLUMNS`) may lack it; `conform` fills it in."""
+    before a column was added (`contracts.ADDED_COLUMNS`) may lack it; `conform` fills it in. One written
+    before derived features stayed on the node may carry them (`Contract.derived_feature_columns`, float32);
+    `conform` drops them."""
     want = contract.bundle_schema
     missing = [n for n in want.names if n not in schema.names and n not in ADDED_COLUMNS]
-    extra = [n for n in schema.names if n not in want.names]
+    derived = contract.edge_schema
+    extra = [n for n in schema.names if n not in want.names
+             and not (n in contract.derived_feature_columns and schema.field(n).type.equals(derived.field(n).type))]
     changed = [
         f"{n}: {schema.field(n).type} (contract {want.field(n).type})"
         for n in want.names

@@ -224,6 +224,9 @@ class Contract:
     max_rows: int = DEFAULT_LIMITS["max_rows"]
     max_unpacked_bytes: int = DEFAULT_LIMITS["max_unpacked_bytes"]
     min_inclusion_p: float = DEFAULT_MIN_INCLUSION_P
+    # A low-tier row left on the node sends a summary only where its row is this many times the summary's bytes
+    # (None: the tiering policy's `summary_min_ratio`): the kind knows what its summary is worth to training.
+    summary_min_ratio: float | None = None
     allow_nonfinite: tuple[str, ...] = ()  # float columns where NaN/inf are data, not an error
     raw: RawSpec = RawSpec()
 
@@ -332,8 +335,26 @@ class Contract:
         return out
 
     @property
+    def derived_feature_columns(self) -> list[str]:
+        """Features a core derives from the row's own columns (`norm_<column>`: the reading scaled by the
+        contract's range, `decode.derived_features`): the edge computes them to score, no bundle carries them,
+        so no reading travels twice."""
+        return [f"{stat}_{c}" for f in self.features if f.per == "column"
+                for stat in f.stats for c in (f.columns or self.numeric_columns)]
+
+    @property
     def bundle_schema(self) -> pa.Schema:
-        """Schema of preprocessed, scored rows as they travel in bundles and land in datasets."""
+        """Schema of preprocessed, scored rows as they travel in bundles and land in datasets: every feature
+        but the derived ones (`derived_feature_columns`)."""
+        derived = set(self.derived_feature_columns)
+        return self._row_schema([c for c in self.feature_columns if c not in derived])
+
+    @property
+    def edge_schema(self) -> pa.Schema:
+        """The rows as a node holds them to score: the bundle schema with every feature, derived ones included."""
+        return self._row_schema(self.feature_columns)
+
+    def _row_schema(self, features: list[str]) -> pa.Schema:
         fields = [
             pa.field("sample_id", pa.string(), nullable=False),
             pa.field("node_id", pa.string(), nullable=False),
@@ -348,7 +369,7 @@ class Contract:
         else:
             # Raw tensor or file bytes; null for low-tier summary rows.
             fields.append(pa.field(self.payload_columns[0], pa.binary()))
-        fields += [pa.field(c, pa.float32(), nullable=False) for c in self.feature_columns]
+        fields += [pa.field(c, pa.float32(), nullable=False) for c in features]
         fields += [
             pa.field("value", pa.float32(), nullable=False),
             pa.field("tier", pa.string(), nullable=False),
@@ -595,7 +616,8 @@ def _raw_spec(d: _Doc, v: Any) -> RawSpec:
 
 
 def _limits(d: _Doc, doc: dict[str, Any]) -> dict[str, Any]:
-    raw = d.mapping(doc.get("limits") or {}, "limits", {*DEFAULT_LIMITS, "allow_nonfinite", "min_inclusion_p"})
+    raw = d.mapping(doc.get("limits") or {}, "limits",
+                    {*DEFAULT_LIMITS, "allow_nonfinite", "min_inclusion_p", "summary_min_ratio"})
     out: dict[str, Any] = {}
     for name, default in DEFAULT_LIMITS.items():
         out[name] = d.integer(raw.get(name, default), f"limits.{name}")
@@ -603,6 +625,11 @@ def _limits(d: _Doc, doc: dict[str, Any]) -> dict[str, Any]:
     if not 0 < p <= 1:
         raise d.fail("limits.min_inclusion_p", f"must be in (0, 1], got {p}")
     out["min_inclusion_p"] = p
+    if "summary_min_ratio" in raw:
+        r = d.number(raw["summary_min_ratio"], "limits.summary_min_ratio")
+        if not r >= 1:
+            raise d.fail("limits.summary_min_ratio", f"must be >= 1 (a summary smaller than its row), got {r}")
+        out["summary_min_ratio"] = r
     out["allow_nonfinite"] = d.strings(raw.get("allow_nonfinite", []), "limits.allow_nonfinite") \
         if raw.get("allow_nonfinite") else ()
     return out
@@ -682,7 +709,7 @@ def _parse(path: Path) -> Contract:
         description=str(description or "").strip(), tensor_spec=tensor, file=file, columns=columns,
         features=features, training=training, raw=_raw_spec(d, doc.get("raw")), **_limits(d, doc),
     )
-    names = c.bundle_schema.names
+    names = c.edge_schema.names
     if dup := sorted({n for n in names if names.count(n) > 1}):
         raise ContractInvalid(f"{path}: columns {dup} appear twice in the bundle schema (a feature, data or "
                               "label column clashes with another)")

@@ -6,6 +6,8 @@ scorers) and for training alike.
   and valid (preprocessing checked them); a row that is not names its index.
 - `column_matrix(table, contract)`: a columns kind's numeric data columns -> (m, k) float32, each
   normalised to its declared range (the `norm_<column>` features), NaN where null.
+- `with_derived_features(table, contract)`: the table with the `norm_<column>` features a bundle does not
+  carry (`Contract.derived_feature_columns`), derived from its columns: what a core reads them as.
 """
 
 from __future__ import annotations
@@ -127,3 +129,18 @@ def column_matrix(table: pa.Table, contract: Contract, columns: tuple[str, ...] 
             x = (x - c.min) / (c.max - c.min)
         out[:, j] = x
     return out
+
+
+def with_derived_features(table: pa.Table, contract: Contract, names: list[str] | None = None) -> pa.Table:
+    """`table` with the derived features (`names`, default all of `Contract.derived_feature_columns`) it lacks
+    appended as float32, computed from the row's columns as the edge computed them (NaN in a summary row or for
+    a null reading). The same numbers as the edge's, so a bundle need not carry them."""
+    want = [n for n in (contract.derived_feature_columns if names is None else names)
+            if n not in table.column_names]
+    if not want:
+        return table
+    cols = tuple(n.removeprefix("norm_") for n in want)
+    mat = column_matrix(table, contract, cols)
+    for j, n in enumerate(want):
+        table = table.append_column(pa.field(n, pa.float32()), pa.array(mat[:, j], pa.float32()))
+    return table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +30,7 @@ from benchmarks.bench_value import (
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
 from edgehaul.edge import landsat
+from edgehaul.edge.tiering import TierReport
 from edgehaul_dev import localstack
 from tests.conftest import api_auth
 
@@ -139,8 +141,13 @@ def test_landed_dataset_version_holds_no_test_patch(split: Split, store: ObjectS
     work = tmp_path
     cfg = Config(stream=1000, batch=500, bundle_rows=CFG_ROWS, sample_passes=1, width=4, seeds=(0,))
     batches = edge_stream(split, cfg.stream, batch=cfg.batch, seed=0, contract=C)
-    spool, order = edge_round(batches, C, policy_for("fifo", cfg), ConstantScorer(), work / "spool")
+    reports: list[dict[str, Any]] = []
+    spool, order = edge_round(batches, C, policy_for("fifo", cfg), ConstantScorer(), work / "spool", reports)
     raw = sum(e.manifest.nbytes for e in order)
+    # bytes per row as the bench records them: every batch's report, the bundles' written bytes over their rows
+    per_row = TierReport.merge(reports).bytes_per_row()
+    assert len(reports) == len(batches) and per_row["normal"] == pytest.approx(raw / cfg.stream, rel=0.01)
+    assert per_row["full_row_raw"] > per_row["normal"]  # uncompressed vs zstd Parquet
     sent = within(order, 0.25 * raw)
     assert 0 < sum(e.manifest.nbytes for e in sent) <= 0.25 * raw
     quarantined: list[str] = []

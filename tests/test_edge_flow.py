@@ -237,3 +237,30 @@ def test_spool_watermark_event_reaches_prefect(stack: localstack.StackState, tmp
     assert evs[0]["payload"]["level"] == 2 and evs[0]["payload"]["node_id"] == node_id
     assert evs[0]["payload"]["used_fraction"] >= 0.85
     spool.close()
+
+
+@pytest.mark.integration
+def test_edge_ingest_under_a_link_profile_tiers_to_the_share_the_link_plans_to_carry(
+    stack: localstack.StackState, tmp_path: Path
+) -> None:
+    """A policy without a budget_share, a node with a 500 kB/s link observing 5 MB/s: the run tiers under the
+    share that link plans to carry, and sends about that share of its full-row bytes."""
+    from edgehaul.blocks import LinkProfile
+    from edgehaul.tasks.edge import link_budget
+
+    tag = uuid.uuid4().hex[:8]
+    link = LinkProfile(bandwidth_bps=8_000_000, rate_cap_fraction=0.5)
+    link.save(f"link-{tag}", overwrite=True)
+    params = EdgeIngestParams(edge_node=None, node_id=f"node-l{tag}", spool_dir=str(tmp_path / "spool"),
+                              n_samples=2000, batch_size=1000, seed=4, start_seq=0, link_profile=f"link-{tag}",
+                              observed_bytes_per_s=5e6)
+    out, _ = _run(params)
+    share = link_budget(TieringPolicy(), link, 5e6).budget_share
+    assert share is not None and out["budget_share"] == share < 0.2
+    full = out["bytes_per_row"]["full_row_raw"] * out["samples_in"]
+    sent = sum(out["uplink_bytes"].values())
+    assert 0.5 * share * full < sent < 1.5 * share * full  # that share of the bytes, as zstd Parquet
+    # without a link profile the policy is as it was: no budget
+    out, _ = _run(params.model_copy(update={"link_profile": None, "node_id": f"node-m{tag}",
+                                            "spool_dir": str(tmp_path / "spool2")}))
+    assert out["budget_share"] is None

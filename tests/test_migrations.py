@@ -231,3 +231,28 @@ def test_a_table_from_before_scoped_ids_gets_its_id_index_on_the_next_commit(sto
     again = commit_bundles(store, CONTRACT, [old, same_on_b], run_id="later")
     assert again.version is None and sorted(again.refs["already_committed"]) == sorted(
         [f"node-a/{old.manifest.bundle_id}", f"node-b/{old.manifest.bundle_id}"])
+
+
+@pytest.mark.integration
+def test_an_old_table_with_derived_features_keeps_them_derived_by_each_commit(store: ObjectStore) -> None:
+    """A gait table made when bundles carried norm_<column> beside each reading: accepted as it is, and a commit
+    of new bundles (which carry each reading once) fills those columns, derived from the readings."""
+    from edgehaul.decode import with_derived_features
+    from tests.gait_rows import GAIT, gait_rows
+
+    new = dataset_schema(GAIT)
+    old = pa.schema([*new, *(pa.field(n, pa.float32(), nullable=False) for n in GAIT.derived_feature_columns)])
+    DeltaTable.create(table_uri(store, GAIT.kind), old, mode="error", storage_options=store.storage_options())
+    ensure_table(store, GAIT)  # accepted: the derived columns are known
+    scored = assign(gait_rows(50, anomaly_rate=0.1, seed=7), np.full(50, 0.5, np.float32), TieringPolicy(), GAIT)
+    data, m = write_bundle(scored, GAIT, tier="normal")
+    table, result = validate_bundle(data, m)
+    assert result.success and table is not None, result.error
+    assert commit_bundles(store, GAIT, [ValidatedBundle(m, table, result)], run_id="derived").rows == 50
+    got = read_version(store, GAIT.kind, 1)
+    assert set(GAIT.derived_feature_columns) <= set(got.column_names)
+    want = with_derived_features(got.select(new.names), GAIT)
+    for n in GAIT.derived_feature_columns:
+        np.testing.assert_array_equal(got.column(n).to_numpy(), want.column(n).to_numpy())
+    x = got.column("trunk_vert").to_numpy().astype(np.float64)
+    np.testing.assert_allclose(got.column("norm_trunk_vert").to_numpy(), (x + 5000) / 10000, rtol=1e-6)

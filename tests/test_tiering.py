@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 
 from edgehaul.blocks import TieringPolicy
 from edgehaul.bundles import read_bundle
-from edgehaul.contracts import load_contract
+from edgehaul.contracts import Contract, load_contract
 from edgehaul.edge.landsat import generate, table_sha256
 from edgehaul.edge.preprocess import preprocess
 from edgehaul.edge.scoring import NoveltyScorer
@@ -264,3 +266,36 @@ def test_under_a_budget_every_sample_is_sent_or_kept_once_and_urgent_rows_go_fir
     full = b.report.full_row_bytes + b.report.summary_row_bytes
     planned = share * (b.report.full_row_bytes / max(len(sent), 1)) * accepted.num_rows
     assert abs(full - planned) < 0.35 * planned + 20_000
+
+
+def test_a_summary_goes_only_where_the_contracts_ratio_says_it_earns_its_bytes(tmp_path: Path) -> None:
+    """A gait reading's summary (identity, no readings) is not a quarter of its row: by the policy's ratio the
+    rows left send none and only join the sample. A contract that sets `limits.summary_min_ratio` decides for
+    its kind: at 1 every row left sends one."""
+    import dataclasses
+
+    from edgehaul.contracts import ContractInvalid
+    from tests.gait_rows import GAIT, gait_rows
+
+    acc = gait_rows(400, anomaly_rate=0.05, seed=2)
+    policy = TieringPolicy(low_threshold=0.5, high_threshold=0.9)  # every row low: left unless drawn
+
+    def summaries(contract: Contract) -> tuple[int, int]:
+        b = Batcher(policy, contract)
+        b.add(assign(acc, np.zeros(400), policy, contract))
+        b.flush()
+        return b.report.summary_rows, 400 - b.report.sampled_low
+
+    assert GAIT.summary_min_ratio is None and summaries(GAIT)[0] == 0
+    rows, left = summaries(dataclasses.replace(GAIT, summary_min_ratio=1.0))
+    assert left > 300 and rows == left
+    text = Path(GAIT.source).read_text()
+    for ratio, ok in (("1.5", True), ("0.5", False)):
+        d = tmp_path / ratio
+        d.mkdir()
+        (d / "daphnet_gait.v1.yaml").write_text(text + f"limits: {{summary_min_ratio: {ratio}}}\n")
+        if ok:
+            assert load_contract("daphnet_gait", 1, d).summary_min_ratio == 1.5
+        else:
+            with pytest.raises(ContractInvalid, match=r"limits\.summary_min_ratio.*>= 1"):
+                load_contract("daphnet_gait", 1, d)

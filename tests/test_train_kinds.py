@@ -140,6 +140,12 @@ def test_inputs_follow_the_contracts_layout() -> None:
     xg = inputs(g, gait, arch_for(gait, 8))
     want = (np.float32(g.column("ankle_vert")[2].as_py()) + 5000) / 10000  # scaled to its declared range
     assert xg[2, 1].item() == pytest.approx(float(want), rel=1e-5)
+    # the trainer reads the readings (a bundle carries no norm_<column>): the edge's features are its inputs
+    from edgehaul.decode import with_derived_features
+
+    assert not set(gait.derived_feature_columns) & set(g.column_names)
+    feats = with_derived_features(g, gait).select(gait.derived_feature_columns)
+    assert torch.equal(xg, torch.from_numpy(np.column_stack([c.to_numpy() for c in feats.columns])))
     digits = load_contract("digits_png")
     d = _rows("digits_png", 4, unusable_every=1000)
     xd = inputs(d, digits, arch_for(digits, 8))

@@ -3,6 +3,8 @@ columns' nulls, ranges and categories; summary rows carry no payload; GE never r
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 from datetime import UTC, datetime
 from pathlib import Path
@@ -10,14 +12,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
 from edgehaul.blocks import TieringPolicy
-from edgehaul.bundles import write_bundle
+from edgehaul.bundles import BundleError, read_bundle, write_bundle
 from edgehaul.contracts import Contract, load_contract
 from edgehaul.core import validation
-from edgehaul.core.validation import row_problems, validate_bundles
+from edgehaul.core.validation import row_problems, validate_bundle, validate_bundles
+from edgehaul.decode import with_derived_features
 from edgehaul.edge.preprocess import preprocess
 from edgehaul.edge.tiering import assign, summarise
 
@@ -82,8 +86,9 @@ def test_valid_bundles_of_every_kind_pass_and_ge_never_sees_the_payload_bytes(
     binary = contract.payload_column
     if binary is not None:  # read for the row checks, then dropped: GE and the caller never hold the bytes
         assert binary not in table.column_names and all(binary not in cols for cols in seen)
-    else:  # a columns kind's data are what its expectations read
-        assert "norm_trunk_vert" in seen[0]
+    else:  # a columns kind's data are what its expectations read; the bundle carries each reading once,
+        # and the norm_<column> an expectation names is derived here from the reading
+        assert "norm_trunk_vert" in seen[0] and "norm_trunk_vert" not in read_bundle(data, m).column_names
 
 
 def test_tensor_rows_of_the_wrong_length_or_a_summary_with_a_tensor_are_named() -> None:
@@ -130,10 +135,12 @@ columns:
     raw = pa.table({**_identity(4), "temp": pa.array([1.0, None, 3.0, 4.0], pa.float32()),
                     "sky": ["clear", "rain", "clear", "rain"]})
     acc = preprocess(raw, c).accepted
+    assert np.isnan(acc.column("norm_temp")[1].as_py())  # the edge's feature of a null reading: NaN
     rows = assign(acc, np.full(4, 0.5), TieringPolicy(), c)
-    assert np.isnan(rows.column("norm_temp")[1].as_py())
-    assert row_problems(rows, c) == ("", "")  # the NaN feature of a null reading is not a non-finite value
-    assert row_problems(_set(rows, "norm_temp", 0, float("nan")), c)[0] == "non_finite"
+    assert "norm_temp" not in rows.column_names  # derived, so not carried
+    assert np.isnan(with_derived_features(rows, c).column("norm_temp")[1].as_py())
+    assert row_problems(rows, c) == ("", "")  # a null reading is allowed, a NaN one is not
+    assert row_problems(_set(rows, "temp", 0, float("nan")), c)[0] == "non_finite"
     reason, error = row_problems(_set(rows, "sky", 3, "snow"), c)
     assert reason == "column_values" and "sky not in ['clear', 'rain']" in error and "v3" in error
     assert pc.sum(rows.column("is_summary")).as_py() == 0
@@ -151,3 +158,40 @@ def test_a_file_that_only_starts_like_a_png_is_refused_naming_the_sample() -> No
     big = _png(np.zeros((16, 16), dtype=np.uint8))  # a real PNG, of another shape
     reason, error = row_problems(_set(rows, "image", 21, big), DIGITS)
     assert reason == "file_invalid" and "v21" in error and "shape" in error
+
+
+def test_an_expectation_on_a_derived_feature_still_judges_the_readings() -> None:
+    """The gait gravity check names norm_trunk_vert, which no bundle carries: a core derives it from trunk_vert, so
+    a detached trunk sensor (reading 0 g) still fails the bundle."""
+    rows = _rows(GAIT)
+    data, m = write_bundle(rows, GAIT, tier="normal")
+    assert validate_bundle(data, m)[1].success
+    i = rows.schema.get_field_index("trunk_vert")
+    flat = pc.if_else(rows.column("is_summary"), rows.column("trunk_vert"), pa.scalar(0.0, pa.float32()))
+    data, m = write_bundle(rows.set_column(i, rows.schema.field(i), flat), GAIT, tier="normal")
+    _, res = validate_bundle(data, m)
+    failed = [e for e in res.expectations if not e.success]
+    assert not res.success and [(e.expectation, e.column) for e in failed] == [
+        ("expect_column_mean_to_be_between", "norm_trunk_vert")]
+    assert failed[0].observed_value == pytest.approx(0.5)  # 0 mg on the contract's [-5000, 5000]
+
+
+def test_a_bundle_that_still_carries_derived_features_is_read_without_them() -> None:
+    """A node on older code sent norm_<column> beside each reading: accepted, and read as the new schema; a
+    column of another name is still schema drift."""
+    rows = _rows(GAIT)
+    old = with_derived_features(rows, GAIT)
+    _, m = write_bundle(rows, GAIT, tier="normal")
+    for extra, ok in ((old, True), (rows.append_column("norm_nothing", pa.array(np.zeros(30, np.float32))), False)):
+        sink = io.BytesIO()
+        pq.write_table(extra.replace_schema_metadata({b"edgehaul.contract": GAIT.id.encode()}), sink)
+        data = sink.getvalue()
+        mm = dataclasses.replace(m, sha256=hashlib.sha256(data).hexdigest(), nbytes=len(data))
+        if not ok:
+            with pytest.raises(BundleError, match=r"unexpected columns \['norm_nothing'\]"):
+                read_bundle(data, mm)
+            continue
+        assert read_bundle(data, mm).schema == GAIT.bundle_schema
+        table, res = validate_bundle(data, mm)
+        assert res.success, res.error
+        assert table is not None and "norm_trunk_vert" not in table.column_names

@@ -299,7 +299,8 @@ def test_at_5_percent_the_default_scorer_lands_more_faults_than_random_and_train
     rnd = rnd.append_column("value", pa.array(np.zeros(len(pick), np.float32))).append_column(
         "tier", pa.array(["normal"] * len(pick))).append_column(
         "is_summary", pa.array(np.zeros(len(pick), bool))).append_column(
-        "inclusion_p", pa.array(np.full(len(pick), len(pick) / n, np.float32))).cast(pump.bundle_schema)
+        "inclusion_p", pa.array(np.full(len(pick), len(pick) / n, np.float32))).select(
+        pump.bundle_schema.names).cast(pump.bundle_schema)
     f_sent = int(pc.sum(sent.column("bearing_fault")).as_py())
     f_rnd = int(pc.sum(rnd.column("bearing_fault")).as_py())
     bytes_sent = sum(e.manifest.nbytes for e in spool.pending())

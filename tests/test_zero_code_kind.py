@@ -16,6 +16,7 @@ import pytest
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
+from edgehaul.decode import with_derived_features
 from edgehaul.training import registry
 from tests.kinds_support import close_the_loop, run_loop
 
@@ -92,7 +93,10 @@ def test_a_kind_from_a_contract_file_alone_goes_all_the_way(store: ObjectStore, 
     loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id)
 
     assert loop.version is not None and not loop.core["quarantined"], loop.core
-    got = {r["sample_id"]: r for r in loop.dataset.to_pylist()}
+    # each reading lands once; the per-column feature the contract asks for by default (the reading scaled to its
+    # range) is derived where it is read
+    assert not set(contract.derived_feature_columns) & set(loop.dataset.column_names)
+    got = {r["sample_id"]: r for r in with_derived_features(loop.dataset, contract).to_pylist()}
     assert set(got) | set(loop.rejected) == set(rows) and not set(got) & set(loop.rejected)
     # the two broken rows are rejected alone, each with its reason; their batch's 898 good rows arrived
     assert set(loop.rejected) == {f"{node_id}-hive-{3:06d}", f"{node_id}-hive-{5:06d}"}
@@ -100,7 +104,6 @@ def test_a_kind_from_a_contract_file_alone_goes_all_the_way(store: ObjectStore, 
     for sid in list(got)[::37]:
         assert got[sid]["temp_c"] == pytest.approx(float(rows[sid]["temp_c"]), abs=1e-4)
         assert got[sid]["swarming"] == int(rows[sid]["swarming"])
-        # the per-column feature the contract asks for by default: the reading scaled to its range
         assert got[sid]["norm_humidity"] == pytest.approx(float(rows[sid]["humidity"]) / 100, abs=1e-5)
     close_the_loop(loop, store, epochs=None, width=None)  # as the contract says
     assert loop.train is not None

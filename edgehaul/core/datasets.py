@@ -67,6 +67,7 @@ from edgehaul.bundles import BundleManifest, conform
 from edgehaul.contracts import ADDED_COLUMNS, Contract
 from edgehaul.core import quarantine
 from edgehaul.core.validation import ValidationResult
+from edgehaul.decode import with_derived_features
 from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import error_code
 
@@ -97,6 +98,13 @@ def dataset_schema(contract: Contract) -> pa.Schema:
     # Added columns are nullable in a table: the rows committed before they existed have none.
     fields = [f.with_nullable(True) if f.name in ADDED_COLUMNS else f for f in schema]
     return pa.schema([*fields, pa.field(BUNDLE_ID_COLUMN, pa.string(), nullable=False)], metadata=schema.metadata)
+
+
+def old_derived(dt: DeltaTable, contract: Contract) -> list[str]:
+    """Derived features (`Contract.derived_feature_columns`) a table made when bundles carried them still has:
+    a commit derives them from the rows' columns (`decode.with_derived_features`), the same numbers."""
+    have = set(pa.schema(dt.schema()).names)
+    return [n for n in contract.derived_feature_columns if n in have]
 
 
 def columns_to_add(dt: DeltaTable, contract: Contract) -> list[str]:
@@ -169,9 +177,11 @@ def ensure_table(store: ObjectStore, contract: Contract) -> DeltaTable:
             log.info("dataset table %s created concurrently (%s); re-opening", uri, type(e).__name__)
             dt = DeltaTable(uri, storage_options=opts)
     have = pa.schema(dt.schema())
-    # Order aside (a merge appends its columns): the same columns, or older ones lacking only added ones.
+    # Order aside (a merge appends its columns): the same columns, or older ones lacking only added ones, or
+    # holding the derived features bundles no longer carry (`old_derived`: each commit derives them).
     lacking = [n for n in want.names if n not in have.names]
-    if [n for n in have.names if n not in want.names] or [n for n in lacking if n not in ADDED_COLUMNS]:
+    extra = [n for n in have.names if n not in want.names and n not in contract.derived_feature_columns]
+    if extra or [n for n in lacking if n not in ADDED_COLUMNS]:
         raise DatasetError(
             f"dataset {contract.kind}: table columns {have.names} differ from contract {contract.id} {want.names}"
         )
@@ -921,6 +931,7 @@ def _commit_claimed(
                  kind, len(todo), sum(len(v) for v in dups.values()))
         return _result(kind, None, dt.version(), commit_id, [], 0, [*already, *refs], deferred, {}, t0, dup_names)
     metadata = _commit_metadata(contract, todo, kept, dups, data, commit_id, run_id)
+    data = with_derived_features(data, contract, old_derived(dt, contract))
     txns = [Transaction(app_id=txn_app_id(*r), version=1) for r in refs]
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         added = columns_to_add(dt, contract)

@@ -3,7 +3,8 @@
 Great Expectations (1.x) reads pandas, so a bundle goes Arrow -> pandas with only the columns the suite names,
 never a tensor's or file's bytes (converting megabytes of binary to Python objects dominates otherwise). The
 payload is checked per layout in `row_problems` with Arrow compute: a tensor's byte length, a file's size and
-media type, typed columns' nulls, ranges and categories.
+media type, typed columns' nulls, ranges and categories. An expectation on a derived feature (`norm_<column>`,
+which no bundle carries) reads it as derived here from the row's columns (`decode.with_derived_features`).
 The GE context and each contract's suite are built once per process, keyed by the contract's
 sha256, and reused for every bundle. `validate_bundle` never raises for bad data: it returns a
 `ValidationResult` whose `reason` names what failed, ready to be written as JSON beside a quarantined
@@ -29,6 +30,7 @@ import pyarrow.compute as pc
 
 from edgehaul.bundles import BundleError, BundleManifest, Unpacked, read_bundle
 from edgehaul.contracts import MEDIA_MAGIC, Contract, ContractError, ContractInvalid, contract_by_id
+from edgehaul.decode import with_derived_features
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,10 @@ class _Suite:
                                       f"({exp.get('type')}): {type(e).__name__}: {str(e)[:300]}") from e
         self.suite = self.context.suites.add(suite)
         self.columns = sorted({str(e["kwargs"]["column"]) for e in contract.expectations if "column" in e["kwargs"]})
+        # derived features the suite reads, and the bundle columns it reads them from
+        self.derived = [c for c in self.columns if c in contract.derived_feature_columns]
+        self.reads = sorted({*(c for c in self.columns if c not in self.derived),
+                             *(c.removeprefix("norm_") for c in self.derived)})
         self.lock = threading.Lock()  # a GE context is not meant for concurrent use
 
 
@@ -191,7 +197,7 @@ def _row_of(kind: str, column: str | None, success: bool, result: dict[str, Any]
 def run_expectations(table: pa.Table, contract: Contract) -> tuple[ExpectationRow, ...]:
     """Run the contract's expectation suite over a table (bundle schema) and return one row each."""
     s = suite_for(contract)
-    df = _ge_frame([table], s.columns, slot=False)
+    df = _ge_frame([with_derived_features(table, contract, s.derived)], s.columns, slot=False)
     with s.lock:
         batch = s.batch_definition.get_batch(batch_parameters={"dataframe": df})
         res = batch.validate(s.suite, result_format="BASIC")
@@ -278,6 +284,7 @@ def run_expectations_batch(tables: list[pa.Table], contract: Contract) -> list[t
     if len(tables) <= 1:
         return [run_expectations(t, contract) for t in tables]
     s = suite_for(contract)
+    tables = [with_derived_features(t, contract, s.derived) for t in tables]
     df = _ge_frame(tables, s.columns, slot=True)
     fmt = {"result_format": "COMPLETE", "unexpected_index_column_names": [SLOT_COLUMN],
            "return_unexpected_index_query": False}
@@ -323,7 +330,7 @@ def _read_lean(data: bytes, manifest: BundleManifest, contract: Contract) -> pa.
     are most of a bundle's bytes, and GE never sees them). A commit decodes the whole bundle again (and re-checks
     its checksum) from the validated bytes."""
     # + what `row_problems` reads: the payload (a tensor's or file's bytes are dropped after the check) and the floats
-    wanted = sorted({*suite_for(contract).columns, "sample_id", "node_id", *contract.payload_columns, "is_summary",
+    wanted = sorted({*suite_for(contract).reads, "sample_id", "node_id", *contract.payload_columns, "is_summary",
                      *_float_columns(contract)})
     return read_bundle(data, manifest, columns=wanted)
 
@@ -356,8 +363,6 @@ def row_problems(table: pa.Table, contract: Contract) -> tuple[str, str]:
         if col in contract.allow_nonfinite or col not in table.column_names:
             continue
         bad = pc.invert(pc.fill_null(pc.is_finite(table.column(col)), True))
-        if (src := _nullable_source(col, contract)) and src in table.column_names:
-            bad = pc.and_(bad, pc.is_valid(table.column(src)))  # norm_<col> of a null reading is NaN by design
         n_bad = int(pc.sum(bad).as_py() or 0)
         if n_bad:
             problems.append(f"{col}: {n_bad}")
@@ -383,12 +388,6 @@ def _inclusion_problems(table: pa.Table, floor: float) -> tuple[str, str]:
     values = sorted({str(v) for v in p.filter(bad).to_pylist()})[:5]
     return "inclusion_p", (f"{n_bad} rows with inclusion_p outside [{floor:g}, 1] (the contract's min_inclusion_p; "
                            f"summaries [0, 1]), values {values}, e.g. samples {_examples(table, bad)}")
-
-
-def _nullable_source(feature: str, contract: Contract) -> str | None:
-    """The nullable numeric column a `norm_<column>` feature is derived from, else None."""
-    name = feature.removeprefix("norm_")
-    return name if name != feature and any(c.name == name and c.nullable for c in contract.columns) else None
 
 
 def _summary_payload(table: pa.Table, name: str) -> pa.ChunkedArray:

@@ -24,8 +24,9 @@ Features follow `contract.features`: channel statistics (mean/std/min/max) of th
 per-sample hashes of the payload column plus the other columns' bytes, so a batch's payloads are
 hashed once: pass the hashes it returns to `preprocess(..., hashes=...)` and they are not recomputed.
 
-`accepted` follows `preprocessed_schema(contract)`: the contract's bundle schema WITHOUT the three
-columns that scoring/tiering adds (value, tier, is_summary). `edgehaul.edge.tiering.assign` adds them.
+`accepted` follows `preprocessed_schema(contract)`: the contract's edge schema (the bundle schema plus the
+derived `norm_<column>` features, which the scorers read and no bundle carries) WITHOUT the columns that
+scoring/tiering adds (value, tier, is_summary, inclusion_p). `edgehaul.edge.tiering.assign` adds them.
 Payloads stay as they came (the bundle carries the sensor's tensor or file).
 """
 
@@ -84,8 +85,9 @@ REJECTS_SCHEMA = pa.schema(
 
 
 def preprocessed_schema(contract: Contract) -> pa.Schema:
-    """The bundle schema minus value/tier/is_summary (those come from scoring and tiering)."""
-    schema = contract.bundle_schema
+    """The edge's row schema (the bundle schema plus the derived features the scorers read) minus
+    value/tier/is_summary/inclusion_p (those come from scoring and tiering)."""
+    schema = contract.edge_schema
     for name in SCORED_COLUMNS:
         schema = schema.remove(schema.get_field_index(name))
     return schema

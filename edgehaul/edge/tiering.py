@@ -11,10 +11,10 @@ and raw-store bundles for the local spool.
   (`inclusion_probabilities`). A cut by rank is never made: every landed row can be weighted by 1/p.
 - `Batcher`: drawn high rows leave at once as urgent bundles (each <= urgent_max_bytes); the other drawn rows
   and the summary rows of the rows left (payload columns null, is_summary true; only where a summary is
-  `summary_min_ratio` times smaller than its row: `plan_bytes`) are buffered and flushed as a normal bundle
-  when it reaches flush_max_samples rows or flush_max_bytes bytes, or when its first row is
-  flush_max_seconds old (clock injectable), whichever first. The full rows left become "low" bundles that
-  `Spool.put` keeps in the local raw store, never uplinked: every sample travels in full, or in the raw
+  `summary_min_ratio` times smaller than its row, the contract's limit or else the policy's: `plan_bytes`) are
+  buffered and flushed as a normal bundle when it reaches flush_max_samples rows or flush_max_bytes bytes, or
+  when its first row is flush_max_seconds old (clock injectable), whichever first. The full rows left become
+  "low" bundles that `Spool.put` keeps in the local raw store, never uplinked: every sample travels in full, or in the raw
   store, not both. One reordering `take` per batch, every bundle a slice of it.
 - Byte limits hold for the written Parquet bundle itself: rows are cut by their uncompressed size
   (an upper bound for zstd Parquet plus a footer allowance) and a bundle that still comes out too
@@ -163,10 +163,14 @@ def summary_bytes(rows: pa.Table, contract: Contract, full: np.ndarray | None = 
     return full - payload
 
 
-def summary_earns(full: np.ndarray, summary: np.ndarray, policy: TieringPolicy) -> np.ndarray:
+def summary_earns(full: np.ndarray, summary: np.ndarray, policy: TieringPolicy,
+                  contract: Contract | None = None) -> np.ndarray:
     """A row left on the node sends a summary only where the row is `summary_min_ratio` times the summary's
-    size; otherwise the summary would cost nearly a row for no payload, and the row simply joins the sample."""
-    return np.asarray(full, dtype=np.float64) >= policy.summary_min_ratio * np.maximum(summary, 1)
+    size (the contract's `limits.summary_min_ratio` where it sets one, else the policy's); otherwise the summary
+    would cost nearly a row for no payload, and the row simply joins the sample."""
+    ratio = contract.summary_min_ratio if contract is not None and contract.summary_min_ratio is not None else (
+        policy.summary_min_ratio)
+    return np.asarray(full, dtype=np.float64) >= ratio * np.maximum(summary, 1)
 
 
 def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
@@ -174,10 +178,11 @@ def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
     """(full-row bytes, summary bytes or 0 where a left row sends none) per row, the same from `assign`'s
     preprocessed rows and the Batcher's scored ones. Under a budget, summaries that would take more than half
     of what the urgent rows leave are not sent at all: the budget buys rows first."""
-    base = rows.select([c for c in rows.column_names if c not in _SCORED])
+    wire = set(contract.bundle_schema.names)  # what a bundle carries: no derived feature
+    base = rows.select([c for c in rows.column_names if c not in _SCORED and c in wire])
     full = _row_bytes(base) + _SCORED_ROW_BYTES
     summ = summary_bytes(base, contract, full)
-    summ = np.where(summary_earns(full, summ, policy), summ, 0)
+    summ = np.where(summary_earns(full, summ, policy, contract), summ, 0)
     if policy.budget_share is not None and summ.any():
         v = np.asarray(values, dtype=np.float64)
         rest = v < policy.high_threshold
@@ -189,9 +194,9 @@ def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
 
 
 def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contract: Contract) -> pa.Table:
-    """Preprocessed rows + values -> bundle-schema rows with tier and inclusion_p (is_summary false everywhere;
-    the Batcher sends the rows `draw`n and keeps the others on the node, with a summary where it earns its
-    bytes)."""
+    """Preprocessed rows + values -> bundle-schema rows (derived features dropped) with tier and inclusion_p
+    (is_summary false everywhere; the Batcher sends the rows `draw`n and keeps the others on the node, with a
+    summary where it earns its bytes)."""
     if len(values) != accepted.num_rows:
         raise ValueError(f"{len(values)} values for {accepted.num_rows} rows")
     v = np.asarray(values, dtype=np.float32)
@@ -207,7 +212,8 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
     t = t.append_column("tier", pa.array(tiers.tolist(), pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(len(v), dtype=bool)))
     t = t.append_column(INCLUSION_P, pa.array(np.asarray(p, dtype=np.float32), pa.float32()))
-    return t.cast(contract.bundle_schema)
+    schema = contract.bundle_schema  # the derived features stay on the node: a core derives them
+    return t.select(schema.names).cast(schema)
 
 
 def summarise(rows: pa.Table, contract: Contract) -> pa.Table:

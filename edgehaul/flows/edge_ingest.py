@@ -10,7 +10,8 @@ spool TTL expiry, watermark check, and artifacts (a per-tier table with value ca
 byte against the no-tiering baseline, progress).
 
 Blocks: `edgehaul-edge-node` (or inline `node_id` + `spool_dir`), `edgehaul-tiering-policy`
-(default policy if none), `edgehaul-object-store` (only for the model scorer). No result-storage block:
+(default policy if none), `edgehaul-object-store` (only for the model scorer), `edgehaul-link-profile` (only
+to plan the budget: `link_profile`). No result-storage block:
 cached results are JSON records on the node's own disk (`<spool_dir>/prefect-results/`,
 `edgehaul.platform.caching.edge_result_storage`), which nothing central ever reads (`result_storage`
 names another block only for tests and benchmarks). Cache policy: one entry per batch, keyed on the
@@ -39,7 +40,7 @@ from prefect.states import Completed
 from pydantic import BaseModel, Field, model_validator
 
 from edgehaul import downlink, events
-from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
+from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.contracts import contract_by_id
 from edgehaul.edge.drop_folder import DropFolder, DropPart, DropRun, emit_drop_rejected
 from edgehaul.edge.landsat import CaptureLog, generate
@@ -53,7 +54,15 @@ from edgehaul.platform.caching import edge_result_storage
 from edgehaul.platform.reporting import Progress, run_namer, summary_table
 from edgehaul.platform.roles import EXAMPLE_NODE
 from edgehaul.platform.runners import from_environment
-from edgehaul.tasks.edge import EdgeBatch, context_key, ingest_batch, make_scorer, merge_reports, scorer_key
+from edgehaul.tasks.edge import (
+    EdgeBatch,
+    context_key,
+    ingest_batch,
+    make_scorer,
+    merge_reports,
+    node_link_budget,
+    scorer_key,
+)
 
 
 class EdgeIngestParams(BaseModel):
@@ -64,6 +73,11 @@ class EdgeIngestParams(BaseModel):
     spool_cap_bytes: int = Field(default=2 * 1024**3, gt=0, description="Inline spool cap.")
     tiering_policy: str | None = Field(default=None, description="TieringPolicy block name; None: the default policy.")
     object_store: str | None = Field(default=None, description="ObjectStore block for the model scorer.")
+    link_profile: str | None = Field(default=None, description="LinkProfile block of the node's uplink: a policy "
+                                     "without its own budget_share gets the share the link plans to carry.")
+    observed_bytes_per_s: float | None = Field(default=None, gt=0, description="Bytes per second the node "
+                                               "observes (with link_profile); None: as the first batch's capture "
+                                               "times say.")
     contract: str = Field(default="landsat_patch.v1", description="Data contract id of the raw observations.")
     source: Literal["generate", "parquet", "drop"] = Field(
         default="generate", description="generate: Landsat demo patches; parquet: every Parquet file of a folder, "
@@ -174,6 +188,9 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
             f"edge-ingest-{node.node_id}-progress", total=expected,
             description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
         for i, (raw, part) in enumerate(_raw_batches(p, node, drop)):
+            if i == 0 and p.link_profile:  # the budget the link plans for, fixed for the run
+                policy = node_link_budget(policy, load_block(LinkProfile, p.link_profile, param="link_profile"), node,
+                                          raw, contract, p.observed_bytes_per_s, logger.info)
             raw_key, hashes = batch_key(raw, contract.payload_column or "")
             version = fixed_version or scorer_key(policy, node, context_key(raw_key, contract, node.node_id), store,
                                                   contract)
@@ -223,7 +240,7 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     summary = {
         "node_id": node.node_id, "batches": len(done), "samples_in": n_in, "rejected": rejects,
         "bundles": sum(len(t.bundles) for t in done), "bundles_refused": refused, "pending": pending,
-        "expired": len(expired), "spool_used_fraction": round(usage.fraction, 4),
+        "expired": len(expired), "spool_used_fraction": round(usage.fraction, 4), "budget_share": policy.budget_share,
         "ledger": {f"{s}/{r}": n for (s, r), n in ledger_counts.items()},
         "bundle_ids": [b["bundle_id"] for t in done for b in t.bundles], **files, **report.summary(),
     }

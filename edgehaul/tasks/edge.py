@@ -23,26 +23,29 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from prefect import task
 from prefect.context import TaskRunContext
 
 from edgehaul import downlink
-from edgehaul.blocks import EdgeNode, ObjectStore, TieringPolicy
+from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.edge.batch import ingest_batch as run_batch
-from edgehaul.edge.preprocess import CODE_VERSION
+from edgehaul.edge.preprocess import CODE_VERSION, parse_times
 from edgehaul.edge.scorer_registry import ScorerContext, build_scorer, scorer_state_dir
 from edgehaul.edge.scoring import ContextualScorer, NoveltyScorer, Scorer, scorer_cache_version
 from edgehaul.edge.spool import Spool, SpoolError
 from edgehaul.edge.tiering import TierReport
 from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
+from edgehaul.uplink.pass_plan import Pass, PassScheduleError, load_passes, planned_share
 
 BATCH_CACHE_VERSION = "edge-batch-1"  # bump to invalidate every cached edge batch result
 LEGACY_NOVELTY_STATE = Path("scorer") / "novelty-state.json"  # before scorer state was kept per kind
@@ -89,6 +92,51 @@ class EdgeBatch:
     def is_intact(self) -> bool:
         """The spool that holds this batch's bundles still has its receipt (else: recompute)."""
         return Path(self.receipt).is_file()
+
+
+def observed_bytes_per_s(raw: pa.Table, contract: Contract) -> float | None:
+    """What a raw batch says its node observes: the batch's bytes over the span of its capture times (read as
+    preprocessing reads them); None where it has no capture times or they span no time."""
+    if "capture_time" not in raw.column_names or raw.num_rows < 2:
+        return None
+    times, _ = parse_times(raw.column("capture_time").combine_chunks(), contract.raw.capture_time)
+    lo, hi = pc.min(times).as_py(), pc.max(times).as_py()
+    span = (hi - lo).total_seconds() if lo is not None and hi is not None else 0.0
+    return raw.nbytes / span if span > 0 else None
+
+
+def link_budget(policy: TieringPolicy, profile: LinkProfile, raw_bytes_per_s: float | None, *,
+                passes: Sequence[Pass] = (), now: datetime | None = None) -> TieringPolicy:
+    """The policy a node tiers with under its link. One that fixes `budget_share` keeps it; otherwise the share
+    of what the node observes that its link plans to carry (`pass_plan.planned_share`: the passes' or the
+    profile's bytes per second over the observed bytes per second), to two significant digits: the share is in
+    the policy's fingerprint, which keys the batch cache, and a rate measured a little differently each run
+    must not recompute every batch. Without a known rate, the policy as it is."""
+    if policy.budget_share is not None or not raw_bytes_per_s or raw_bytes_per_s <= 0:
+        return policy
+    share = planned_share(profile, raw_bytes_per_s=raw_bytes_per_s, passes=passes, now=now)
+    return policy.model_copy(update={"budget_share": min(1.0, float(f"{share:.2g}"))})
+
+
+def node_link_budget(policy: TieringPolicy, profile: LinkProfile, node: EdgeNode, raw: pa.Table, contract: Contract,
+                     observed: float | None = None, log: Callable[..., Any] | None = None) -> TieringPolicy:
+    """`link_budget` for a node: its pass schedule (none when unreadable, said in the log), and its rate as given
+    (`observed`), else as its first raw batch says (`observed_bytes_per_s`)."""
+    passes: list[Pass] = []
+    if node.pass_schedule:
+        try:
+            passes = load_passes(node.pass_schedule)
+        except (OSError, PassScheduleError) as e:
+            if log:
+                log("node %s: pass schedule %s unreadable (%s): planned from the link profile", node.node_id,
+                    node.pass_schedule, e)
+    rate = observed or observed_bytes_per_s(raw, contract)
+    out = link_budget(policy, profile, rate, passes=passes)
+    if log:
+        log("node %s: budget_share %s (%s; observed %s B/s, %d passes planned)", node.node_id, out.budget_share,
+            "the policy's own" if policy.budget_share is not None else "planned for the link" if rate else
+            "no observed rate: none", None if rate is None else round(rate), len(passes))
+    return out
 
 
 def context_key(raw_key: str, contract: Contract, node_id: str) -> str:
