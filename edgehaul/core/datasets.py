@@ -30,8 +30,9 @@ If-Match before the Delta commit, so two runs cannot both take an id; a commit r
 ids fall in (one or two per bundle for numbered ids), whatever the table's size, and a process keeps a
 bounded cache of them. A duplicate row is dropped (the rest of its bundle commits) and named in a record
 (`quarantine.record_duplicates`). A commit whose every row is a duplicate makes no version (nothing new
-to train on); its bundles are settled as already committed. The index is built from the table by one
-scan, once, when it is missing (`rebuild_id_index`, docs/MIGRATIONS.md).
+to train on); its bundles are settled as already committed. A table `ensure_table` creates is born with
+its (empty) index, which its table properties say (`ID_INDEX_PROPERTY`); on an older table the index is
+built by one scan, once, when it is missing (`rebuild_id_index`, docs/MIGRATIONS.md).
 """
 
 from __future__ import annotations
