@@ -367,7 +367,8 @@ def bench_commits(
     put_s = statistics.median(lat)
     print(f"\n[3] commit of one {bundle_rows}-row bundle vs data files already in the table: {per_level} warm commits"
           f" per level (a checkpoint every {CHECKPOINT_INTERVAL} commits),"
-          " timed direct, then as many counted through the proxy; cold = first commit of a process")
+          " timed direct, then as many counted through the proxy; cold = first commit of a process, counted once at"
+          " each position of the checkpoint cycle (min/mean/max)")
     print(f"  baseline: one PUT of the bundle ({len(data) / 1024:.0f} KiB): {1000 * put_s:.1f} ms, 1 request")
     print(f"  {'files':>6} {'med ms':>7} {'mean ms':>8} {'x PUT':>6} {'req mean':>9} {'min':>4} {'max':>4} {'GET':>5} "
           f"{'PUT':>5} {'LIST':>5} {'KiB':>6} {'cold ms':>8} {'cold req min/mean/max':>13} {'cold KiB':>9}")
@@ -388,7 +389,7 @@ def bench_commits(
         assert tbl is not None
         return ValidatedBundle(m, tbl, res)
 
-    # the table's sample id index exists (built by its first commit), as in any table after its first commit
+    # the table was created with its (empty) sample id index, as ensure_table creates every table
     assert commit_bundles(store, c, [one_bundle()]).version is not None
     for level in (10, 100, 1000):
         _add_files(store, c, level - have, sample, stats)
@@ -431,17 +432,19 @@ def bench_commits(
         cold_by_files[files] = cold_patterns
         med, mean = statistics.median(lat), statistics.mean(lat)
         rows.append((files, med, mean, statistics.mean(reqs)))
-        ratios.append((files, colds, statistics.mean(reqs)))
+        ratios.append((files, colds, statistics.mean(reqs), max(reqs)))
         print(f"  {files:6d} {1000 * med:7.1f} {1000 * mean:8.1f} {med / put_s:6.1f} {statistics.mean(reqs):9.1f} "
               f"{min(reqs):4d} {max(reqs):4d} {kinds['GET'] / per_level:5.1f} {kinds['PUT'] / per_level:5.1f} "
               f"{kinds['LIST'] / per_level:5.1f} {statistics.mean(kib):6.0f} {1000 * cold_s:8.1f} "
               f"{f'{min(colds)}/{statistics.mean(colds):.1f}/{max(colds)}':>13} {statistics.mean(cold_kibs):9.0f}")
     print(f"  1000 files vs 10 (warm): median latency {rows[-1][1] / rows[0][1]:.2f}x, "
           f"mean {rows[-1][2] / rows[0][2]:.2f}x, requests {rows[-1][3] / rows[0][3]:.2f}x")
-    for files, colds, warm in ratios:
-        print(f"  cold / warm requests at {files} files: worst {max(colds)} / {warm:.1f} = {max(colds) / warm:.2f}x, "
-              f"mean {statistics.mean(colds):.1f} / {warm:.1f} = {statistics.mean(colds) / warm:.2f}x "
-              f"({'within' if max(colds) <= 2 * warm else 'OVER'} the 2x target at every position of the cycle)")
+    for files, colds, warm, warm_max in ratios:
+        print(f"  cold / warm requests at {files} files: mean {statistics.mean(colds):.1f} / {warm:.1f} = "
+              f"{statistics.mean(colds) / warm:.2f}x (cold at each position of the cycle: {' '.join(map(str, colds))}; "
+              f"the one that writes the checkpoint / the warm one that does: {max(colds)} / {warm_max}) "
+              f"({'within' if statistics.mean(colds) <= 2 * warm else 'OVER'} the 2x target; both means over "
+              "checkpoint cycles, each with its share of checkpoint writes)")
     levels = sorted(cold_by_files)
     print(f"  the cold commit by kind of object (mean over a checkpoint cycle), at {' / '.join(map(str, levels))} files:")
     for pat in sorted(set().union(*cold_by_files.values())):
