@@ -53,6 +53,25 @@ def test_pricing_is_quantity_times_unit_price(uplink: list[int], hours: list[flo
     assert t["cost"] == pytest.approx(sum(rep.cost_by_team().values()))
 
 
+_KEYS = st.tuples(st.sampled_from(["node-a", "node-b"]), st.sampled_from(["geo", "finance"]))
+
+
+@given(uplink=st.dictionaries(_KEYS, st.integers(0, 10**12), max_size=4),
+       backup=st.dictionaries(_KEYS, st.integers(0, 10**15), max_size=4))
+def test_property_a_backup_claim_only_reprices_measured_bytes_of_its_own_node_and_team(
+        uplink: dict[tuple[str, str], int], backup: dict[tuple[str, str], int]) -> None:
+    rep = costs.price("2026-01", PriceSheet(), [{"node": n, "team": t, "bundles": 1, "bytes": b}
+                                                for (n, t), b in uplink.items()],
+                      [], [], [], datetime(2026, 2, 1, tzinfo=UTC),
+                      backup=[{"node": n, "team": t, "bytes": b} for (n, t), b in backup.items()])
+    billed: dict[tuple[str, str], float] = {}
+    for x in rep.lines:
+        billed[(x["node"], x["team"])] = billed.get((x["node"], x["team"]), 0.0) + x["quantity"]
+        if x["meter"] == "uplink_backup":
+            assert x["basis"] == costs.NODE_REPORTED and x["quantity"] <= uplink[(x["node"], x["team"])]
+    assert {k: v for k, v in billed.items() if v} == {k: float(v) for k, v in uplink.items() if v}
+
+
 def test_usage_records_are_validated() -> None:
     s = ObjectStore()
     with pytest.raises(ValueError, match="timezone-aware"):

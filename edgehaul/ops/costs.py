@@ -371,11 +371,17 @@ def price(
 
     # Every landed bundle has a manifest; those the backup carried are billed at its price, not twice. The
     # backup share is the node's word, so it is capped by the bytes the core measured for that node and team.
-    measured = {(u["node"], u["team"]): int(u["bytes"]) for u in uplink}
+    measured: dict[tuple[str, str], int] = defaultdict(int)
+    for u in uplink:
+        measured[(u["node"], u["team"])] += int(u["bytes"])
     over_backup = {(b["node"], b["team"]): min(int(b["bytes"]), measured.get((b["node"], b["team"]), 0))
                    for b in backup}
+    left = dict(over_backup)
     for u in uplink:
-        n = measured[(u["node"], u["team"])] - over_backup.get((u["node"], u["team"]), 0)
+        k = (u["node"], u["team"])
+        taken = min(int(u["bytes"]), left.get(k, 0))
+        left[k] = left.get(k, 0) - taken
+        n = int(u["bytes"]) - taken
         add("uplink", u["team"], u["node"], "", n, "bytes", n / GB, prices.uplink_per_gb)
     for (node, team), n in sorted(over_backup.items()):
         if n:
