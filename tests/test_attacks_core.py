@@ -94,6 +94,13 @@ def _dataset_ids(stack: localstack.StackState) -> list[str]:
     return ids
 
 
+def _dataset_pairs(stack: localstack.StackState) -> list[tuple[str, str]]:
+    """(node, sample id) of every row: ids are unique per node (another node may hold the same id, as
+    tests/test_attacks_ids.py makes nodes do in the root dataset this module shares)."""
+    t = read_version(store_for(stack, "ingest"), KIND, columns=["node_id", "sample_id"])
+    return list(zip(t.column("node_id").to_pylist(), t.column("sample_id").to_pylist(), strict=True))
+
+
 # ------------------------------------------------------------------------------------------ unit: ids
 
 
@@ -350,8 +357,8 @@ def test_a_resent_sample_id_is_a_recorded_duplicate_not_a_second_row(stack: loca
     c = summary["commits"][0]
     assert c["bundles"] == [m2.bundle_id] and c["rows"] == 10
     assert sorted(c["duplicates"][f"node-a/{m2.bundle_id}"]) == sorted(m1.sample_ids)
-    ids = _dataset_ids(stack)
-    assert len(ids) == len(set(ids)) and set(m2.sample_ids) <= set(ids)
+    pairs = _dataset_pairs(stack)
+    assert len(pairs) == len(set(pairs)) and {("node-a", s) for s in m2.sample_ids} <= set(pairs)
     ingest_store = store_for(stack, "ingest")
     key = quarantine.duplicates_key(ingest_store, KIND, "node-a", m2.bundle_id)
     rec = json.loads(ingest_store.client().get_object(Bucket=ingest_store.bucket("quarantine"), Key=key)["Body"].read())

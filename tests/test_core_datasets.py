@@ -5,6 +5,7 @@ lifecycle) is still a no-op, because the dataset's own txn ids are the source of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -18,11 +19,14 @@ from edgehaul.contracts import load_contract
 from edgehaul.core.datasets import (
     BUNDLE_ID_COLUMN,
     CHECKPOINT_INTERVAL,
+    ID_INDEX_PROPERTY,
     ValidatedBundle,
     _claim_key,
+    _ids_key,
     commit_bundles,
     committed_bundle_ids,
     dataset_schema,
+    ensure_table,
     forget_handle,
     open_table,
     read_version,
@@ -127,3 +131,25 @@ def test_ids_owned_by_a_dead_run_are_taken_over_and_by_a_live_run_wait(store: Ob
     assert sorted(retried.duplicates[f"node-a/{dead.manifest.bundle_id}"]) == sorted(dead.manifest.sample_ids)
     ids = read_version(store, KIND, columns=["sample_id"]).column("sample_id").to_pylist()
     assert sorted(ids) == sorted(dead.manifest.sample_ids)  # each id once
+
+
+def test_a_new_table_is_born_with_its_id_index_and_a_fresh_process_needs_no_marker(store: ObjectStore) -> None:
+    """ensure_table creates the table with its (empty) id index and says so in a table property, so a fresh
+    process's first commit reads no marker: with the marker object gone, no rebuild runs (it would write
+    the marker again) and a re-sent sample id is still a duplicate for its node only."""
+    dt = ensure_table(store, CONTRACT)
+    assert dt.metadata().configuration[ID_INDEX_PROPERTY] == "1"
+    assert dt.metadata().configuration["delta.checkpointInterval"] == str(CHECKPOINT_INTERVAL)
+    s3, bucket, marker = store.client(), store.bucket("curated"), _ids_key(store, KIND, "_index.json")
+    assert json.loads(s3.get_object(Bucket=bucket, Key=marker)["Body"].read())["ids"] == 0
+    first = _validated(7)
+    assert commit_bundles(store, CONTRACT, [first]).version == 1
+    s3.delete_object(Bucket=bucket, Key=marker)
+
+    forget_handle(store, KIND)  # a fresh process
+    again = _validated(8)
+    resend = ValidatedBundle(dataclasses.replace(first.manifest, bundle_id="b" * 12), first.table, first.result)
+    r = commit_bundles(store, CONTRACT, [again, resend])
+    assert r.version == 2 and r.rows == again.table.num_rows
+    assert sorted(r.duplicates[f"node-a/{'b' * 12}"]) == sorted(first.table.column("sample_id").to_pylist())
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=marker)["KeyCount"] == 0  # no rebuild ran

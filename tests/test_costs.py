@@ -53,6 +53,25 @@ def test_pricing_is_quantity_times_unit_price(uplink: list[int], hours: list[flo
     assert t["cost"] == pytest.approx(sum(rep.cost_by_team().values()))
 
 
+_KEYS = st.tuples(st.sampled_from(["node-a", "node-b"]), st.sampled_from(["geo", "finance"]))
+
+
+@given(uplink=st.dictionaries(_KEYS, st.integers(0, 10**12), max_size=4),
+       backup=st.dictionaries(_KEYS, st.integers(0, 10**15), max_size=4))
+def test_property_a_backup_claim_only_reprices_measured_bytes_of_its_own_node_and_team(
+        uplink: dict[tuple[str, str], int], backup: dict[tuple[str, str], int]) -> None:
+    rep = costs.price("2026-01", PriceSheet(), [{"node": n, "team": t, "bundles": 1, "bytes": b}
+                                                for (n, t), b in uplink.items()],
+                      [], [], [], datetime(2026, 2, 1, tzinfo=UTC),
+                      backup=[{"node": n, "team": t, "bytes": b} for (n, t), b in backup.items()])
+    billed: dict[tuple[str, str], float] = {}
+    for x in rep.lines:
+        billed[(x["node"], x["team"])] = billed.get((x["node"], x["team"]), 0.0) + x["quantity"]
+        if x["meter"] == "uplink_backup":
+            assert x["basis"] == costs.NODE_REPORTED and x["quantity"] <= uplink[(x["node"], x["team"])]
+    assert {k: v for k, v in billed.items() if v} == {k: float(v) for k, v in uplink.items() if v}
+
+
 def test_usage_records_are_validated() -> None:
     s = ObjectStore()
     with pytest.raises(ValueError, match="timezone-aware"):
@@ -164,3 +183,41 @@ def test_cost_report_flow_writes_artifacts_parquet_and_chart(stack: object) -> N
     assert "chart_inline" not in out  # the run's result keeps URIs, not the image
     tab = Artifact.get(f"cost-report-{now:%Y-%m}")
     assert tab is not None and "uplink" in str(tab.data)
+
+
+@pytest.mark.integration
+def test_forged_manifest_fields_and_link_metadata_bill_no_other_team(stack: object) -> None:
+    """node-a lands one real bundle whose manifest names node-b, team `finance` and a petabyte, with object
+    metadata claiming the backup link, a team and a size; plus a manifest with no data object. Written as
+    node-a's identity would (it writes only under `landing/node-a/`, tests/test_access.py). The report bills
+    node-a's team for the bytes the store lists, `finance` and node-b nothing; the backup split is marked as
+    the node's word and never exceeds what the core measured."""
+    store = store_for(stack, prefix=f"t-{uuid.uuid4().hex[:10]}")  # type: ignore[arg-type]
+    s3, landing = store.client(), store.bucket("landing")
+    contract = load_contract("landsat_patch")
+    data, m = write_bundle(processed_rows(40, "node-a", seed=3), contract, tier="normal", team="geo")
+    forged = {**json.loads(m.to_json()), "node_id": "node-b", "team": "finance", "nbytes": 10**15, "row_count": 10**9}
+    lie = {"link": "backup", "team": "finance", "node": "node-b", "bytes": str(10**15)}
+    s3.put_object(Bucket=landing, Key=store.key("landing", m.object_key), Body=data)
+    s3.put_object(Bucket=landing, Key=store.key("landing", m.manifest_key), Body=json.dumps(forged).encode(),
+                  Metadata=lie)
+    ghost = store.key("landing", m.manifest_key.replace(m.bundle_id, "0" * 12))  # its data object never landed
+    s3.put_object(Bucket=landing, Key=ghost, Body=json.dumps(forged).encode(), Metadata=lie)
+    now = datetime.now(UTC)
+    rep = costs.build_report(store, PriceSheet(uplink_per_gb=1.0, backup_uplink_per_gb=50.0), f"{now:%Y-%m}",
+                             now=now, node_teams={"node-a": "geo", "node-b": "finance"})
+    link = [x for x in rep.lines if x["meter"] in ("uplink", "uplink_backup")]
+    assert {(x["node"], x["team"]) for x in link} == {("node-a", "geo")}
+    assert rep.cost_by_team().get("finance", 0.0) == 0.0 and not [x for x in rep.lines if x["node"] == "node-b"]
+    assert sum(x["quantity"] for x in link) == len(data)  # the size the store lists, not the manifest's
+    backup = next(x for x in link if x["meter"] == "uplink_backup")
+    assert backup["quantity"] == len(data) and backup["basis"] == costs.NODE_REPORTED
+    assert {x["basis"] for x in rep.lines if x["meter"] != "uplink_backup"} == {costs.MEASURED}
+    assert "basis" in rep.table().column_names
+
+    # price() caps a backup share by the measured bytes of the same node and team, and drops one with none
+    capped = costs.price("2026-01", PriceSheet(), [{"node": "node-a", "team": "geo", "bundles": 1, "bytes": 100}],
+                         [], [], [], now, backup=[{"node": "node-a", "team": "geo", "bytes": 10**15},
+                                                  {"node": "node-b", "team": "finance", "bytes": 10**15}])
+    assert [(x["meter"], x["team"], x["quantity"]) for x in capped.lines] == [("uplink", "geo", 0.0),
+                                                                             ("uplink_backup", "geo", 100.0)]

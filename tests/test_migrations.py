@@ -198,7 +198,9 @@ def test_a_table_from_before_scoped_ids_gets_its_id_index_on_the_next_commit(sto
 
     old = _validated(processed_rows(30, "node-a", seed=21, start_seq=7_000))
     uri, opts = table_uri(store, KIND), store.storage_options()
-    ensure_table(store, CONTRACT)
+    # created as the old code created tables: no id index, so no `edgehaul.idIndex` property
+    DeltaTable.create(uri, dataset_schema(CONTRACT), storage_options=opts,
+                      configuration={"delta.checkpointInterval": "10"})
     rows = old.table.append_column(BUNDLE_ID_COLUMN, pa.array([old.manifest.bundle_id] * 30))
     write_deltalake(uri, rows.cast(dataset_schema(CONTRACT)), mode="append", storage_options=opts,
                     commit_properties=CommitProperties(app_transactions=[

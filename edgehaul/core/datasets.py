@@ -30,8 +30,9 @@ If-Match before the Delta commit, so two runs cannot both take an id; a commit r
 ids fall in (one or two per bundle for numbered ids), whatever the table's size, and a process keeps a
 bounded cache of them. A duplicate row is dropped (the rest of its bundle commits) and named in a record
 (`quarantine.record_duplicates`). A commit whose every row is a duplicate makes no version (nothing new
-to train on); its bundles are settled as already committed. The index is built from the table by one
-scan, once, when it is missing (`rebuild_id_index`, docs/MIGRATIONS.md).
+to train on); its bundles are settled as already committed. A table `ensure_table` creates is born with
+its (empty) index, which its table properties say (`ID_INDEX_PROPERTY`); on an older table the index is
+built by one scan, once, when it is missing (`rebuild_id_index`, docs/MIGRATIONS.md).
 """
 
 from __future__ import annotations
@@ -82,9 +83,12 @@ BUNDLE_ID_COLUMN = "bundle_id"
 COMMIT_KEYS = ("edgehaul.commit_id", "edgehaul.run", "edgehaul.contract", "edgehaul.contract_sha256",
                "edgehaul.bundles", "edgehaul.nodes", "edgehaul.validation", "edgehaul.stats")
 DEFAULT_LEASE_S = 900.0
-CHECKPOINT_INTERVAL = 10
+CHECKPOINT_INTERVAL = 5
 COMMIT_ATTEMPTS = 50  # lost races for a version before a commit gives up
 ID_INDEX_VERSION = 1
+# Table property of a table created with its sample id index (empty, like the table): a fresh process
+# knows the index exists from the table it opens anyway, without reading `_ids/<kind>/_index.json`.
+ID_INDEX_PROPERTY = "edgehaul.idIndex"
 
 Reader = Literal["pyarrow", "polars", "duckdb"]
 
@@ -167,11 +171,15 @@ def ensure_table(store: ObjectStore, contract: Contract) -> DeltaTable:
                 uri, want, mode="error", storage_options=opts, name=contract.kind,
                 # A fresh reader replays at most this many commits after the last checkpoint: this
                 # bounds the requests of every commit (which first loads the table) whatever its size.
-                configuration={"delta.checkpointInterval": str(CHECKPOINT_INTERVAL)},
+                configuration={"delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
+                               ID_INDEX_PROPERTY: str(ID_INDEX_VERSION)},
+                raise_if_key_not_exists=False,  # our own property, which delta-rs does not know
                 description=f"edgehaul curated dataset of {contract.kind}",
                 commit_properties=CommitProperties(custom_metadata={"edgehaul.contract": contract.id}),
             )
             log.info("created dataset table %s", uri)
+            _write_ids_marker(store, contract.kind, {"version": 0, "ids": 0, "shards": 0, "nodes": 0,
+                                                      "legacy_bundles": 0, "scans": 0})
             return dt
         except (DeltaError, OSError) as e:
             log.info("dataset table %s created concurrently (%s); re-opening", uri, type(e).__name__)
@@ -223,7 +231,8 @@ class TableHandle:
         self.txns: dict[str, int] | None = None  # None: not built yet
         self.indexed_upto = -1  # the txn index holds every txn of versions <= this
         self.exact = True  # False: the index could not be built; fall back to delta-rs lookups
-        self.ids_ready = False  # the sample id index exists (its marker was seen by this process)
+        # the sample id index exists: the table was created with it, or this process saw its marker
+        self.ids_ready = dt.metadata().configuration.get(ID_INDEX_PROPERTY) == str(ID_INDEX_VERSION)
         self.legacy: dict[str, set[str]] = {}  # bundle id -> nodes, committed before txn ids were scoped by node
         self.shards: collections.OrderedDict[tuple[str, str], _Shard] = collections.OrderedDict()
 
@@ -583,6 +592,15 @@ def _ensure_id_index(store: ObjectStore, contract: Contract, h: TableHandle, s3:
             s3.delete_object(Bucket=bucket, Key=lock)
 
 
+def _write_ids_marker(store: ObjectStore, kind: str, counts: dict[str, int], s3: S3Client | None = None
+                      ) -> dict[str, Any]:
+    """`_ids/<kind>/_index.json`: the kind's id index exists, built from `version` with these counts."""
+    doc = {"v": ID_INDEX_VERSION, **counts, "built_at": datetime.now(UTC).isoformat()}
+    (s3 or store.client()).put_object(Bucket=store.bucket("curated"), Key=_ids_key(store, kind, "_index.json"),
+                                      Body=json.dumps(doc).encode())
+    return doc
+
+
 REBUILD_LEASE_S = 1800.0
 REBUILD_PART_IDS = 1_000_000  # ids a rebuild holds at once (about 360 bytes each): more ids, more scans
 
@@ -633,9 +651,9 @@ def rebuild_id_index(store: ObjectStore, contract: Contract, *, s3: S3Client | N
     if legacy:
         s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, "_legacy_bundles.json"),
                       Body=json.dumps(legacy, separators=(",", ":")).encode())
-    doc = {"v": ID_INDEX_VERSION, "version": dt.version(), "ids": n, "shards": n_shards, "nodes": len(nodes_seen),
-           "legacy_bundles": len(legacy), "scans": parts, "built_at": datetime.now(UTC).isoformat()}
-    s3.put_object(Bucket=bucket, Key=_ids_key(store, kind, "_index.json"), Body=json.dumps(doc).encode())
+    doc = _write_ids_marker(store, kind, {"version": dt.version(), "ids": n, "shards": n_shards,
+                                          "nodes": len(nodes_seen), "legacy_bundles": len(legacy), "scans": parts},
+                            s3)
     h.legacy = {b: set(ns) for b, ns in legacy.items()}
     h.ids_ready = True
     log.info("dataset %s: sample id index built from v%d: %d ids of %d nodes in %d shards (%d scans)", kind,

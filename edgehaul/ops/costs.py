@@ -8,7 +8,10 @@ its bill: node, team and bytes come from what the core measured, not from a mani
   operator's EdgeNode block of that node (`node_teams`; a node without one is `unassigned`); bytes: the
   size the store lists for the bundle's data object (`<bundle>.parquet`, in landing or moved to cold;
   manifests are billed as storage). Bytes whose manifest object says `link: backup` (metadata the uplink
-  writes) are billed as `uplink_backup` at the backup link's price, the rest as `uplink`;
+  writes) are billed as `uplink_backup` at the backup link's price, the rest as `uplink`. That split is the
+  one thing the node reports (the core cannot see which link carried a bundle): its lines say
+  `basis: node-reported`, and it only moves the node's own measured bytes between the two prices of the
+  node's own team, never more bytes than the core listed and never to another node or team;
 - storage bytes per class and team: a listing of every zone bucket under the store prefix (Size,
   StorageClass). Team: landing and quarantine objects by their node (its EdgeNode block), `models/<name>/<id>/`
   by that model's lineage, cold copies like their source; anything else (datasets, checkpoints, ops)
@@ -63,6 +66,7 @@ REPORTS = "reports/costs/"
 SHARED = "shared"
 UNASSIGNED = "unassigned"  # the team of a node no EdgeNode block names: billed to nobody until an operator says
 MANIFEST = ".manifest.json"
+MEASURED, NODE_REPORTED = "measured", "node-reported"  # a report line's basis: what the core saw, or a node's word
 
 
 class MeteringError(ValueError):
@@ -321,7 +325,7 @@ def meter_requests(records: list[UsageRecord]) -> list[dict[str, Any]]:
 class CostReport:
     month: str
     currency: str
-    lines: list[dict[str, Any]]  # meter, team, node, storage_class, quantity, unit, unit_price, cost
+    lines: list[dict[str, Any]]  # meter, team, node, storage_class, quantity, unit, unit_price, cost, basis
     storage: list[dict[str, Any]]
     taken_at: datetime
     problems: list[str] = field(default_factory=list)  # inputs not used, one line each
@@ -345,7 +349,7 @@ class CostReport:
             ("month", pa.string()), ("meter", pa.string()), ("team", pa.string()), ("node", pa.string()),
             ("storage_class", pa.string()), ("quantity", pa.float64()), ("unit", pa.string()),
             ("billed_quantity", pa.float64()), ("unit_price", pa.float64()), ("cost", pa.float64()),
-            ("currency", pa.string()),
+            ("currency", pa.string()), ("basis", pa.string()),
         ])
         rows = [{**line, "month": self.month, "currency": self.currency} for line in self.lines]
         return pa.Table.from_pylist(rows, schema=schema)
@@ -359,17 +363,29 @@ def price(
     """Turn meters into priced report lines (quantity in its own unit; billed quantity in the priced unit)."""
     lines: list[dict[str, Any]] = []
 
-    def add(meter: str, team: str, node: str, cls: str, qty: float, unit: str, billed: float, unit_price: float) -> None:
+    def add(meter: str, team: str, node: str, cls: str, qty: float, unit: str, billed: float, unit_price: float,
+            basis: str = MEASURED) -> None:
         lines.append({"meter": meter, "team": team, "node": node, "storage_class": cls, "quantity": float(qty),
-                      "unit": unit, "billed_quantity": billed, "unit_price": unit_price, "cost": billed * unit_price})
+                      "unit": unit, "billed_quantity": billed, "unit_price": unit_price, "cost": billed * unit_price,
+                      "basis": basis})
 
-    # Every landed bundle has a manifest; those the backup carried are billed at its price, not twice.
-    over_backup = {(b["node"], b["team"]): b["bytes"] for b in backup}
+    # Every landed bundle has a manifest; those the backup carried are billed at its price, not twice. The
+    # backup share is the node's word, so it is capped by the bytes the core measured for that node and team.
+    measured: dict[tuple[str, str], int] = defaultdict(int)
     for u in uplink:
-        n = max(0, u["bytes"] - over_backup.get((u["node"], u["team"]), 0))
+        measured[(u["node"], u["team"])] += int(u["bytes"])
+    over_backup = {(b["node"], b["team"]): min(int(b["bytes"]), measured.get((b["node"], b["team"]), 0))
+                   for b in backup}
+    left = dict(over_backup)
+    for u in uplink:
+        k = (u["node"], u["team"])
+        taken = min(int(u["bytes"]), left.get(k, 0))
+        left[k] = left.get(k, 0) - taken
+        n = int(u["bytes"]) - taken
         add("uplink", u["team"], u["node"], "", n, "bytes", n / GB, prices.uplink_per_gb)
-    for b in backup:
-        add("uplink_backup", b["team"], b["node"], "", b["bytes"], "bytes", b["bytes"] / GB, prices.backup_uplink_per_gb)
+    for (node, team), n in sorted(over_backup.items()):
+        if n:
+            add("uplink_backup", team, node, "", n, "bytes", n / GB, prices.backup_uplink_per_gb, NODE_REPORTED)
     by_class_team: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for s in storage:
         by_class_team[(s["storage_class"], s["team"])][0] += s["bytes"]
@@ -462,7 +478,8 @@ def markdown_summary(report: CostReport, chart_uri: str, chart_url: str, report_
         "| meter | quantity | cost |",
         "|---|---:|---:|",
         f"| uplink | {t.get('uplink_quantity', 0) / GB:.3f} GB | {t.get('uplink_cost', 0):.4f} {cur} |",
-        f"| uplink (backup link) | {t.get('uplink_backup_quantity', 0) / GB:.3f} GB "
+        f"| uplink (backup link; the node's word on which of its measured bytes) "
+        f"| {t.get('uplink_backup_quantity', 0) / GB:.3f} GB "
         f"| {t.get('uplink_backup_cost', 0):.4f} {cur} |",
         f"| storage (snapshot {report.taken_at:%Y-%m-%d}) | {t.get('storage_quantity', 0) / GB:.3f} GB "
         f"| {t.get('storage_cost', 0):.4f} {cur} |",
