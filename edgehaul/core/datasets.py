@@ -949,7 +949,10 @@ def _commit_claimed(
                  kind, len(todo), sum(len(v) for v in dups.values()))
         return _result(kind, None, dt.version(), commit_id, [], 0, [*already, *refs], deferred, {}, t0, dup_names)
     metadata = _commit_metadata(contract, todo, kept, dups, data, commit_id, run_id)
-    data = with_derived_features(data, contract, old_derived(dt, contract))
+    # Rows in capture order, whatever order the bundles (random ids) were listed or validated in: a version's
+    # layout depends only on what it holds, so the same rows train the same model and read by time in order.
+    data = with_derived_features(data, contract, old_derived(dt, contract)).sort_by(
+        [(c, "ascending") for c in ("capture_time", "seq", "sample_id") if c in data.column_names])
     txns = [Transaction(app_id=txn_app_id(*r), version=1) for r in refs]
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         added = columns_to_add(dt, contract)
