@@ -23,6 +23,7 @@ from edgehaul.edge.spool import Spool
 from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.s3_errors import TASK_RETRIES, TASK_RETRY_DELAYS_S, retry_condition
 from edgehaul.uplink.backup import BackupLedger
+from edgehaul.uplink.drain_figures import drain_metrics, no_pass_metrics
 from edgehaul.uplink.link import Link, SimulatedLink
 from edgehaul.uplink.pass_plan import (
     Overhead,
@@ -34,7 +35,7 @@ from edgehaul.uplink.pass_plan import (
     upcoming,
 )
 from edgehaul.uplink.retry_queue import RetryQueue
-from edgehaul.uplink.transfer import Drainer, DrainReport, Uplink
+from edgehaul.uplink.transfer import Drainer, Uplink
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def drain_spool(
             if wait_s > contact_wait_s:
                 nxt = ahead[0].start.isoformat() if ahead else None
                 log.info("no pass open (next %s): nothing drained", nxt or "none scheduled")
-                metrics = _no_pass(len(queue), nxt)
+                metrics = no_pass_metrics(len(queue), nxt)
                 queue.close()
                 return metrics
             time.sleep(max(0.0, wait_s))
@@ -171,19 +172,8 @@ def drain_spool(
                           backup_budget_bytes=budget_left)
         rep = drainer.run(max_seconds=max_seconds)
         ledger.add(datetime.now(UTC), rep.landed)
-        metrics = rep.metrics(link.cap_bytes_per_s)
-        metrics["queue_lengths"] = {t: n for t, n in metrics["queue_lengths"].items()}
-        metrics["retry_queue"] = len(queue)
-        metrics["spool_pending"] = len(spool.pending())
-        metrics["spool_used_fraction"] = round(spool.usage().fraction, 4)  # the fleet view's spool figure
-        metrics["link"] = rep.link
-        metrics["landed_keys"] = [r.key for r in rep.landed]
-        metrics["failed"] = rep.failed
-        metrics["bytes_by_link"] = dict(rep.bytes_by_link)
-        metrics["backup_refusals"] = rep.backup_refusals
-        if plan is not None:
-            metrics["pass_plan"] = pass_report(plan, rep, values)
-            metrics["later_passes"] = [pp.summary() for pp in later]
+        metrics = drain_metrics(rep, link.cap_bytes_per_s, retry_queue=len(queue), spool_pending=len(spool.pending()),
+                                spool_used_fraction=spool.usage().fraction, plan=plan, later=later, values=values)
         log.info("drained %d bundles (%d bytes) in %.1fs, %d failed, %d in retry queue",
                  len(rep.landed), rep.bytes_landed, rep.seconds, len(rep.failed), len(queue))
         queue.close()
@@ -191,29 +181,6 @@ def drain_spool(
     finally:
         with contextlib.suppress(Exception):
             spool.close()
-
-
-def pass_report(plan: PassPlan, rep: DrainReport, values: dict[str, float]) -> dict[str, Any]:
-    """Planned vs sent for one pass: bytes (bundles + manifests as sent over the link) and value."""
-    landed = {r.bundle_id: r for r in rep.landed}
-    planned = set(plan.bundle_ids)
-    sent_bytes = sum((0 if r.already_present else r.nbytes) + r.manifest_nbytes for r in landed.values())
-    return {
-        **plan.summary(),
-        "sent_bundles": len(landed),
-        "sent_bytes": sent_bytes,
-        "sent_value": round(sum(values.get(b, 0.0) for b in landed), 3),
-        "planned_ids": plan.bundle_ids,
-        "not_sent": sorted(planned - landed.keys()),
-    }
-
-
-def _no_pass(retry_queue: int, next_pass: str | None) -> dict[str, Any]:
-    empty = DrainReport()
-    metrics = empty.metrics(0.0)
-    metrics.update(retry_queue=retry_queue, link={}, landed_keys=[], failed={},
-                   pass_plan={"next_pass": next_pass, "planned_bundles": 0, "sent_bundles": 0})
-    return metrics
 
 
 @task(name="publish-link-stats", cache_policy=NO_CACHE)
