@@ -48,17 +48,24 @@ are claimed).
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from edgehaul import events
 from edgehaul.blocks import ObjectStore
-from edgehaul.contracts import ContractInvalid, contract_by_id
+from edgehaul.contracts import ContractInvalid
+from edgehaul.core.datasets import CommitResult
 from edgehaul.core.ingest import LandedScan, QueuedBatch, ValidatedBatch, settled_batches, take_queued
-from edgehaul.core.validation import ValidationResult
+from edgehaul.core.ingest_run import (
+    IngestRun,
+    artifact_rows,
+    by_contract,
+    emit_already_committed,
+    emit_commit,
+    scan_rejections,
+)
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import run_namer, summary_table
@@ -74,6 +81,9 @@ from edgehaul.tasks.core import (
     release_batch_claims_task,
     validate_bundles_task,
 )
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
 
 
 class CoreIngestParams(BaseModel):
@@ -107,27 +117,6 @@ def _full_key(store: ObjectStore, key: str) -> str:
     return key if base and key.startswith(base) else store.key("landing", key)
 
 
-def _rejection(key: str, reason: str, error: str) -> dict[str, Any]:
-    from edgehaul.core.ingest import unreadable
-
-    return unreadable(key, error, reason).to_dict()
-
-
-def _artifact_rows(passed: list[ValidationResult], rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for r in passed:
-        rows.append({"bundle": r.bundle_id[:12], "node": r.node_id, "rows": r.rows, "success": True, "reason": "ok",
-                     "checks": f"{len(r.expectations)}/{len(r.expectations)}", "failed": ""})
-    for d in rejected:
-        r = ValidationResult.from_dict(d)
-        failed = [f"{e.expectation}({e.column})={e.observed_value}" for e in r.expectations if not e.success]
-        ok = sum(e.success for e in r.expectations)
-        rows.append({"bundle": r.bundle_id[:12], "node": r.node_id, "rows": r.rows, "success": False,
-                     "reason": r.reason, "checks": f"{ok}/{len(r.expectations)}",
-                     "failed": "; ".join(failed) or r.error[:300]})
-    return rows
-
-
 def _same_work(a: CoreIngestParams, b: CoreIngestParams) -> bool:
     """Runs that differ only in their bundle keys: one may do the other's work."""
     return a.model_copy(update={"bundle_keys": []}) == b.model_copy(update={"bundle_keys": []})
@@ -137,6 +126,24 @@ def _queued_batches(p: CoreIngestParams, store: ObjectStore) -> list[QueuedBatch
     """The batches of this deployment's runs still waiting to start (oldest first) with the same parameters
     but their keys. Empty outside a deployment run, or when the API cannot tell (catching up is a saving,
     never a reason to fail)."""
+    from prefect.runtime import deployment
+
+    dep_id, own = deployment.get_id(), flow_run.get_id()
+    if not dep_id:
+        return []
+    out = []
+    for r in _scheduled_runs(dep_id):
+        try:
+            q = CoreIngestParams.model_validate((r.parameters or {}).get("params") or {})
+        except ValueError:
+            continue  # not ours to judge: that run fails on its own parameters
+        if str(r.id) != own and q.bundle_keys and _same_work(p, q):
+            out.append(QueuedBatch(str(r.id), tuple(_full_key(store, k) for k in dict.fromkeys(q.bundle_keys))))
+    return out
+
+
+def _scheduled_runs(dep_id: str) -> list[FlowRun]:
+    """The deployment's runs still Scheduled, oldest first; none when the API cannot tell."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -146,14 +153,10 @@ def _queued_batches(p: CoreIngestParams, store: ObjectStore) -> list[QueuedBatch
     )
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.sorting import FlowRunSort
-    from prefect.runtime import deployment
 
-    dep_id, own = deployment.get_id(), flow_run.get_id()
-    if not dep_id:
-        return []
     try:
         with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(
+            return client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[uuid.UUID(dep_id)]),
                                               state=FlowRunFilterState(type=FlowRunFilterStateType(
                                                   any_=[StateType.SCHEDULED]))),
@@ -161,15 +164,6 @@ def _queued_batches(p: CoreIngestParams, store: ObjectStore) -> list[QueuedBatch
     except Exception as e:  # any API trouble: this run does its own keys only
         get_run_logger().warning("core_ingest: queued runs not read (%s); taking only this run's keys", e)
         return []
-    out = []
-    for r in runs:
-        try:
-            q = CoreIngestParams.model_validate((r.parameters or {}).get("params") or {})
-        except ValueError:
-            continue  # not ours to judge: that run fails on its own parameters
-        if str(r.id) != own and q.bundle_keys and _same_work(p, q):
-            out.append(QueuedBatch(str(r.id), tuple(_full_key(store, k) for k in dict.fromkeys(q.bundle_keys))))
-    return out
 
 
 def _complete_covered(store: ObjectStore, batches: list[QueuedBatch], run_id: str) -> int:
@@ -210,27 +204,61 @@ def _about(p: CoreIngestParams) -> str:
 def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     """Validate landed bundles, quarantine failures, commit the rest as one dataset version per contract."""
     p = params or CoreIngestParams()
-    logger = get_run_logger()
     store = load_block(ObjectStore, p.store_block, param="store_block")
     store_probe.require(store, {
         "put-if-none-match": "core_ingest (Delta commits, bundle claims)",
         "put-if-match-quoted|put-if-match-unquoted": "core_ingest (taking over a dead run's claims)",
     })
     run_id = str(flow_run.get_id() or uuid.uuid4())
-    keys = [_full_key(store, k) for k in dict.fromkeys(p.bundle_keys)][: p.max_bundles] if p.bundle_keys else \
-        discover_task(store, p.prefix, p.max_bundles, p.sweep)
-    own = set(keys)
-    taken: list[QueuedBatch] = []
-    if p.bundle_keys and p.catch_up:
+    run = _take_keys(p, store, run_id)
+    # raises ContractInvalid (a broken contract) before anything moves: the run fails, naming file and field
+    run.scan = _read_manifests(store, run.keys, p.manifest_wait_s)
+    # Already in their dataset (a run before this one caught up with them): no validation, no commit.
+    run.done_before = committed_task(store, run.scan.manifests) if run.scan.manifests else {}
+    emit_already_committed(run.scan, run.done_before, run.own)
+    run.checked, run.validation_tasks = _validate(store, run.scan, run.done_before, p)
+    run.quarantined = _quarantine(store, run.scan, run.checked)
+    run.commits = _commit(store, run.checked, run_id, p.lease_s)
+    checked = run.checked
+    summary_table(
+        "core-ingest-validation", artifact_rows(list(checked.passed.values()), list(checked.rejected.values())),
+        f"core_ingest: {len(checked.passed)} bundles valid, {len(checked.rejected)} quarantined, "
+        f"{len(checked.errors)} errors",
+    )
+    if run.taken:
+        run.covered = _complete_covered(store, settled_batches(run.taken, run.unsettled()), run_id)
+        # Every claim goes now, completed or not: a claim only keeps runs starting together apart. A batch
+        # left unsettled (or whose run started meanwhile) is its own run's again, or the next taker's.
+        release_batch_claims_task(store, run.taken)
+    summary = run.summary()
+    _log_run(run, summary["versions"])
+    return summary
+
+
+def _take_keys(p: CoreIngestParams, store: ObjectStore, run_id: str) -> IngestRun:
+    """The run's keys: those it was given (then, catching up, the whole batches of queued runs it claims), or
+    those it discovers in landing."""
+    if not p.bundle_keys:
+        keys = discover_task(store, p.prefix, p.max_bundles, p.sweep)
+        return IngestRun(keys=keys, own=set(keys))
+    keys = [_full_key(store, k) for k in dict.fromkeys(p.bundle_keys)][: p.max_bundles]
+    run = IngestRun(keys=keys, own=set(keys))
+    if p.catch_up:
         # A run that starts late takes what queued behind it, so the runs queued after it end at once;
         # runs starting together split the queue (each batch is claimed by one of them).
         _, fits = take_queued(keys, _queued_batches(p, store), p.max_bundles)
-        taken = claim_batches_task(store, fits, run_id) if fits else []
-        keys = take_queued(keys, taken, p.max_bundles)[0]
-        if taken:
-            logger.info("core_ingest: took %d bundles of %d queued runs", len(keys) - len(own), len(taken))
-    # raises ContractInvalid (a broken contract) before anything moves: the run fails, naming file and field
-    scan = read_manifests_task(store, keys, p.manifest_wait_s) if keys else LandedScan()
+        run.taken = claim_batches_task(store, fits, run_id) if fits else []
+        run.keys = take_queued(keys, run.taken, p.max_bundles)[0]
+        if run.taken:
+            get_run_logger().info("core_ingest: took %d bundles of %d queued runs", len(run.keys) - len(run.own),
+                                  len(run.taken))
+    return run
+
+
+def _read_manifests(store: ObjectStore, keys: list[str], manifest_wait_s: float) -> LandedScan:
+    """What landing holds for each key (see `edgehaul.core.ingest.read_manifests`); what is left there, said."""
+    logger = get_run_logger()
+    scan = read_manifests_task(store, keys, manifest_wait_s) if keys else LandedScan()
     for key, why in scan.skipped.items():
         logger.warning("core_ingest: skipped %s: %s", key, why)
     if scan.quarantined:  # landing is write-once: an earlier run's quarantined bundles are still there
@@ -238,116 +266,82 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
     if scan.waiting:
         logger.info("core_ingest: %d bundles waiting for their manifest (left in landing): %s", len(scan.waiting),
                     ", ".join(scan.waiting[:20]) + (" ..." if len(scan.waiting) > 20 else ""))
+    return scan
 
-    # Already in their dataset (a run before this one caught up with them): no validation, no commit.
-    done_before = committed_task(store, scan.manifests) if scan.manifests else {}
-    todo = {k: m for k, m in scan.manifests.items() if k not in done_before}
-    for key, b in done_before.items():
-        if key in own:  # the trigger named it: answer its node, as a commit of it would
-            m = scan.manifests[key]
-            events.emit(events.BUNDLE_RECEIPT, f"edgehaul.bundle.{b}",
-                        {"status": "already_committed", "kind": contract_by_id(m["contract"]).kind, "version": None,
-                         "node_id": m["node_id"]},
-                        **{"edgehaul.node.id": m["node_id"]})
 
+def _validate(store: ObjectStore, scan: LandedScan, done_before: dict[str, str], p: CoreIngestParams
+              ) -> tuple[ValidatedBatch, int]:
+    """Validate the bundles not yet committed in chunks of `validate_batch`, one task run per chunk, all
+    submitted at once; a chunk that fails after its retries stays in landing (`errors`). With the read's own
+    rejections and errors: (every key's verdict, the number of validation task runs)."""
     # result_storage is named, never saved here (issue 17): a flow that saved it would hand its keys to every
     # reader of the block
-    pending = list(todo.items())
+    pending = [(k, m) for k, m in scan.manifests.items() if k not in done_before]
     chunks = [pending[i:i + p.validate_batch] for i in range(0, len(pending), p.validate_batch)]
     futures = [validate_bundles_task.submit(store, chunk, p.result_storage, p.refresh_cache,
                                             f"{len(chunk)}-bundles-{n + 1}-of-{len(chunks)}")
                for n, chunk in enumerate(chunks)]
-    rejected: dict[str, dict[str, Any]] = {k: _rejection(k, r, e) for k, (r, e) in scan.rejected.items()}
-    passed: dict[str, ValidationResult] = {}
-    errors: dict[str, str] = {}
-    cached: list[str] = []
+    out = ValidatedBatch(rejected=scan_rejections(scan))
     broken: list[BaseException] = []
     for chunk, fut in zip(chunks, futures, strict=True):
         fut.wait()
         state = fut.state
         if state.is_completed():
             batch: ValidatedBatch = fut.result()
-            passed.update(batch.passed)
-            rejected.update(batch.rejected)
-            errors.update(batch.errors)
-            cached += batch.cached
+            out.passed.update(batch.passed)
+            out.rejected.update(batch.rejected)
+            out.errors.update(batch.errors)
+            out.cached += batch.cached
             continue
         exc = state.result(raise_on_failure=False)
         if isinstance(exc, ContractInvalid):
             broken.append(exc)
         else:  # transport trouble after retries: the chunk stays in landing for the next run
-            errors.update({k: str(exc)[:300] for k, _ in chunk})
+            out.errors.update({k: str(exc)[:300] for k, _ in chunk})
     if broken:  # the contract changed under the run: fail before quarantining anything
         raise broken[0]
+    out.errors.update(scan.errors)
+    return out, len(chunks)
 
-    errors.update(scan.errors)
+
+def _quarantine(store: ObjectStore, scan: LandedScan, checked: ValidatedBatch) -> list[dict[str, Any]]:
+    """Quarantine every rejected bundle (one task run each); one that fails is that bundle's, left in landing."""
     usable = scan.manifests
-    q_futures = {k: quarantine_task.submit(store, k, r, usable.get(k)) for k, r in rejected.items()}
+    q_futures = {k: quarantine_task.submit(store, k, r, usable.get(k)) for k, r in checked.rejected.items()}
     quarantined = []
-    for key, q_fut in q_futures.items():  # one bundle's quarantine that fails is that bundle's, left in landing
+    for key, q_fut in q_futures.items():
         q_fut.wait()
         if q_fut.state.is_completed():
             quarantined.append(q_fut.result())
         else:
-            errors[key] = f"quarantine failed: {str(q_fut.state.result(raise_on_failure=False))[:300]}"
+            checked.errors[key] = f"quarantine failed: {str(q_fut.state.result(raise_on_failure=False))[:300]}"
+    return quarantined
 
-    by_contract: dict[str, list[tuple[str, ValidationResult]]] = {}
-    for key, res in passed.items():
-        by_contract.setdefault(res.contract, []).append((key, res))
+
+def _commit(store: ObjectStore, checked: ValidatedBatch, run_id: str, lease_s: float) -> list[CommitResult]:
+    """One commit per contract of its valid bundles, then its events; a commit that fails leaves its bundles in
+    landing for the next run (`errors`) and the other contracts still commit."""
     commits = []
-    for contract_id, items in sorted(by_contract.items()):
-        c_state = commit_task(store, contract_id, items, run_id, p.lease_s, return_state=True)
-        if not c_state.is_completed():  # left in landing for the next run; the other contracts still commit
-            errors.update({k: f"commit failed: {str(c_state.result(raise_on_failure=False))[:300]}" for k, _ in items})
+    for contract_id, items in by_contract(checked.passed):
+        c_state = commit_task(store, contract_id, items, run_id, lease_s, return_state=True)
+        if not c_state.is_completed():
+            checked.errors.update(
+                {k: f"commit failed: {str(c_state.result(raise_on_failure=False))[:300]}" for k, _ in items})
             continue
         c = c_state.result()
         commits.append(c)
-        if c.version is not None:  # a commit with no new row makes none: no training run for nothing new
-            events.emit(events.DATASET_COMMITTED, f"edgehaul.dataset.{c.kind}",
-                        {"kind": c.kind, "version": c.version, "parent": c.parent, "bundles": c.bundles,
-                         "nodes": c.nodes, "rows": c.rows, "contract": contract_id},
-                        **events.dataset_committed_labels(c.kind, contract_by_id(contract_id).training is not None))
-        for (node, b), status in [*((r, "committed") for r in c.nodes_of("bundles")),
-                                  *((r, "already_committed") for r in c.nodes_of("already_committed"))]:
-            events.emit(events.BUNDLE_RECEIPT, f"edgehaul.bundle.{b}",
-                        {"status": status, "kind": c.kind, "version": c.version, "node_id": node},
-                        **{"edgehaul.node.id": node})
+        emit_commit(c, contract_id)
+    return commits
 
-    summary_table(
-        "core-ingest-validation", _artifact_rows(list(passed.values()), list(rejected.values())),
-        f"core_ingest: {len(passed)} bundles valid, {len(rejected)} quarantined, {len(errors)} errors",
-    )
-    deferred = sorted(b for c in commits for b in c.deferred)
-    key_of = {f"{r.node_id}/{r.bundle_id}": k for k, r in passed.items()}  # a bundle id is unique per node only
-    unsettled = {*scan.waiting, *errors, *(key_of[r] for c in commits for r in c.refs.get("deferred", []) if r in key_of)}
-    covered = _complete_covered(store, settled_batches(taken, unsettled), run_id) if taken else 0
-    if taken:
-        # Every claim goes now, completed or not: a claim only keeps runs starting together apart. A batch
-        # left unsettled (or whose run started meanwhile) is its own run's again, or the next taker's.
-        release_batch_claims_task(store, taken)
-    summary = {
-        "bundles": len(keys),
-        "taken_from_queue": len(keys) - len(own),
-        "taken_runs": [b.run_id for b in taken],
-        "queued_runs_completed": covered,
-        "already_committed": sorted(done_before.values()),
-        "valid": len(passed),
-        "cached": len(cached),  # of the valid: served from the validation cache, not fetched again
-        "validation_tasks": len(chunks),
-        "waiting": scan.waiting,
-        "skipped": scan.skipped,
-        "already_quarantined": sorted(scan.quarantined),
-        "quarantined": [{"bundle_id": q["bundle_id"], "reason": q["reason"], "prefix": q["quarantine_prefix"],
-                         "samples": len(q["sample_ids"])} for q in quarantined],
-        "errors": errors,
-        "commits": [c.to_dict() for c in commits],
-        "versions": {c.kind: c.version for c in commits},
-    }
-    summary["deferred"] = deferred
+
+def _log_run(run: IngestRun, versions: dict[str, int | None]) -> None:
+    logger = get_run_logger()
+    scan, checked, errors, deferred = run.scan, run.checked, run.errors, run.deferred
     logger.info("core_ingest: %d bundles (%d of %d queued runs, %d completed), %d already committed, %d valid "
-                "(%d cached), %d quarantined, %d waiting, %d skipped, %d errors, %d deferred; versions %s", len(keys),
-                len(keys) - len(own), len(taken), covered, len(done_before), len(passed), len(cached), len(quarantined),
-                len(scan.waiting), len(scan.skipped), len(errors), len(deferred), summary["versions"])
+                "(%d cached), %d quarantined, %d waiting, %d skipped, %d errors, %d deferred; versions %s",
+                len(run.keys), len(run.keys) - len(run.own), len(run.taken), run.covered, len(run.done_before),
+                len(checked.passed), len(checked.cached), len(run.quarantined), len(scan.waiting), len(scan.skipped),
+                len(errors), len(deferred), versions)
     if errors:  # left in landing for the next run; said with the reason, never silent
         logger.warning("core_ingest: %d bundles not validated (left in landing for the next run): %s", len(errors),
                        "; ".join(f"{k}: {e}" for k, e in list(errors.items())[:5]) + (" ..." if len(errors) > 5 else ""))
@@ -355,4 +349,3 @@ def core_ingest(params: CoreIngestParams | None = None) -> dict[str, Any]:
         # Left in landing for the next run (another live run holds their claims); said, never silent.
         logger.warning("core_ingest: %d bundles deferred (claimed by another live run, retried by the next run): %s",
                        len(deferred), ", ".join(deferred[:20]) + (" ..." if len(deferred) > 20 else ""))
-    return summary

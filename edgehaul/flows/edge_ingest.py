@@ -33,21 +33,20 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed
 from pydantic import BaseModel, Field, model_validator
 
-from edgehaul import downlink, events
+from edgehaul import downlink
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
-from edgehaul.contracts import contract_by_id
-from edgehaul.edge.drop_folder import DropFolder, DropPart, DropRun, emit_drop_rejected
-from edgehaul.edge.landsat import CaptureLog, generate
-from edgehaul.edge.outbox import node_outbox, record_run
+from edgehaul.contracts import Contract, contract_by_id
+from edgehaul.edge.drop_folder import DropFolder, DropPart, DropRun
 from edgehaul.edge.preprocess import batch_key
+from edgehaul.edge.run_report import SpoolUpkeep, report_node_run, spool_upkeep, sum_counts, tier_rows
 from edgehaul.edge.scoring import ContextualScorer
-from edgehaul.edge.spool import Spool
+from edgehaul.edge.sources import generated_batches, parquet_batches
+from edgehaul.edge.tiering import TierReport
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.caching import edge_result_storage
@@ -118,26 +117,13 @@ def _raw_batches(p: EdgeIngestParams, node: EdgeNode, drop: DropRun | None
     """Raw batches; a drop folder's batches name their file (`DropPart`), so the caller records a file only
     once all of it is spooled."""
     if p.source == "generate":
-        # real capture times, recorded beside the spool (not in it: a wiped spool regenerates the same batches)
-        log = CaptureLog(f"{str(node.spool_dir).rstrip('/')}.captures.sqlite")
-        try:
-            start = p.start_seq if p.start_seq is not None else log.first_seq(str(flow_run.get_id() or uuid.uuid4()),
-                                                                               p.n_samples)
-            for t in generate(p.n_samples, node.node_id, seed=p.seed, class_weights=p.class_weights,
-                              start_seq=start, batch_size=p.batch_size, start_time=log):
-                yield t, None
-        finally:
-            log.close()
-        return
-    if drop is not None:
+        yield from ((t, None) for t in generated_batches(
+            node.node_id, str(node.spool_dir), p.n_samples, run_id=str(flow_run.get_id() or uuid.uuid4()),
+            batch_size=p.batch_size, seed=p.seed, class_weights=p.class_weights, start_seq=p.start_seq))
+    elif drop is not None:
         yield from drop.batches()
-        return
-    files = sorted(Path(cast(str, p.source_path)).glob("*.parquet"))
-    if not files:
-        raise FileNotFoundError(f"no *.parquet files in {p.source_path}")
-    for path in files:
-        for rb in pq.ParquetFile(path).iter_batches(batch_size=p.batch_size):
-            yield pa.Table.from_batches([rb]), None
+    else:
+        yield from ((t, None) for t in parquet_batches(cast(str, p.source_path), p.batch_size))
 
 
 def _resolve(p: EdgeIngestParams) -> tuple[EdgeNode, TieringPolicy, ObjectStore | None]:
@@ -168,25 +154,59 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
     logger = get_run_logger()
     node, policy, store = _resolve(p)
     contract = contract_by_id(p.contract)
+    # A model scorer's version (its model id) is fixed for the run: resolve it once, not per batch.
+    first = make_scorer(policy, node, contract, store)
+    fixed_version = None if isinstance(first, ContextualScorer) else first.version
+    drop = _open_drop(p, node, contract)
+    with run_logging.for_node(node.node_id):
+        done, policy = _ingest_batches(p, node, policy, store, contract, fixed_version, drop)
+    files, problem = _close_drop(p, drop)
+    upkeep = spool_upkeep(node)
+    report = merge_reports([t.report for t in done])
+    summary = _summary(node.node_id, done, upkeep, files, report, policy.budget_share)
+    n_in, rejects = summary["samples_in"], summary["rejected"]
+    summary_table(f"edge-ingest-{node.node_id}", tier_rows(report),
+                  f"edge_ingest {node.node_id}: {n_in} samples, {sum(rejects.values())} rejected, "
+                  f"scorer's own value per uplinked byte {100 * report.gain:+.0f}% vs no tiering")
+    report_node_run(node, summary, upkeep.ledger, to_outbox=p.route_events_to_outbox, problem=problem,
+                    problems=drop.problems() if drop is not None and problem else None, files=files)
+    logger.info("node %s: %d samples in %d batches, %d rejected, %d bundles, tiers %s, value/MB %.1f vs %.1f baseline",
+                node.node_id, n_in, len(done), sum(rejects.values()), summary["bundles"], report.samples,
+                report.value_per_mb, report.baseline_value_per_mb)
+    if problem:  # the run's state says which files were rejected and why (the UI's run list shows it)
+        return Completed(message=problem[:2000], data=summary)  # type: ignore[return-value]
+    return summary
+
+
+def _open_drop(p: EdgeIngestParams, node: EdgeNode, contract: Contract) -> DropRun | None:
+    """A drop folder's run (claims its files once), or None for the other sources."""
+    if p.source != "drop":
+        return None
+    logger = get_run_logger()
+    folder = DropFolder(cast(str, p.source_path), cast(str, p.done_path), node.spool_dir, settle_s=p.settle_s,
+                        contract=contract)
+    drop = DropRun(folder, contract, p.batch_size, logger.warning)
+    if (c := drop.claimed) and (c.waiting or c.duplicates or c.rejected):
+        logger.info("drop folder: %d files to read, %d still being written, %d already read, %d rejected %s",
+                    len(c.files), len(c.waiting), len(c.duplicates), len(c.rejected), c.rejected or "")
+    return drop
+
+
+def _ingest_batches(p: EdgeIngestParams, node: EdgeNode, policy: TieringPolicy, store: ObjectStore | None,
+                    contract: Contract, fixed_version: str | None,
+                    drop: DropRun | None) -> tuple[list[EdgeBatch], TieringPolicy]:
+    """One `edge-ingest-batch` task run per raw batch; a cached result whose receipt the spool lost is recomputed.
+    Returns the batches and the policy they ran under (with `link_profile`: the link's budget)."""
+    logger = get_run_logger()
     # the node's own disk unless named: an edge cache is never shared with the core or another node
     opts: dict[str, Any] = {"refresh_cache": p.refresh_cache,
                             "result_storage": p.result_storage or edge_result_storage(node.spool_dir)}
     batch_task = ingest_batch.with_options(**opts)
     expected = max(1, -(-p.n_samples // p.batch_size)) if p.source == "generate" else 0
-    # A model scorer's version (its model id) is fixed for the run: resolve it once, not per batch.
-    first = make_scorer(policy, node, contract, store)
-    fixed_version = None if isinstance(first, ContextualScorer) else first.version
     done: list[EdgeBatch] = []
-    folder = (DropFolder(cast(str, p.source_path), cast(str, p.done_path), node.spool_dir, settle_s=p.settle_s,
-                         contract=contract) if p.source == "drop" else None)
-    drop = DropRun(folder, contract, p.batch_size, logger.warning) if folder is not None else None
-    if drop is not None and (c := drop.claimed) and (c.waiting or c.duplicates or c.rejected):
-        logger.info("drop folder: %d files to read, %d still being written, %d already read, %d rejected %s",
-                    len(c.files), len(c.waiting), len(c.duplicates), len(c.rejected), c.rejected or "")
     # the progress artifact moves every 10%: an API call each, not one per batch on long runs
-    with run_logging.for_node(node.node_id), Progress(
-            f"edge-ingest-{node.node_id}-progress", total=expected,
-            description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
+    with Progress(f"edge-ingest-{node.node_id}-progress", total=expected,
+                  description=f"edge_ingest on {node.node_id}: batches done", min_step=10) as progress:
         for i, (raw, part) in enumerate(_raw_batches(p, node, drop)):
             if i == 0 and p.link_profile:  # the budget the link plans for, fixed for the run
                 policy = node_link_budget(policy, load_block(LinkProfile, p.link_profile, param="link_profile"), node,
@@ -206,67 +226,30 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
                 drop.done(part, res.n_input, res.accepted, res.reject_counts)
             if expected:  # a folder source has no known total: the artifact shows 100% at the end
                 progress.advance()
-    files: dict[str, Any] = {}
-    problem: str | None = None
-    if drop is not None:
-        folder_done = cast(DropFolder, folder)
-        folder_done.close()
-        files, problem = drop.summary(), drop.message()
-        logger.info("drop folder: %d files read and moved to %s, %d rejected to %s", files["files_read"],
-                    p.done_path, files["files_rejected"], folder_done.rejected_dir)
+    return done, policy
 
-    spool = Spool.from_block(node)
-    try:
-        expired = spool.expire()
-        usage = spool.check_watermarks()
-        ledger_counts = spool.ledger.counts()
-        pending = len(spool.pending())
-    finally:
-        spool.close()
-    report = merge_reports([t.report for t in done])
-    n_in = sum(s.n_input for s in done)
-    rejects: dict[str, int] = {}
-    for s in done:
-        for k, v in s.reject_counts.items():
-            rejects[k] = rejects.get(k, 0) + v
-    refused = sum(1 for t in done for b in t.bundles if not b["spooled"])
-    rows = report.rows()
-    rows.append({"tier": "value/MB sent", "samples": round(report.value_per_mb, 2), "uplink_bytes": "", "local_bytes": ""})
-    rows.append({"tier": "value/MB no-tiering (est.)", "samples": round(report.baseline_value_per_mb, 2),
-                 "uplink_bytes": "", "local_bytes": ""})
-    summary_table(f"edge-ingest-{node.node_id}", rows,
-                  f"edge_ingest {node.node_id}: {n_in} samples, {sum(rejects.values())} rejected, "
-                  f"scorer's own value per uplinked byte {100 * report.gain:+.0f}% vs no tiering")
-    summary = {
-        "node_id": node.node_id, "batches": len(done), "samples_in": n_in, "rejected": rejects,
-        "bundles": sum(len(t.bundles) for t in done), "bundles_refused": refused, "pending": pending,
-        "expired": len(expired), "spool_used_fraction": round(usage.fraction, 4), "budget_share": policy.budget_share,
-        "ledger": {f"{s}/{r}": n for (s, r), n in ledger_counts.items()},
+
+def _summary(node_id: str, done: list[EdgeBatch], upkeep: SpoolUpkeep, files: dict[str, Any],
+             report: TierReport, budget_share: float | None) -> dict[str, Any]:
+    return {
+        "node_id": node_id, "batches": len(done), "samples_in": sum(s.n_input for s in done),
+        "rejected": sum_counts(s.reject_counts for s in done), "bundles": sum(len(t.bundles) for t in done),
+        "bundles_refused": sum(1 for t in done for b in t.bundles if not b["spooled"]), "pending": upkeep.pending,
+        "expired": upkeep.expired, "spool_used_fraction": round(upkeep.used_fraction, 4), "ledger": upkeep.ledger,
+        "budget_share": budget_share,
         "bundle_ids": [b["bundle_id"] for t in done for b in t.bundles], **files, **report.summary(),
     }
-    if p.route_events_to_outbox:
-        box = node_outbox(node.spool_dir, node.node_id)
-        try:
-            record_run(box, "edge_ingest", {k: summary[k] for k in ("batches", "samples_in", "rejected", "bundles",
-                                                                   "bundles_refused", "pending", "expired",
-                                                                   "spool_used_fraction", "files_read",
-                                                                   "files_rejected") if k in summary},
-                       {f"{s}/{r}": n for (s, r), n in ledger_counts.items()})
-            if problem:  # the alert naming each file and why, forwarded with the node's others
-                assert drop is not None
-                with events.routed(box.sink()):
-                    emit_drop_rejected(node.node_id, problem, drop.problems(), files)
-        finally:
-            box.close()
-    elif problem:
-        assert drop is not None
-        emit_drop_rejected(node.node_id, problem, drop.problems(), files)
-    logger.info("node %s: %d samples in %d batches, %d rejected, %d bundles, tiers %s, value/MB %.1f vs %.1f baseline",
-                node.node_id, n_in, len(done), sum(rejects.values()), summary["bundles"], report.samples,
-                report.value_per_mb, report.baseline_value_per_mb)
-    if problem:  # the run's state says which files were rejected and why (the UI's run list shows it)
-        return Completed(message=problem[:2000], data=summary)  # type: ignore[return-value]
-    return summary
+
+
+def _close_drop(p: EdgeIngestParams, drop: DropRun | None) -> tuple[dict[str, Any], str | None]:
+    """The drop folder's figures and the run's state message (None: no file with a problem)."""
+    if drop is None:
+        return {}, None
+    drop.folder.close()
+    files = drop.summary()
+    get_run_logger().info("drop folder: %d files read and moved to %s, %d rejected to %s", files["files_read"],
+                          p.done_path, files["files_rejected"], drop.folder.rejected_dir)
+    return files, drop.message()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from pydantic import BaseModel, Field, field_validator
 from edgehaul.blocks import ObjectStore, RetentionPolicy
 from edgehaul.ops import store_probe
 from edgehaul.ops.costs import RequestMeter, UsageRecord, record_usage
+from edgehaul.ops.lifecycle import Plan
+from edgehaul.ops.lifecycle_report import config_rows, failure_message, summary_markdown
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
@@ -70,35 +72,21 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
     store_probe.check_policy(store, policy)
     done: Counter[str] = Counter()
     errors: list[str] = []
+    recovered = pruned = 0
+    config: list[dict[str, Any]] = []
+    changed: list[str] = []
     with RequestMeter.process() as meter:
         # Plan first: it sees interrupted moves too, and says which files are referenced now, so
         # finishing an old journalled batch never removes a file a version needs today.
         plan = plan_task(store, policy, now, params.force_reason)
-        recovered = 0
         if not params.dry_run:
-            for bid, (planned_at, actions) in pending_task(store).items():
-                res = run_batch_task(store, actions, planned_at, label=f"recover-{bid[:8]}",
-                                     protected=frozenset(plan.protected_keys))
-                done.update(res.done)
-                errors.extend(res.errors)
-                recovered += 1
-        if not params.dry_run:
-            for i, batch in enumerate(plan.batches(params.batch_size)):
-                res = run_batch_task(store, batch, now, label=str(i))
-                done.update(res.done)
-                errors.extend(res.errors)
-        pruned = 0
-        if not params.dry_run and not errors:
-            # finished batches are kept a while for audit; their markers use the server's clock
-            pruned = prune_journal_task(store, datetime.now(UTC) - timedelta(days=params.journal_keep_days))
-        config: list[dict[str, Any]] = []
-        changed: list[str] = []
-        if params.apply_store_lifecycle and not params.dry_run:
-            for r in apply_config_task(store, policy):
-                config.append({"bucket": r.bucket, "applied": [x["ID"] for x in r.applied], "refused": r.refused,
-                               "round_trip_ok": r.round_trip_ok, "changed_by_server": r.changed_rules,
-                               "withdrawn": r.withdrawn, "notes": r.notes})
-                changed += [f"{r.bucket}: {rid}" for rid in r.changed_rules]
+            recovered = _finish_pending(store, plan, done, errors)
+            _run_plan(store, plan, now, params.batch_size, done, errors)
+            if not errors:
+                # finished batches are kept a while for audit; their markers use the server's clock
+                pruned = prune_journal_task(store, datetime.now(UTC) - timedelta(days=params.journal_keep_days))
+            if params.apply_store_lifecycle:
+                config, changed = config_rows(apply_config_task(store, policy))
     if not params.dry_run:
         record_usage(store, UsageRecord(at=now, meter="requests", quantity=meter.count, source="lifecycle_moves",
                                         team="shared"))
@@ -109,29 +97,34 @@ def lifecycle_moves(params: LifecycleParams = LifecycleParams()) -> dict[str, An
         "protected_versions": {k: {str(v): w for v, w in d.items()} for k, d in plan.protected_versions.items()},
         "notes": plan.notes, "store_lifecycle": config,
     }
-    md = [f"# lifecycle_moves at {now:%Y-%m-%d %H:%M} UTC" + (" (dry run)" if params.dry_run else ""), "",
-          "| what | count |", "|---|---:|"]
-    md += [f"| planned {k} | {v} |" for k, v in sorted(plan.counts().items())]
-    md += [f"| done: {k} | {v} |" for k, v in sorted(done.items())]
-    md += [f"| {k} | {v} |" for k, v in sorted(plan.skipped.items())]
-    md += [f"| errors | {len(errors)} |", f"| S3 requests | {meter.count} |"]
-    md += [f"| store lifecycle rule changed by the server, withdrawn | {c} |" for c in changed]
-    if params.force_reason:
-        md += ["", f"Forced: {params.force_reason}"]
-    create_markdown_artifact("\n".join(md), key="lifecycle-moves", description="lifecycle_moves summary")
+    create_markdown_artifact(summary_markdown(now, plan, done, errors, meter.count, changed, dry_run=params.dry_run,
+                                              force_reason=params.force_reason),
+                             key="lifecycle-moves", description="lifecycle_moves summary")
     logger.info("lifecycle: planned %s, done %s, skipped %d, errors %d", plan.counts(), dict(done),
                 sum(plan.skipped.values()), len(errors))
-    failed = [f"{len(errors)} lifecycle action(s) failed; first: " + "; ".join(errors[:3])] if errors else []
-    if changed:
-        # The rules were taken off again, but the store does not do what the policy asked: the run says so
-        # in its state (a WARNING in a Completed run went unseen while the store moved small manifests).
-        failed.append(f"the store at {store.endpoint_url or 'AWS'} stored lifecycle rule(s) {'; '.join(changed)} "
-                      "differently (e.g. dropped the size filter); withdrawn, the mover applies the policy: run "
-                      "with apply_store_lifecycle=false on this store")
-    if failed:
+    if (failed := failure_message(errors, changed, store.endpoint_url)) is not None:
         # A failed batch stays journalled for the next run, but this run did not do its job: say so in its state.
-        raise LifecycleMovesFailed(". ".join(failed))
+        raise LifecycleMovesFailed(failed)
     return summary
+
+
+def _finish_pending(store: ObjectStore, plan: Plan, done: Counter[str], errors: list[str]) -> int:
+    """Finish the journalled batches an interrupted run left, never removing a file the plan protects now."""
+    pending = pending_task(store)
+    for bid, (planned_at, actions) in pending.items():
+        res = run_batch_task(store, actions, planned_at, label=f"recover-{bid[:8]}",
+                             protected=frozenset(plan.protected_keys))
+        done.update(res.done)
+        errors.extend(res.errors)
+    return len(pending)
+
+
+def _run_plan(store: ObjectStore, plan: Plan, now: datetime, batch_size: int, done: Counter[str],
+              errors: list[str]) -> None:
+    for i, batch in enumerate(plan.batches(batch_size)):
+        res = run_batch_task(store, batch, now, label=str(i))
+        done.update(res.done)
+        errors.extend(res.errors)
 
 
 class LifecycleMovesFailed(RuntimeError):

@@ -45,6 +45,7 @@ writers, and the deployment should set a concurrency limit of 1).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -52,7 +53,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from edgehaul import events
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore
-from edgehaul.edge.outbox import node_outbox, record_run
+from edgehaul.edge.outbox import Outbox, node_outbox, record_run
 from edgehaul.edge.spool import Spool
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
@@ -61,7 +62,8 @@ from edgehaul.platform.roles import DEFAULT_POLICY, EXAMPLE_NODE, node_store
 from edgehaul.tasks.downlink import sync_downlink
 from edgehaul.tasks.forwarding import forward_node_events
 from edgehaul.tasks.uplink import abort_orphans, drain_spool, expire_retries, probe_contact, publish_link_stats
-from edgehaul.uplink.pass_plan import load_passes
+from edgehaul.uplink.drain_figures import forwarded_totals, run_figures
+from edgehaul.uplink.pass_plan import Pass, load_passes
 
 
 class UplinkDrainParams(BaseModel):
@@ -103,28 +105,14 @@ class UplinkDrainParams(BaseModel):
 def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
     """Drain one node's spool into the landing zone and publish link metrics."""
     p = params or UplinkDrainParams()
-    logger = get_run_logger()
-    node = load_block(EdgeNode, p.edge_node, param="edge_node")
-    profile = load_block(LinkProfile, p.link_profile, param="link_profile")
-    store = load_block(ObjectStore, p.object_store or node_store(p.edge_node), param="object_store")
-    schedule = p.pass_schedule or node.pass_schedule
-    if p.by_plan and not schedule:
-        raise ValueError(f"uplink_drain by_plan: node {node.node_id} has no pass_schedule (EdgeNode block "
-                         f"{p.edge_node!r}) and none was given")
-    passes = load_passes(schedule) if p.by_plan and schedule else None
-    backup = (load_block(LinkProfile, p.backup_link_profile, param="backup_link_profile")
-              if p.backup_link_profile else None)
+    node, profile, store, passes, backup = _blocks(p)
     box = node_outbox(node.spool_dir, node.node_id) if p.route_events_to_outbox else None
-    with contextlib.ExitStack() as scope:
-        scope.enter_context(run_logging.for_node(node.node_id))  # the node on every domain log line of its drain
-        if box is not None:
-            scope.callback(box.close)
-            scope.enter_context(events.routed(box.sink()))
+    with _node_scope(node, box):
         expired = expire_retries(node)
         # a drain told to wait for a contact window expects the store out of reach until the window opens
         if not p.contact_wait_s and (down := probe_contact(store)) is not None:
-            logger.info("node %s: store out of reach, nothing sent; %d bundles wait (%s)", node.node_id,
-                        expired["spool_pending"], down)
+            get_run_logger().info("node %s: store out of reach, nothing sent; %d bundles wait (%s)", node.node_id,
+                                  expired["spool_pending"], down)
             return {"out_of_contact": down, "bundles_landed": 0, **expired}
         forwarded = _forward(p, node) if p.gateway_url else None  # control traffic first
         synced = sync_downlink(store, node) if p.downlink else None
@@ -137,27 +125,53 @@ def uplink_drain(params: UplinkDrainParams | None = None) -> dict[str, Any]:
         metrics = {**expired, **metrics, "orphans_aborted": aborted}
         publish_link_stats(node.node_id, metrics)
         if box is not None:
-            record_run(box, "uplink_drain", {k: metrics.get(k) for k in (
-                "bundles_landed", "bytes_landed", "bundles_failed", "retry_queue", "retry_expired", "ttl_expired",
-                "orphans_aborted")}, _ledger_totals(node))
+            record_run(box, "uplink_drain", run_figures(metrics), _ledger_totals(node))
         if p.gateway_url:  # this drain's own statistics, in the same contact
-            after = _forward(p, node)
-            metrics["events_forwarded"] = (forwarded or {}).get("events", 0) + after.get("events", 0)
-            metrics["bundles_announced"] = (forwarded or {}).get("announced", 0) + after.get("announced", 0)
-            metrics["events_left"] = after.get("left", 0)
+            metrics.update(forwarded_totals(forwarded, _forward(p, node)))
         if synced is not None:
             metrics["downlink"] = synced
+    _log_drain(node.node_id, metrics)
+    return metrics
+
+
+def _blocks(p: UplinkDrainParams) -> tuple[EdgeNode, LinkProfile, ObjectStore, list[Pass] | None, LinkProfile | None]:
+    """The node, its link, its store, its predicted passes (by plan) and its backup link."""
+    node = load_block(EdgeNode, p.edge_node, param="edge_node")
+    profile = load_block(LinkProfile, p.link_profile, param="link_profile")
+    store = load_block(ObjectStore, p.object_store or node_store(p.edge_node), param="object_store")
+    schedule = p.pass_schedule or node.pass_schedule
+    if p.by_plan and not schedule:
+        raise ValueError(f"uplink_drain by_plan: node {node.node_id} has no pass_schedule (EdgeNode block "
+                         f"{p.edge_node!r}) and none was given")
+    passes = load_passes(schedule) if p.by_plan and schedule else None
+    backup = (load_block(LinkProfile, p.backup_link_profile, param="backup_link_profile")
+              if p.backup_link_profile else None)
+    return node, profile, store, passes, backup
+
+
+@contextlib.contextmanager
+def _node_scope(node: EdgeNode, box: Outbox | None) -> Iterator[None]:
+    """The node on every domain log line of its drain; with an outbox, its events go there."""
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(run_logging.for_node(node.node_id))
+        if box is not None:
+            scope.callback(box.close)
+            scope.enter_context(events.routed(box.sink()))
+        yield
+
+
+def _log_drain(node_id: str, metrics: dict[str, Any]) -> None:
+    logger = get_run_logger()
     logger.info(
         "node %s: %d bundles landed, goodput %.0f bit/s (%.0f%% of cap), %d in retry queue, %d orphans aborted",
-        node.node_id, metrics["bundles_landed"], metrics["goodput_bps"], 100 * metrics["rate_cap_use"],
-        metrics["retry_queue"], aborted,
+        node_id, metrics["bundles_landed"], metrics["goodput_bps"], 100 * metrics["rate_cap_use"],
+        metrics["retry_queue"], metrics["orphans_aborted"],
     )
     if (pp := metrics.get("pass_plan")) is not None:
         logger.info("pass: %d/%d planned bundles sent, %d of %d planned bytes, value %.1f of %.1f",
                     pp.get("sent_bundles", 0), pp.get("planned_bundles", 0), pp.get("sent_bytes", 0),
                     pp.get("planned_bytes", 0) + pp.get("planned_overhead_bytes", 0), pp.get("sent_value", 0.0),
                     pp.get("planned_value", 0.0))
-    return metrics
 
 
 def _forward(p: UplinkDrainParams, node: EdgeNode) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +23,12 @@ from edgehaul.edge.spool import Spool
 from edgehaul.platform.reporting import summary_table
 from edgehaul.platform.s3_errors import TASK_RETRIES, TASK_RETRY_DELAYS_S, retry_condition
 from edgehaul.uplink.backup import BackupLedger
+from edgehaul.uplink.drain_figures import drain_metrics, no_pass_metrics
 from edgehaul.uplink.link import Link, SimulatedLink
-from edgehaul.uplink.pass_plan import (
-    Overhead,
-    Pass,
-    PassPlan,
-    capacity_until,
-    pending_from_spool,
-    plan_passes,
-    upcoming,
-)
+from edgehaul.uplink.pass_drain import plan_pass_drain, wait_for_pass
+from edgehaul.uplink.pass_plan import Pass, PassPlan, upcoming
 from edgehaul.uplink.retry_queue import RetryQueue
-from edgehaul.uplink.transfer import Drainer, DrainReport, Uplink
+from edgehaul.uplink.transfer import Drainer, Uplink
 
 log = logging.getLogger(__name__)
 
@@ -128,36 +122,17 @@ def drain_spool(
         values: dict[str, float] = {}
         if passes is not None:
             ahead = upcoming(passes, datetime.now(UTC))
-            wait_s = (ahead[0].start - datetime.now(UTC)).total_seconds() if ahead else float("inf")
-            if wait_s > contact_wait_s:
+            wait_s = wait_for_pass(ahead, datetime.now(UTC), contact_wait_s)
+            if wait_s is None:
                 nxt = ahead[0].start.isoformat() if ahead else None
                 log.info("no pass open (next %s): nothing drained", nxt or "none scheduled")
-                metrics = _no_pass(len(queue), nxt)
+                metrics = no_pass_metrics(len(queue), nxt)
                 queue.close()
                 return metrics
-            time.sleep(max(0.0, wait_s))
-            now = datetime.now(UTC)
-            blocked = queue.blocked_ids()
-            # What the passes cannot carry before the bundles expire is thinned at random (inclusion_p updated),
-            # never left to be cut by the plan's order; part-sent and retrying bundles stay whole.
-            room = capacity_until(ahead, now, now + timedelta(seconds=node.bundle_ttl_seconds),
-                                  profile.rate_cap_fraction)
-            keep_whole = {f.name.removesuffix(".mpu.json") for f in (Path(node.spool_dir) / "uplink").glob("*.mpu.json")}
-            keep_whole |= blocked | set(queue.due())
-            spool.thin_to(room, salt=f"pass-{ahead[0].start.isoformat()}", skip=frozenset(keep_whole))
-            pending = pending_from_spool(
-                [e for e in spool.pending() if e.bundle_id not in blocked], Path(node.spool_dir) / "uplink",
-                multipart_threshold_bytes=profile.multipart_threshold_bytes, part_bytes=profile.part_bytes)
-            overhead = Overhead(rtt_s=2 * profile.latency_ms / 1000, concurrency=max_active,
-                                multipart_threshold_bytes=profile.multipart_threshold_bytes, part_bytes=profile.part_bytes)
-            full = plan_passes(pending, ahead, cap_fraction=profile.rate_cap_fraction, overhead=overhead, now=now)
-            plan, later = full.passes[0], full.passes[1:]
-            values = {e.bundle_id: e.value for e in pending}
-            profile = profile.model_copy(update={"bandwidth_bps": plan.window.rate_bps})  # the pass's own rate
-            max_seconds = min(max_seconds, max(0.001, (plan.window.end - now).total_seconds()))
-            log.info("pass %s: %d of %d bundles planned, %d bytes of %d at the cap, value %.1f",
-                     plan.window.start.isoformat(), len(plan.items), len(pending), plan.planned_cost,
-                     plan.capacity_bytes, plan.planned_value)
+            time.sleep(wait_s)
+            pd = plan_pass_drain(spool, queue, node, profile, ahead, datetime.now(UTC), max_active=max_active,
+                                 max_seconds=max_seconds)
+            plan, later, values, profile, max_seconds = pd.plan, pd.later, pd.values, pd.profile, pd.max_seconds
         link = make_link(profile, simulate=simulate, seed=seed, node_id=node.node_id)
         up = Uplink(store, link, Path(node.spool_dir) / "uplink", contact_wait_s=contact_wait_s)
         backup_up, budget_left, ledger = None, None, BackupLedger(Path(node.spool_dir) / "uplink-backup")
@@ -171,19 +146,8 @@ def drain_spool(
                           backup_budget_bytes=budget_left)
         rep = drainer.run(max_seconds=max_seconds)
         ledger.add(datetime.now(UTC), rep.landed)
-        metrics = rep.metrics(link.cap_bytes_per_s)
-        metrics["queue_lengths"] = {t: n for t, n in metrics["queue_lengths"].items()}
-        metrics["retry_queue"] = len(queue)
-        metrics["spool_pending"] = len(spool.pending())
-        metrics["spool_used_fraction"] = round(spool.usage().fraction, 4)  # the fleet view's spool figure
-        metrics["link"] = rep.link
-        metrics["landed_keys"] = [r.key for r in rep.landed]
-        metrics["failed"] = rep.failed
-        metrics["bytes_by_link"] = dict(rep.bytes_by_link)
-        metrics["backup_refusals"] = rep.backup_refusals
-        if plan is not None:
-            metrics["pass_plan"] = pass_report(plan, rep, values)
-            metrics["later_passes"] = [pp.summary() for pp in later]
+        metrics = drain_metrics(rep, link.cap_bytes_per_s, retry_queue=len(queue), spool_pending=len(spool.pending()),
+                                spool_used_fraction=spool.usage().fraction, plan=plan, later=later, values=values)
         log.info("drained %d bundles (%d bytes) in %.1fs, %d failed, %d in retry queue",
                  len(rep.landed), rep.bytes_landed, rep.seconds, len(rep.failed), len(queue))
         queue.close()
@@ -191,29 +155,6 @@ def drain_spool(
     finally:
         with contextlib.suppress(Exception):
             spool.close()
-
-
-def pass_report(plan: PassPlan, rep: DrainReport, values: dict[str, float]) -> dict[str, Any]:
-    """Planned vs sent for one pass: bytes (bundles + manifests as sent over the link) and value."""
-    landed = {r.bundle_id: r for r in rep.landed}
-    planned = set(plan.bundle_ids)
-    sent_bytes = sum((0 if r.already_present else r.nbytes) + r.manifest_nbytes for r in landed.values())
-    return {
-        **plan.summary(),
-        "sent_bundles": len(landed),
-        "sent_bytes": sent_bytes,
-        "sent_value": round(sum(values.get(b, 0.0) for b in landed), 3),
-        "planned_ids": plan.bundle_ids,
-        "not_sent": sorted(planned - landed.keys()),
-    }
-
-
-def _no_pass(retry_queue: int, next_pass: str | None) -> dict[str, Any]:
-    empty = DrainReport()
-    metrics = empty.metrics(0.0)
-    metrics.update(retry_queue=retry_queue, link={}, landed_keys=[], failed={},
-                   pass_plan={"next_pass": next_pass, "planned_bundles": 0, "sent_bundles": 0})
-    return metrics
 
 
 @task(name="publish-link-stats", cache_policy=NO_CACHE)
