@@ -3,6 +3,7 @@ the package has no import cycle, and docs/ARCHITECTURE.md's floors are the contr
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -66,3 +67,31 @@ def test_architecture_doc_lists_the_contracts_floors() -> None:
     layers = _contract()["layers"]
     assert isinstance(layers, list)
     assert documented == [sorted(p.strip() for p in layer.split("|")) for layer in layers]
+
+
+FUNCTION_LINES = 100  # a product function longer than this is phases not yet named
+FLOW_COMPLEXITY = 20  # radon's grade C: a flow reads as the steps of its docstring
+
+
+def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def test_no_product_function_is_over_a_hundred_lines() -> None:
+    long = [f"{p.relative_to(ROOT)}:{f.lineno} {f.name} ({(f.end_lineno or f.lineno) - f.lineno + 1} lines)"
+            for p in sorted((ROOT / "edgehaul").rglob("*.py")) for f in _functions(p)
+            if (f.end_lineno or f.lineno) - f.lineno + 1 > FUNCTION_LINES]
+    assert long == []
+
+
+def test_every_flow_is_at_most_complexity_c() -> None:
+    from radon.complexity import cc_visit
+
+    flows = sorted((ROOT / "edgehaul" / "flows").glob("*.py"))
+    decorated = {(p, f.name) for p in flows for f in _functions(p)
+                 if any("flow" in ast.unparse(d) for d in f.decorator_list)}
+    assert len(decorated) >= 9  # every deployable flow is measured, not a file that lost its decorator
+    over = [f"{p.relative_to(ROOT)}:{b.lineno} {b.name} {b.complexity}" for p in flows
+            for b in cc_visit(p.read_text()) if (p, b.name) in decorated and b.complexity > FLOW_COMPLEXITY]
+    assert over == []
