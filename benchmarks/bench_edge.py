@@ -279,7 +279,7 @@ def orchestration(n: int, batch: int, repeat: int = 1) -> dict[str, object]:
 
         def direct(spool_dir: Path, limit: int | None = None) -> None:
             node = EdgeNode(node_id="node-a", spool_dir=str(spool_dir), spool_cap_bytes=2**36)
-            for raw, _ in itertools.islice(_raw_batches(params, node, None, C), limit):
+            for raw, _ in itertools.islice(_raw_batches(params, node, None), limit):
                 key, hashes = batch_key(raw)
                 version = scorer_key(p, node, context_key(key, C, node.node_id), None, C)
                 ingest_batch.fn(raw, key, C.id, p, node, version, None, hashes)
