@@ -1,4 +1,4 @@
-"""The webhook gateway as an attacker sees it (issue 17, item 7): malformed headers, keys that climb out
+"""The webhook gateway as an attacker sees it: malformed headers, keys that climb out
 of the node's prefix, a sender speaking for another node, and a flood of valid hooks.
 
 On main at 8a307c0 each of these failed: a non-ASCII signature header gave a 500 with a traceback, a

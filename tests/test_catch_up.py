@@ -1,4 +1,4 @@
-"""Training always catches up (issue 22): runs queue behind a busy training (never cancelled), the
+"""Training always catches up: runs queue behind a busy training (never cancelled), the
 next one trains the newest committed version, and runs covered by it end at once."""
 
 from __future__ import annotations

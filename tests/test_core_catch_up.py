@@ -1,4 +1,4 @@
-"""core_ingest catches up (issue 23): a run takes the bundle keys of its deployment's runs still queued,
+"""core_ingest catches up: a run takes the bundle keys of its deployment's runs still queued,
 commits them, and completes those runs so they never start; bundles already committed are skipped before
 validation. Two runs racing over the same queue commit each bundle exactly once."""
 

@@ -129,7 +129,7 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     assert sorted(r["reason"] for r in rows) == ["checksum", "expectations", "ok", "ok", "ok", "unknown_contract"]
     assert _task_states(run1, "validate-", 2) == ["Completed", "Completed"]  # rejections are results, not failures
 
-    # rerun on the same bundles: they are in the dataset, so nothing is validated again (issue 23: a run
+    # rerun on the same bundles: they are in the dataset, so nothing is validated again (a run
     # behind one that caught up ends at once), no new version, no new object anywhere
     before = _all_objects(store)
     summary2, run2 = _run(CoreIngestParams(store_block=block, bundle_keys=good_keys), core_ingest)

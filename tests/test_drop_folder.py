@@ -1,4 +1,4 @@
-"""Drop folder (issue #20 item 2): Parquet, Arrow IPC and CSV from an instrument's output folder; partial files
+"""Drop folder: Parquet, Arrow IPC and CSV from an instrument's output folder; partial files
 never read; each file read once (by content), recorded in the node's source log before it moves to done/."""
 
 from __future__ import annotations

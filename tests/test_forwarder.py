@@ -1,4 +1,4 @@
-"""Store and forward of what a node did (issue #18 item 2): the node's outbox, drained by the forwarder
+"""Store and forward of what a node did: the node's outbox, drained by the forwarder
 to the gateway's `node-events` hook, reaches the session's real Prefect as `edgehaul.node.<id>` events,
 in seq order, each exactly once (a retried batch, a batch cut off midway, a gateway restart), late
 ones labelled stale with their age; same link and cap as data, control first."""

@@ -439,8 +439,8 @@ def _failed_runs_view(ui: str, since: datetime, tmp: Path, states: tuple[str, ..
 @pytest.mark.timeout(1500)  # 4 worker processes and a process per flow run on a loaded 2-core machine
 def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_and_two_verifies(
         stack: localstack.StackState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 22's done-when, in the order an operator types it: `make demo`, `make deploy`, a run through
-    the deployments (`demo --via-deployments`), `make verify` twice; then the UI's Runs page filtered to
+    """The UI shows no failed run after the operator's sequence, typed in order: `make demo`, `make deploy`, a run
+    through the deployments (`demo --via-deployments`), `make verify` twice; then the UI's Runs page filtered to
     Failed and Crashed, read in Chromium, counts no run since the sequence began."""
     from prefect.client.orchestration import get_client
 
