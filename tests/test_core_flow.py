@@ -28,6 +28,7 @@ from edgehaul.core.quarantine import read_record
 from edgehaul.flows.compact_dataset import CompactDatasetParams, compact_dataset
 from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
 from tests.builders import bundle, land, processed_rows
+from tests.waiting import wait_for
 
 CONTRACT = load_contract("landsat_patch")
 pytestmark = pytest.mark.integration
@@ -47,14 +48,13 @@ def _all_objects(store: ObjectStore) -> set[tuple[str, str]]:
 
 def _task_states(flow_run_id: Any, name_prefix: str, expected: int) -> list[str]:
     """State names of a flow run's tasks, waiting for the server to record them all."""
-    with get_client(sync_client=True) as client:
-        for _ in range(60):
+    def recorded() -> tuple[list[str]] | None:  # a tuple: truthy even when no task is expected
+        with get_client(sync_client=True) as client:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-            names = [r.state_name or "" for r in runs if r.name.startswith(name_prefix) and r.state and r.state.is_final()]
-            if len(names) >= expected:
-                return sorted(names)
-            time.sleep(0.5)
-    return sorted(names)
+        names = [r.state_name or "" for r in runs if r.name.startswith(name_prefix) and r.state and r.state.is_final()]
+        return (sorted(names),) if len(names) >= expected else None
+
+    return wait_for(recorded, 30, f"{expected} final {name_prefix}* task runs of {flow_run_id}", interval=0.5)[0]
 
 
 @pytest.fixture
