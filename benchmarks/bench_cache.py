@@ -1,4 +1,4 @@
-"""Cold vs warm: the demo's data path run twice on a fresh local stack (issue 11).
+"""Cold vs warm: the demo's data path run twice on a fresh local stack.
 
 edge_ingest (2 nodes) -> uplink_drain -> core_ingest, first on an empty cache, then again with the
 same inputs: the second run should find every cacheable task Cached, write no new objects and take

@@ -1,4 +1,4 @@
-"""Edge benchmark (issue 3): preprocess + score + tier + bundle throughput next to raw zstd of the same
+"""Edge benchmark: preprocess + score + tier + bundle throughput next to raw zstd of the same
 bytes, Prefect task runs per 1M samples and orchestration share, peak memory vs input size, and the
 tiering gain (value per uplinked byte vs sending everything).
 

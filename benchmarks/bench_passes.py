@@ -1,5 +1,5 @@
 """Contact windows: value delivered in a day of passes by the pass planner vs FIFO vs "urgent first,
-then oldest", same passes, same bytes (issue #18 item 4).
+then oldest", same passes, same bytes.
 
 A day of 6 passes of 8-12 min at 2 Mbit/s, 65% rate cap, and a backlog about 1.6x what they carry:
 bundle sizes log-uniform from 50 kB to 20 MB (the edge's urgent bundles <= 4 MiB, normal ones flushed

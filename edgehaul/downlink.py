@@ -1,5 +1,5 @@
 """Downlink: what the core sends to an edge node (a published model, a tiering policy, a contract), fetched
-by the node when in contact, verified, applied atomically and reported back (issue #18 item 3).
+by the node when in contact, verified, applied atomically and reported back.
 
 Central side, in the ops bucket, under the node's own prefix (the node's identity may read it, nothing else):
 

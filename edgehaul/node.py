@@ -3,8 +3,8 @@
     edgehaul node init --config node.yaml     write the node's state dir and save its blocks locally
     edgehaul node run --state-dir DIR         start the node's Prefect server and serve its deployments
 
-The node keeps doing its whole local job with the central Prefect API out of reach (issue #18, item 1;
-docs/ARCHITECTURE.md, "Node autonomy"): everything it needs lives under its state dir, and its
+The node keeps doing its whole local job with the central Prefect API out of reach (docs/ARCHITECTURE.md,
+"Node autonomy"): everything it needs lives under its state dir, and its
 deployments (edge_ingest on a drop folder, uplink_drain) are scheduled by a node-local Prefect server
 (SQLite) and run by a runner (`serve`) in the same process. The centre is needed only for S3 (data)
 and the gateway (events); neither is needed to keep ingesting, tiering and spooling.
@@ -349,7 +349,7 @@ def run(layout: NodeLayout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="edgehaul node", description="Run an edge node on its own (issue #18).")
+    ap = argparse.ArgumentParser(prog="edgehaul node", description="Run an edge node on its own.")
     sub = ap.add_subparsers(dest="verb", required=True)
     i = sub.add_parser("init", help="write the node's state dir and save its blocks on its own server")
     i.add_argument("--config", type=Path, required=True, help="node YAML (README: 'One edge node')")

@@ -4,7 +4,7 @@
     python -m edgehaul_dev deploy [...]           blocks, pools, deployments, automations, workers (edgehaul_dev.deploy)
     python -m edgehaul_dev demo [...]             the data path end to end on the running stack (edgehaul_dev.demo)
     python -m edgehaul_dev drills [...]           fault drills, N trials each (edgehaul_dev.drills)
-    python -m edgehaul_dev verify [...]           the operations guide's acceptance checklist (edgehaul_dev.verify)
+    python -m edgehaul_dev verify [...]           the operator's acceptance checklist (edgehaul_dev.verify)
     python -m edgehaul_dev settings               the development settings (edgehaul_dev.settings)
 
 `python -m edgehaul_dev <command> --help` shows the command's own options. Each command is the module's `main`,
@@ -21,7 +21,7 @@ COMMANDS = {
     "deploy": ("edgehaul_dev.deploy", "deploy blocks, pools, deployments, automations and workers"),
     "demo": ("edgehaul_dev.demo", "run the data path end to end on the running stack"),
     "drills": ("edgehaul_dev.drills", "fault drills with loss/duplicate accounting"),
-    "verify": ("edgehaul_dev.verify", "the operations guide's acceptance checklist"),
+    "verify": ("edgehaul_dev.verify", "the operator's acceptance checklist"),
     "settings": ("edgehaul_dev.settings", "the development settings and their sources"),
 }
 

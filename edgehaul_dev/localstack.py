@@ -220,10 +220,10 @@ def identities_config(
     """SeaweedFS s3.json: least-privilege identities per role and per edge node.
 
     No identity is shared by nodes; in the ops bucket a node only reads its own downlink folder: central
-    cached task results (`edgehaul-ops/prefect-results/core/`) are written by ingest only (issue 17)."""
+    cached task results (`edgehaul-ops/prefect-results/core/`) are written by ingest only."""
     grants: dict[str, list[str]] = {
         "admin": ["Admin", "Read", "Write", "List", "Tagging"],
-        "ingest": [  # landing is read-only for the core: quarantine copies out of it (issue 17 item 6)
+        "ingest": [  # landing is read-only for the core: quarantine copies out of it
             "Read:edgehaul-landing", "List:edgehaul-landing",
             "Read:edgehaul-curated", "Write:edgehaul-curated", "List:edgehaul-curated",
             "Read:edgehaul-ops", "Write:edgehaul-ops", "List:edgehaul-ops",

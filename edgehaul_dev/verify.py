@@ -1,4 +1,4 @@
-"""The operator's acceptance checklist (operations guide, section 5) against a RUNNING local stack.
+"""The operator's acceptance checklist against a RUNNING local stack: every item must pass before use.
 
     python -m edgehaul_dev.verify [--root .edgehaul-stack] [--only NAME ...]     # `make verify`
 

@@ -1,4 +1,4 @@
-"""The anomaly-aware scorer (`anomaly` under `edgehaul.scorers`, issue #20 item 3): labelled anomalies tier
+"""The anomaly-aware scorer (`anomaly` under `edgehaul.scorers`): labelled anomalies tier
 high, rows far from the normal class too (robust z-score), normal rows mostly low; its state persists and
 is kept per node and kind."""
 

@@ -1,4 +1,4 @@
-"""Issue 17, item 1: no shared writable state across the edge/core boundary, attacked on the real stack.
+"""No shared writable state across the edge/core boundary, attacked on the real stack.
 
 On main at 8a307c0 each of these fails: every node held the shared `results` identity, which could write
 the ops bucket's `prefect-results/` where core_ingest read cloudpickle records (a forged record ran code

@@ -1,4 +1,4 @@
-"""Issue #17 items 3-5 (first two parts): the core treats every landed bundle as untrusted input.
+"""The core treats every landed bundle as untrusted input.
 
 Each attack is reproduced with an edge node's own identity (`store_for(stack, "node-a")`: it can write
 only under `node-a/` in landing) against the real stack, through the real `core_ingest` flow where the
@@ -479,8 +479,8 @@ def test_a_manifest_rewritten_after_validation_is_not_committed(stack: localstac
 @pytest.mark.integration
 def test_a_landed_bundle_rewritten_by_its_node_is_never_taken_twice(stack: localstack.StackState,
                                                                     ingest_block: str) -> None:
-    """Issue 17 item 6, where the store cannot refuse it (SeaweedFS 4.48 lets a node PUT over its own landed
-    object): main raised DatasetError at commit, failing every bundle of the contract with it (here node-b's),
+    """Landing is write-once, even where the store cannot refuse a rewrite (SeaweedFS 4.48 lets a node PUT over its
+    own landed object): main raised DatasetError at commit, failing every bundle of the contract with it (here node-b's),
     and its quarantine deleted landing objects, which the ingest identity may no longer do."""
     node_a, node_b, ingest_store = store_for(stack, "node-a"), store_for(stack, "node-b"), store_for(stack, "ingest")
     d, m = bundle(8, "node-a", start_seq=_seq())

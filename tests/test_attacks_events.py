@@ -37,6 +37,7 @@ from edgehaul.services.gateway import (
 )
 from edgehaul.uplink.forwarder import HOOK, Forwarder
 from tests.test_gateway import Recorder
+from tests.waiting import wait_for
 
 NOW = 1_800_000_000.0
 
@@ -260,13 +261,9 @@ def test_forged_node_events_never_reach_prefect_and_the_honest_ones_do(stack: An
         r = gw.post(f"/hooks/{node}/{HOOK}", content=body, headers=signed_headers(key, body))
         assert r.status_code == 422, r.text
     flt = {"filter": {"resource": {"id": [f"edgehaul.node.{node}"]}, "order": "ASC"}, "limit": 50}
-    deadline, got = time.monotonic() + 30, []
-    while time.monotonic() < deadline:
-        got = httpx.post(f"{stack.prefect_api_url}/events/filter", auth=api_auth(), json=flt, timeout=10).json()["events"]
-        if got:
-            break
-        time.sleep(0.5)
-    time.sleep(1.0)
+    wait_for(lambda: httpx.post(f"{stack.prefect_api_url}/events/filter", auth=api_auth(), json=flt,
+                                timeout=10).json()["events"], 30, f"an event of node {node} in Prefect", interval=0.5)
+    time.sleep(1.0)  # and nothing more arrives after
     got = httpx.post(f"{stack.prefect_api_url}/events/filter", auth=api_auth(), json=flt, timeout=10).json()["events"]
     assert [(e["event"], e["payload"]["seq"]) for e in got] == [(events.LINK_STATS, 3)], got
 

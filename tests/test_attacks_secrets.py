@@ -1,4 +1,4 @@
-"""Attacks on secrets (issue #17, items 2 and 8): an attacker holds one edge node's S3 keys and reaches the
+"""Attacks on secrets: an attacker holds one edge node's S3 keys and reaches the
 central Prefect API and the local stack's ports over the network, without the API auth string.
 
 Each test but one fails on main at 8a307c0, where the API was open (the block filter with `include_secrets`

@@ -34,6 +34,7 @@ from edgehaul.services.automations import (
     at_least_globs,
 )
 from edgehaul_dev.localstack import StackState
+from tests.waiting import wait_for
 
 
 @given(st.integers(0, 9999), st.integers(0, 9999))
@@ -86,13 +87,20 @@ class Receiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 60) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for b in list(self.bodies):
-                if pred(b):
-                    return b
-            time.sleep(0.2)
-        raise AssertionError(f"no matching notification within {timeout}s; got {self.bodies}")
+        return wait_for(lambda: next((b for b in list(self.bodies) if pred(b)), None), timeout,
+                        lambda: f"a matching notification; got {self.bodies}", interval=0.2)
+
+    def probe(self, fire: Callable[[], object], seen: Callable[[dict[str, Any]], bool], timeout: float = 60,
+              every: float = 1) -> None:
+        """`fire()` an event every `every` seconds until a notification `seen` arrives: the server's automations
+        load only once an event fires."""
+        def arrived() -> bool:
+            if any(seen(b) for b in list(self.bodies)):
+                return True
+            fire()
+            return False
+
+        wait_for(arrived, timeout, lambda: f"the automations to fire on a probe; got {self.bodies}", interval=every)
 
 
 def _named_flow(name: str) -> Any:
@@ -136,11 +144,9 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
 
     try:
         # Warm-up: the automations are loaded once a probe fires.
-        deadline = time.monotonic() + 60
-        while not any(b["resource"].startswith(f"probe-{uid}") for b in receiver.bodies):
-            assert time.monotonic() < deadline, "automations never fired on a probe"
-            events.emit(events.SPOOL_WATERMARK, f"probe-{uid}-{time.monotonic_ns()}", {"used_fraction": 0.99})
-            time.sleep(1)
+        receiver.probe(lambda: events.emit(events.SPOOL_WATERMARK, f"probe-{uid}-{time.monotonic_ns()}",
+                                           {"used_fraction": 0.99}),
+                       lambda b: b["resource"].startswith(f"probe-{uid}"))
 
         # Level 2: 0.86 fires, 0.84 and 0.849 do not.
         events.emit(events.SPOOL_WATERMARK, f"spool-{uid}-low", {"level": "cleanup", "used_fraction": 0.84})
@@ -176,14 +182,14 @@ def test_alerts_fire_on_condition_and_not_below(stack: StackState, receiver: Rec
         assert l1["level"] == 1 and l1["alert"] == "link-retransmission"
         l3 = receiver.wait_for(lambda b: b["resource"] == f"edgehaul.training.run.{uid}")
         assert l3["level"] == 3 and "SlowDown" in l3["error"]
-        deadline = time.monotonic() + 30
-        runs: list[Any] = []
-        while len(runs) < 5 and time.monotonic() < deadline:
-            with get_client(sync_client=True) as client:
-                from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
+        def five_runs() -> list[Any]:
+            with get_client(sync_client=True) as client:
                 runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
-            time.sleep(0.5)
+            return runs if len(runs) >= 5 else []
+
+        runs = wait_for(five_runs, 30, "the level-3 retry run of the deployment", interval=0.5)
         retries = [r for r in runs if r.id not in (failed.id, other.id, crashed.id, check.id)]
         assert len(retries) == 1, "level 3 should re-run the deployment exactly once"
         assert retries[0].parameters == {"params": {"epochs": 2, "team": "t", "run_id": f"train-{failed.id}"}}
@@ -239,12 +245,9 @@ def test_fleet_report_alerts_on_a_silent_node_and_a_stale_model(
                                 webhook_url=receiver.url, token="t0k3n")
     uid = uuid.uuid4().hex[:8]
     try:
-        deadline = time.monotonic() + 60
-        while not any(b["resource"].startswith(f"probe-{uid}") for b in receiver.bodies):
-            assert time.monotonic() < deadline, "automations never fired on a probe"
-            events.emit(events.NODE_SILENT, f"probe-{uid}-{time.monotonic_ns()}",
-                        {"node_id": "probe", "last_seen": None, "allowed_s": 1.0, "reason": "probe"})
-            time.sleep(1)
+        receiver.probe(lambda: events.emit(events.NODE_SILENT, f"probe-{uid}-{time.monotonic_ns()}",
+                                           {"node_id": "probe", "last_seen": None, "allowed_s": 1.0, "reason": "probe"}),
+                       lambda b: b["resource"].startswith(f"probe-{uid}"))
 
         # A node whose contact plan had a pass that ended an hour ago, and that said nothing in it.
         plan = tmp_path / "passes.yaml"

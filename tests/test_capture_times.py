@@ -1,4 +1,4 @@
-"""Generated observations carry real capture times (issue 22 item 4): the edge flow dates each batch when it
+"""Generated observations carry real capture times: the edge flow dates each batch when it
 was first generated, recorded once (`landsat.CaptureLog`), so the uplink's capture-to-landed figures are
 seconds, not the months since a fixed 2026-01-01, while a rerun regenerates the same batches (same sample
 ids, times and cache keys: nothing is spooled or landed twice)."""

@@ -1,4 +1,4 @@
-"""Training always catches up (issue 22): runs queue behind a busy training (never cancelled), the
+"""Training always catches up: runs queue behind a busy training (never cancelled), the
 next one trains the newest committed version, and runs covered by it end at once."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def test_three_commits_during_a_busy_training_the_next_run_trains_the_newest(sta
                                                                               store: ObjectStore) -> None:
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, FlowRun
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, FlowRun, State
     from prefect.deployments import run_deployment
     from prefect.flows import Flow
 
@@ -92,12 +91,11 @@ def test_three_commits_during_a_busy_training_the_next_run_trains_the_newest(sta
     try:
         first = submit(0, epochs=12)  # long enough on an idle machine to still train while we commit
         with get_client(sync_client=True) as client:
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline:
-                state = client.read_flow_run(first.id).state
-                if state is not None and (state.is_running() or state.is_final()):
-                    break
-                time.sleep(0.5)
+            def started() -> State | None:
+                s = client.read_flow_run(first.id).state
+                return s if s is not None and (s.is_running() or s.is_final()) else None
+
+            state = wait_for(started, 240, f"run {first.id} to start", interval=0.5)
             assert state is not None and state.is_running(), state
             # busy training v0 once its first checkpoint is committed (step 20 of ~560): the object store says
             # so at once, where its log lines reach the API seconds later
@@ -109,12 +107,12 @@ def test_three_commits_during_a_busy_training_the_next_run_trains_the_newest(sta
                 later.append(submit(v))
             assert not client.read_flow_run(first.id).state.is_final()  # type: ignore[union-attr]
             runs = [first, *later]
-            deadline = time.monotonic() + 400
-            while time.monotonic() < deadline:
+
+            def finished() -> list[FlowRun]:
                 done = [client.read_flow_run(r.id) for r in runs]
-                if all(r.state is not None and r.state.is_final() for r in done):
-                    break
-                time.sleep(1)
+                return done if all(r.state is not None and r.state.is_final() for r in done) else []
+
+            done = wait_for(finished, 400, "every training run to finish")
     finally:
         worker.terminate()
         worker.wait(30)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from edgehaul.training.checkpoints import MARKER, CheckpointError, CheckpointSto
 from edgehaul.training.launch import child_env, store_to_public
 from edgehaul_dev import localstack
 from tests.conftest import api_auth
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 META = {"dataset_uri": "s3://x/y", "dataset_version": 1, "world_size": 1}
@@ -117,11 +117,11 @@ def test_failed_checkpoint_write_emits_event_and_is_retried(stack: localstack.St
         assert ck.step == 7 and cs.failures >= 1
         assert torch.equal(cs.load(ck)["w"], torch.ones(3))
         resource = f"edgehaul.training.run.{run}"
-        deadline = time.monotonic() + 20
-        found: list[dict[str, object]] = []
-        while time.monotonic() < deadline and len(found) < cs.failures:
+        def recorded() -> list[dict[str, object]]:
             found = _events(stack.prefect_api_url, events.CHECKPOINT_FAILED, resource)
-            time.sleep(0.5)
+            return found if len(found) >= cs.failures else []
+
+        found = wait_for(recorded, 20, f"{cs.failures} CHECKPOINT_FAILED events", interval=0.5)
         assert len(found) == cs.failures
         payload = found[0]["payload"]
         assert isinstance(payload, dict)

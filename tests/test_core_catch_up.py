@@ -1,4 +1,4 @@
-"""core_ingest catches up (issue 23): a run takes the bundle keys of its deployment's runs still queued,
+"""core_ingest catches up: a run takes the bundle keys of its deployment's runs still queued,
 commits them, and completes those runs so they never start; bundles already committed are skipped before
 validation. Two runs racing over the same queue commit each bundle exactly once."""
 
@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from edgehaul.core.datasets import lineage, open_table
 from edgehaul.core.ingest import QueuedBatch, settled_batches, take_queued
 from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
 from tests.builders import bundle, land
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 KIND = "landsat_patch"
@@ -169,11 +169,11 @@ def test_a_warm_process_runs_the_deployment_and_its_first_run_covers_the_queue(s
     server.start()
     try:
         with get_client(sync_client=True) as client:
-            for _ in range(240):
+            def final() -> list[Any]:
                 states = [client.read_flow_run(uuid.UUID(r)).state for r in runs]
-                if all(s is not None and s.is_final() for s in states):
-                    break
-                time.sleep(0.5)
+                return states if all(s is not None and s.is_final() for s in states) else []
+
+            states = wait_for(final, 120, "both core_ingest runs to finish", interval=0.5)
     finally:
         stop.set()
         server.join(timeout=120)
@@ -183,12 +183,11 @@ def test_a_warm_process_runs_the_deployment_and_its_first_run_covers_the_queue(s
     got = open_table(store, KIND).to_pyarrow_table(columns=["bundle_id"]).column("bundle_id").to_pylist()
     assert sorted(set(got)) == sorted(m.bundle_id for _, m in made) and len(got) == 30
     # the warm run's task runs are recorded like any run's (one validation chunk of its 3 bundles)
-    names: list[str] = []
     with get_client(sync_client=True) as client:
-        for _ in range(60):
+        def validated() -> list[str]:
             names = [t.name for t in client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(runs[0])])))]
-            if any(n.startswith("validate-") for n in names):
-                break
-            time.sleep(0.5)
+            return names if any(n.startswith("validate-") for n in names) else []
+
+        names = wait_for(validated, 30, "the warm run's validation task run", interval=0.5)
     assert [n for n in names if n.startswith("validate-")] == ["validate-3-bundles-1-of-1"], names

@@ -28,6 +28,7 @@ from edgehaul.core.quarantine import read_record
 from edgehaul.flows.compact_dataset import CompactDatasetParams, compact_dataset
 from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
 from tests.builders import bundle, land, processed_rows
+from tests.waiting import wait_for
 
 CONTRACT = load_contract("landsat_patch")
 pytestmark = pytest.mark.integration
@@ -47,14 +48,13 @@ def _all_objects(store: ObjectStore) -> set[tuple[str, str]]:
 
 def _task_states(flow_run_id: Any, name_prefix: str, expected: int) -> list[str]:
     """State names of a flow run's tasks, waiting for the server to record them all."""
-    with get_client(sync_client=True) as client:
-        for _ in range(60):
+    def recorded() -> tuple[list[str]] | None:  # a tuple: truthy even when no task is expected
+        with get_client(sync_client=True) as client:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-            names = [r.state_name or "" for r in runs if r.name.startswith(name_prefix) and r.state and r.state.is_final()]
-            if len(names) >= expected:
-                return sorted(names)
-            time.sleep(0.5)
-    return sorted(names)
+        names = [r.state_name or "" for r in runs if r.name.startswith(name_prefix) and r.state and r.state.is_final()]
+        return (sorted(names),) if len(names) >= expected else None
+
+    return wait_for(recorded, 30, f"{expected} final {name_prefix}* task runs of {flow_run_id}", interval=0.5)[0]
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_core_ingest_quarantines_bad_bundles_commits_good_ones_and_caches(store:
     assert sorted(r["reason"] for r in rows) == ["checksum", "expectations", "ok", "ok", "ok", "unknown_contract"]
     assert _task_states(run1, "validate-", 2) == ["Completed", "Completed"]  # rejections are results, not failures
 
-    # rerun on the same bundles: they are in the dataset, so nothing is validated again (issue 23: a run
+    # rerun on the same bundles: they are in the dataset, so nothing is validated again (a run
     # behind one that caught up ends at once), no new version, no new object anywhere
     before = _all_objects(store)
     summary2, run2 = _run(CoreIngestParams(store_block=block, bundle_keys=good_keys), core_ingest)

@@ -1,4 +1,4 @@
-"""Downlink (issue #18 item 3): the core publishes a model, a policy or a contract to a node; the node fetches it
+"""Downlink: the core publishes a model, a policy or a contract to a node; the node fetches it
 with its own identity when in contact, verifies it, applies it atomically and reports back through its outbox.
 Real SeaweedFS, real node and central identities."""
 

@@ -1,4 +1,4 @@
-"""Drop folder (issue #20 item 2): Parquet, Arrow IPC and CSV from an instrument's output folder; partial files
+"""Drop folder: Parquet, Arrow IPC and CSV from an instrument's output folder; partial files
 never read; each file read once (by content), recorded in the node's source log before it moves to done/."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from edgehaul.contracts import load_contract
 from edgehaul.edge.drop_folder import DropFolder, is_partial_name
 from edgehaul.edge.landsat import generate
 from edgehaul.edge.preprocess import preprocess
+from tests.waiting import wait_for
 
 C = load_contract("landsat_patch")
 
@@ -248,15 +249,9 @@ def _assert_drop_alert(stack: object, node_id: str, names: set[str]) -> None:
 
     EventsWorker.drain_all()
     api = stack.prefect_api_url  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 15
-    evs: list[dict[str, object]] = []
-    while not evs and time.monotonic() < deadline:
-        r = httpx.post(f"{api}/events/filter", timeout=10, auth=api_auth(), json={
-            "filter": {"event": {"name": ["edgehaul.drop.rejected"]},
-                       "resource": {"id": [f"edgehaul.node.{node_id}"]}}, "limit": 5})
-        evs = r.json().get("events", [])
-        time.sleep(0.5)
-    assert evs, "no edgehaul.drop.rejected event recorded"
+    evs: list[dict[str, object]] = wait_for(lambda: httpx.post(f"{api}/events/filter", timeout=10, auth=api_auth(), json={
+        "filter": {"event": {"name": ["edgehaul.drop.rejected"]}, "resource": {"id": [f"edgehaul.node.{node_id}"]}},
+        "limit": 5}).json().get("events", []), 15, "an edgehaul.drop.rejected event", interval=0.5)
     payload = evs[0]["payload"]
     assert isinstance(payload, dict) and payload["level"] == 2 and set(payload["files"]) == names
 

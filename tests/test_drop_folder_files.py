@@ -1,4 +1,4 @@
-"""Drop folder for a file kind (issue #20 item 2): one PNG per observation, sample id from the name, label and
+"""Drop folder for a file kind: one PNG per observation, sample id from the name, label and
 capture time from an optional sidecar `<stem>.json` (else the mtime); a file over max_bytes or of another media
 type is moved aside with its reason; each file is read once."""
 
@@ -167,7 +167,7 @@ def test_edge_ingest_spools_every_png_of_a_drop_folder_once(stack: object, tmp_p
 
 def test_a_telemetry_csv_with_one_bad_value_rejects_only_its_row(tmp_path: Path) -> None:
     """A columns kind from an instrument's CSV: one unreadable reading and one out of range reject their rows;
-    the batch's other rows go on (the issue's 'one string rejected the 39 valid rows of its batch')."""
+    the batch's other rows go on (one bad value never rejects the valid rows of its batch)."""
     gait = load_contract("daphnet_gait")
     d = DropFolder(tmp_path / "drop", tmp_path / "done", tmp_path / "spool", settle_s=5, clock=lambda: NOW,
                    contract=gait)

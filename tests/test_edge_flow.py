@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from edgehaul.platform.caching import EDGE_RESULTS_DIR
 from edgehaul_dev import localstack
 from tests.builders import bundle
 from tests.conftest import api_auth
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,17 +43,16 @@ def _task_states(flow_run_id: UUID, expect: int, timeout: float = 20) -> dict[st
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    deadline = time.monotonic() + timeout
-    while True:
+    def recorded() -> list[Any]:
         with get_client(sync_client=True) as c:
             runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         done = [r for r in runs if r.state and r.state.is_final()]
-        if len(done) >= expect or time.monotonic() > deadline:
-            out: dict[str, list[str]] = {}
-            for r in done:
-                out.setdefault(r.name.rsplit("-", 1)[0], []).append(str(r.state.name if r.state else ""))
-            return {k: sorted(v) for k, v in out.items()}
-        time.sleep(0.5)
+        return done if len(done) >= expect else []
+
+    out: dict[str, list[str]] = {}
+    for r in wait_for(recorded, timeout, f"{expect} final task runs of {flow_run_id}", interval=0.5):
+        out.setdefault(r.name.rsplit("-", 1)[0], []).append(str(r.state.name if r.state else ""))
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def _run(params: EdgeIngestParams) -> tuple[dict[str, Any], UUID]:
@@ -225,15 +224,10 @@ def test_spool_watermark_event_reaches_prefect(stack: localstack.StackState, tmp
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all()
-    deadline = time.monotonic() + 15
-    evs: list[dict[str, Any]] = []
-    while not evs and time.monotonic() < deadline:
-        r = httpx.post(f"{stack.prefect_api_url}/events/filter", timeout=10, auth=api_auth(), json={
+    evs: list[dict[str, Any]] = wait_for(lambda: httpx.post(
+        f"{stack.prefect_api_url}/events/filter", timeout=10, auth=api_auth(), json={
             "filter": {"event": {"name": [events.SPOOL_WATERMARK]}, "resource": {"id": [f"edgehaul.spool.{node_id}"]}},
-            "limit": 5})
-        evs = r.json().get("events", [])
-        time.sleep(0.5)
-    assert evs, "no edgehaul.spool.watermark event recorded"
+            "limit": 5}).json().get("events", []), 15, "an edgehaul.spool.watermark event", interval=0.5)
     assert evs[0]["payload"]["level"] == 2 and evs[0]["payload"]["node_id"] == node_id
     assert evs[0]["payload"]["used_fraction"] >= 0.85
     spool.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -24,6 +23,7 @@ from edgehaul.ops.metrics_endpoint import CONTENT_TYPE, make_server
 from edgehaul.tasks.fleet import latest_events
 from edgehaul.tasks.uplink import publish_link_stats
 from edgehaul.uplink.pass_plan import Pass
+from tests.waiting import wait_for
 
 T0 = datetime(2026, 6, 1, tzinfo=UTC)
 finite = st.floats(0, 1e6, allow_nan=False)
@@ -127,14 +127,11 @@ def metrics_url(store: ObjectStore) -> Iterator[str]:
 
 def _wait_for_events(nodes: set[str], since: datetime) -> None:
     """Emitted events reach the server asynchronously: wait until its event store has one per node."""
-    deadline = time.monotonic() + 60
-    while True:
-        seen = {r.get("edgehaul.node") for _, _, _, r in latest_events([events.LINK_STATS], since,
-                                                                       datetime.now(UTC) + timedelta(seconds=5))}
-        if nodes <= seen:
-            return
-        assert time.monotonic() < deadline, f"LINK_STATS of {nodes - seen} never reached the server"
-        time.sleep(0.5)
+    def seen() -> set[str | None]:
+        return {r.get("edgehaul.node") for _, _, _, r in latest_events([events.LINK_STATS], since,
+                                                                      datetime.now(UTC) + timedelta(seconds=5))}
+
+    wait_for(lambda: nodes <= seen(), 60, f"LINK_STATS of {sorted(nodes)} on the server", interval=0.5)
 
 
 @pytest.mark.integration

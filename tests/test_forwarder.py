@@ -1,4 +1,4 @@
-"""Store and forward of what a node did (issue #18 item 2): the node's outbox, drained by the forwarder
+"""Store and forward of what a node did: the node's outbox, drained by the forwarder
 to the gateway's `node-events` hook, reaches the session's real Prefect as `edgehaul.node.<id>` events,
 in seq order, each exactly once (a retried batch, a batch cut off midway, a gateway restart), late
 ones labelled stale with their age; same link and cap as data, control first."""
@@ -35,6 +35,7 @@ from edgehaul.uplink.forwarder import ANNOUNCE_HOOK, CONTROL_PRIORITY, HOOK, For
 from edgehaul.uplink.link import Link, priority_key
 from edgehaul_dev import localstack
 from tests.conftest import api_auth
+from tests.waiting import wait_for
 
 HOURS = 3600.0
 
@@ -69,21 +70,15 @@ def _gateway(tmp_path: Path, senders: Path, emitter: Any = None) -> TestClient:
 
 
 def _node_events(api_url: str, node: str, n: int) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + 30
-    found: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
+    def found() -> list[dict[str, Any]]:
         r = httpx.post(f"{api_url}/events/filter", auth=api_auth(), timeout=10,
                        json={"filter": {"resource": {"id": [f"edgehaul.node.{node}"]}, "order": "ASC"}, "limit": 50})
         r.raise_for_status()
-        found = r.json()["events"]
-        if len(found) >= n:
-            time.sleep(1.0)  # and nothing more arrives after
-            r = httpx.post(f"{api_url}/events/filter", auth=api_auth(), timeout=10,
-                           json={"filter": {"resource": {"id": [f"edgehaul.node.{node}"]}, "order": "ASC"},
-                                 "limit": 50})
-            return list(r.json()["events"])
-        time.sleep(0.5)
-    raise AssertionError(f"{len(found)} of {n} events of node {node} in Prefect after 30 s")
+        return list(r.json()["events"])
+
+    wait_for(lambda: len(found()) >= n, 30, f"{n} events of node {node} in Prefect", interval=0.5)
+    time.sleep(1.0)  # and nothing more arrives after
+    return found()
 
 
 def _raise_node_history(box: Outbox, node: str, now: list[float]) -> list[int]:

@@ -35,6 +35,7 @@ from edgehaul.services.gateway import (
     write_senders,
 )
 from edgehaul_dev import localstack
+from tests.waiting import wait_for
 
 
 class Recorder:
@@ -203,9 +204,7 @@ def test_landed_bundles_leave_as_bounded_batches_each_key_once(tmp_path: Path) -
             sent.append(doc["object_key"])
         dup = json.dumps(_bundle("node-a", f"{uid}-49")).encode()  # re-announced under a new webhook-id
         assert gw.post("/hooks/node-a/bundle-uploaded", content=dup, headers=signed_headers(key, dup)).status_code == 202
-        deadline = time.monotonic() + 10
-        while len(rec.batch_keys()) < 40 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: len(rec.batch_keys()) >= 40, 10, "two full batches sent", interval=0.05)
         assert gw.get("/healthz").json()["pending"] == 11  # under batch_max, within the window: waiting
     # shutdown sends what is left
     assert [len(p["bundle_keys"]) for _, _, p, _ in rec.events] == [20, 20, 10]
@@ -229,16 +228,12 @@ def test_queued_bundles_survive_an_unreachable_prefect_and_a_restart(tmp_path: P
             r = gw.post("/hooks/node-a/bundle-uploaded", content=body, headers=signed_headers(key, body))
             assert r.status_code == 202
             sent.append(doc["object_key"])
-        deadline = time.monotonic() + 10
-        while gw.get("/healthz").json()["batch_errors"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: gw.get("/healthz").json()["batch_errors"] >= 1, 10, "a failed batch send", interval=0.05)
         assert gw.get("/healthz").json()["pending"] == 25
     assert down.tried and not down.events
     up = Recorder()
     with _gateway(tmp_path, senders, up, batch_window_s=0.1, batch_max=10) as gw:
-        deadline = time.monotonic() + 10
-        while len(up.batch_keys()) < 25 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: len(up.batch_keys()) >= 25, 10, "the queued bundles sent after the restart", interval=0.05)
         assert gw.get("/healthz").json()["pending"] == 0
     assert sorted(up.batch_keys()) == sorted(sent) and len(up.batch_keys()) == 25
     assert up.events[0][3] == down.tried[0]  # the claimed batch is re-sent under its id: Prefect can dedup it
@@ -277,13 +272,11 @@ def _events_with_prefix(api_url: str, prefix: str, auth: tuple[str, str] | None 
 
 
 def _wait_events(api_url: str, prefix: str, n: int = 1, auth: tuple[str, str] | None = None) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = _events_with_prefix(api_url, prefix, auth)
-        if len(found) >= n:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"no event with resource prefix {prefix} after 30 s")
+    def found() -> list[dict[str, Any]]:
+        got = _events_with_prefix(api_url, prefix, auth)
+        return got if len(got) >= n else []
+
+    return wait_for(found, 30, f"{n} events with resource prefix {prefix}", interval=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -388,26 +381,23 @@ def test_signed_webhook_triggers_a_flow_run(stack: localstack.StackState, gatewa
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, str(script), str(marker)], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 90
-        automations: list[Any] = []
-        while not automations:
+        def served() -> Any:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, "served deployment and its trigger never appeared"
-            time.sleep(0.5)
             with get_client(sync_client=True) as client:
                 try:
                     dep = client.read_deployment_by_name(f"gateway-target-{uid}/on-contact")
                 except Exception:
-                    continue
-                automations = client.read_resource_related_automations(f"prefect.deployment.{dep.id}")
+                    return None
+                return client.read_resource_related_automations(f"prefect.deployment.{dep.id}") and dep
+
+        dep = wait_for(served, 90, "the served deployment and its trigger", interval=0.5)
 
         body = _contact(f"n{uid}", station="gs-svalbard")
         r = httpx.post(f"{url}/hooks/{sender}/contact-window-opened", content=body, headers=signed_headers(key, body),
                        timeout=60)
         assert r.status_code == 202, r.text
-        while not marker.exists():
-            assert time.monotonic() < deadline + 60, (tmp_path / "serve.log").read_text()
-            time.sleep(0.5)
+        wait_for(marker.exists, 60, lambda: f"the triggered run's marker; {(tmp_path / 'serve.log').read_text()}",
+                 interval=0.5)
         time.sleep(0.2)
         assert json.loads(marker.read_text()) == {"node": f"n{uid}", "station": "gs-svalbard", "sender": sender}
         with get_client(sync_client=True) as client:

@@ -213,7 +213,7 @@ def test_ingest_reads_landing_and_writes_curated_quarantine_and_ops(engine: Engi
         ingest.put_object(Bucket=bucket, Key=key, Body=b"{}", IfNoneMatch="*")
         assert body(ingest, bucket, key) == b"{}"
     ingest.delete_object(Bucket="edgehaul-curated", Key=f"datasets/_claims/{tag}/b.json")
-    # landing is write-once for the core (issue 17 item 6): no PUT, DELETE or tagging there, not even create-only
+    # landing is write-once for the core: no PUT, DELETE or tagging there, not even create-only
     denied(ingest.delete_object, Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet")
     denied(ingest.put_object_tagging, Bucket="edgehaul-landing", Key=f"node-a/{tag}/b.parquet",
            Tagging={"TagSet": [{"Key": "k", "Value": "v"}]})

@@ -1,4 +1,4 @@
-"""Each new kind end to end on the real stack (issue #20, done-when 1), from real data files: the instrument's files
+"""Each new kind end to end on the real stack, from real data files: the instrument's files
 in a drop folder -> edge_ingest -> spool -> uplink_drain -> core_ingest -> a dataset version that holds every
 accepted observation exactly as it was written (sample ids accounted for: in the dataset or in the node's ledger
 with a reason) -> train_model on that version -> published -> sent down to the node -> its model scorer.

@@ -43,6 +43,7 @@ from edgehaul.tasks.uplink import probe_contact
 from edgehaul_dev import localstack
 from tests.conftest import store_for
 from tests.test_spool import mk
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 HOUR = 8.0  # wall seconds per simulated hour
@@ -156,14 +157,6 @@ def _out_of_contact(log: Path) -> int:
     return log.read_text().count(f"node {NODE}: store out of reach, nothing sent")
 
 
-def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(1.0)
-
-
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
@@ -216,8 +209,8 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
             time.sleep(max(0.0, t0 + (hour + 1) * HOUR - time.monotonic()))
             assert proc.poll() is None, log.read_text()[-3000:]
         # a busy host runs late (runs wait their turn, an ingest run reads every file that waited): let it catch up
-        _wait(lambda: not any(layout.drop.glob("*.parquet")), 20 * HOUR, "the last drop to be ingested")
-        _wait(lambda: _out_of_contact(log) >= 2, 20 * HOUR, "two drain attempts out of contact")
+        wait_for(lambda: not any(layout.drop.glob("*.parquet")), 20 * HOUR, "the last drop to be ingested")
+        wait_for(lambda: _out_of_contact(log) >= 2, 20 * HOUR, "two drain attempts out of contact")
         day = _node_runs(layout)
 
         box = node_outbox(layout.spool, NODE)
@@ -231,12 +224,12 @@ def test_a_node_runs_a_day_on_its_own_and_drains_after_reconnection(
             spool = Spool.from_block(EdgeNode(node_id=NODE, spool_dir=str(layout.spool), spool_cap_bytes=CAP))
             try:
                 waiting = {e.bundle_id for e in spool.pending()}
-                _wait(lambda: not spool.pending(), 12 * HOUR + 120, "the spool to drain after reconnection")
-                _wait(lambda: _outbox_empty(layout), 12 * HOUR + 120, "the outbox to be forwarded")
+                wait_for(lambda: not spool.pending(), 12 * HOUR + 120, "the spool to drain after reconnection")
+                wait_for(lambda: _outbox_empty(layout), 12 * HOUR + 120, "the outbox to be forwarded")
                 # a drain puts its link stats in the outbox as it ends, after forwarding what was there: the
                 # next scheduled drain forwards them, while the contact is still up
-                _wait(lambda: events.LINK_STATS in {e["event"] for e in _central_node_events(stack, since)},
-                      12 * HOUR + 120, "the node's link stats at the central server")
+                wait_for(lambda: events.LINK_STATS in {e["event"] for e in _central_node_events(stack, since)},
+                         12 * HOUR + 120, "the node's link stats at the central server")
                 counts = spool.ledger.counts()
                 # the ledger is bounded like the spool: past its bound its oldest rows go, counted but no longer named
                 spool_evicted = sum(n for (stage, _), n in spool.ledger.evicted().items() if stage == ledger.STAGE_SPOOL)
@@ -486,7 +479,7 @@ def _centre(stack: localstack.StackState, tmp_path: Path, sweep_s: float = 0) ->
                     return False
                 return bool(client.read_resource_related_automations(f"prefect.deployment.{dep.id}"))
 
-        _wait(ready, 120, "core_ingest served with its trigger")
+        wait_for(ready, 120, "core_ingest served with its trigger")
         time.sleep(2)  # the triggers service loads the new automation
         yield uid
     finally:
@@ -559,7 +552,7 @@ def _all_committed(stack: localstack.StackState, since: datetime, layout: NodeLa
                    dropped: str = "h*.parquet") -> set[str]:
     """Waits until the node has read the `dropped` files, its spool is empty, and every bundle it landed since
     `since` is committed centrally within COMMIT_BOUND_S of the spool emptying; returns their ids."""
-    _wait(lambda: not any(layout.drop.glob(dropped)) and _spool_empty(layout), 300, f"{what}: the node to land")
+    wait_for(lambda: not any(layout.drop.glob(dropped)) and _spool_empty(layout), 300, f"{what}: the node to land")
     t = time.monotonic()
     landed: set[str] = set()
 
@@ -568,7 +561,7 @@ def _all_committed(stack: localstack.StackState, since: datetime, layout: NodeLa
         landed = set(_landed_since(stack, since))
         return bool(landed) and _committed(stack, landed) == landed
 
-    _wait(done, COMMIT_BOUND_S, f"{what}: every landed bundle committed centrally")
+    wait_for(done, COMMIT_BOUND_S, f"{what}: every landed bundle committed centrally")
     print(f"{what}: {len(landed)} bundles committed {time.monotonic() - t:.0f} s after the spool emptied")
     return landed
 
@@ -616,8 +609,8 @@ def test_every_bundle_a_node_local_node_sends_is_committed_centrally_before_and_
                 # 2. the gateway is out of reach, S3 is not: bundles land, their announcements wait on the node
                 gw_relay.down()
                 _drop(layout.drop, 1)
-                _wait(lambda: len(_announcements(layout)) > 0 and _spool_empty(layout)
-                      and not any(layout.drop.glob("*.parquet")), 300, "bundles landed, their announcements kept")
+                wait_for(lambda: len(_announcements(layout)) > 0 and _spool_empty(layout)
+                         and not any(layout.drop.glob("*.parquet")), 300, "bundles landed, their announcements kept")
                 waiting = set(_announcements(layout))
                 assert waiting <= set(_landed_since(stack, since)) and not waiting & first
                 assert not _committed(stack, waiting)  # nothing else announces them (no sweep here)
@@ -625,14 +618,14 @@ def test_every_bundle_a_node_local_node_sends_is_committed_centrally_before_and_
                 relay.down()
                 _drop(layout.drop, 2)
                 n = _out_of_contact(tmp_path / "node.log")
-                _wait(lambda: not any(layout.drop.glob("*.parquet")) and _out_of_contact(tmp_path / "node.log") > n,
-                      300, "a drain attempt out of contact")
+                wait_for(lambda: not any(layout.drop.glob("*.parquet")) and _out_of_contact(tmp_path / "node.log") > n,
+                         300, "a drain attempt out of contact")
                 assert not _spool_empty(layout)
                 # 4. reconnection: every bundle, before and after the outage, committed with no manual step
                 relay.up()
                 gw_relay.up()
                 every = _all_committed(stack, since, layout, "after reconnection")
-                _wait(lambda: not _announcements(layout), 120, "the outbox's announcements to be sent")
+                wait_for(lambda: not _announcements(layout), 120, "the outbox's announcements to be sent")
                 assert proc.poll() is None
                 assert first | waiting < every
                 assert _node_landing_batches(layout) == 0  # the node never started central work itself
@@ -675,7 +668,7 @@ def test_node_run_with_a_bad_and_a_good_file_commits_the_good_one_within_one_sch
                 (layout.drop / "cut.parquet").write_bytes(whole[: len(whole) // 2])
                 t0 = time.monotonic()
                 # one schedule: an ingest and a drain run (every_s each), then the core's commit bound
-                _wait(lambda: not any(layout.drop.glob("h*.parquet")), 2 * every_s + 120, "the good file to be read")
+                wait_for(lambda: not any(layout.drop.glob("h*.parquet")), 2 * every_s + 120, "the good file to be read")
                 landed = _all_committed(stack, since, layout, "good file beside a bad one")
                 took = time.monotonic() - t0
                 print(f"good file committed {took:.0f} s after it was dropped")

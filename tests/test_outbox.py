@@ -6,13 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgehaul.edge.outbox import PRIO_ALERT_L1, PRIO_ALERT_L2, PRIO_STATS, Outbox
+from tests.waiting import wait_for
 
 
 def test_order_peek_ack(tmp_path: Path) -> None:
@@ -64,10 +64,8 @@ def test_survives_kill_9(tmp_path: Path) -> None:
         [sys.executable, "-c", _WRITER, str(db)], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
     )
     assert proc.stdout is not None
-    last = -1
-    deadline = time.monotonic() + 30
-    while last < 50 and time.monotonic() < deadline:
-        last = int(proc.stdout.readline())
+    lines = iter(proc.stdout.readline, "")
+    last = wait_for(lambda: (n := int(next(lines))) >= 50 and n, 30, "50 appends reported by the writer", interval=0)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     ob = Outbox(db, "node-k")

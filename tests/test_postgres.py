@@ -9,7 +9,6 @@ and the flow run is read back from PostgreSQL itself.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from edgehaul_dev import localstack, postgres
 from tests.conftest import store_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -85,16 +85,16 @@ def test_core_ingest_runs_on_a_postgres_backed_prefect_server(pg_prefect: locals
     dsn = postgres.dsn(postgres_url)
     # Flow-run states are written through the API by the client itself (task runs travel as events
     # through a process-wide events client, which in a long test session may be bound to another server).
-    deadline = time.monotonic() + 60
-    while True:
+    def recorded() -> tuple[tuple[str] | None, int]:
         with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
             cur.execute("SELECT state_type FROM flow_run WHERE id = %s", (str(run_id),))
             flow_state = cur.fetchone()
             cur.execute("SELECT count(*) FROM flow_run_state WHERE flow_run_id = %s", (str(run_id),))
-            states = cur.fetchone()[0]  # type: ignore[index]
-        if (flow_state == ("COMPLETED",) and states >= 3) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert flow_state == ("COMPLETED",)
-    assert states >= 3  # pending, running, completed: every transition went through PostgreSQL
+            return flow_state, cur.fetchone()[0]  # type: ignore[index]
+
+    def completed() -> bool:  # pending, running, completed: every transition went through PostgreSQL
+        flow_state, states = recorded()
+        return flow_state == ("COMPLETED",) and states >= 3
+
+    wait_for(completed, 60, lambda: f"run {run_id} completed in PostgreSQL, 3 states or more; got {recorded()}")
     assert not list((Path(pg_prefect.root) / "prefect").rglob("*.db"))

@@ -1,4 +1,4 @@
-"""Preprocessing for every contract layout (issue #20): tensors of any rank (bytes or lists), files (size,
+"""Preprocessing for every contract layout: tensors of any rank (bytes or lists), files (size,
 media type, decode), typed columns (ranges, categories, nulls); a bad value rejects its row only; features per
 contract; summaries and the novelty scorer for every kind."""
 

@@ -1,4 +1,4 @@
-"""Issue 17, item 5 (last part): an operator lists quarantined bundles and re-admits chosen ones after a fix.
+"""An operator lists quarantined bundles and re-admits chosen ones after a fix.
 
 Re-admission puts the bundle back in landing, so the next core_ingest validates it for real (a bad bundle
 is quarantined again, never committed), and leaves an audit record (who, when, why, from/to) in the ops

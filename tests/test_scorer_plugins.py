@@ -1,4 +1,4 @@
-"""Scorers as plugins (entry point `edgehaul.scorers`), with state kept per node AND kind (issue #20 item 3)."""
+"""Scorers as plugins (entry point `edgehaul.scorers`), with state kept per node AND kind."""
 
 from __future__ import annotations
 

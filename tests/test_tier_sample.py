@@ -1,4 +1,4 @@
-"""Issue #20, done-when: tiering keeps training honest. On generated data with a known mix, through the edge
+"""Tiering keeps training honest. On generated data with a known mix, through the edge
 path (`ingest_batch`: preprocess -> score -> assign -> Batcher -> spool), the rows central training keeps
 (`training.data.trainable`), weighted by `training.data.sample_weights`, match the class distribution the
 node observed within 2 percentage points per class, although the scorer sends some classes mostly to the

@@ -1,4 +1,4 @@
-"""Training by kind (issue #20 item 5): model family, label and defaults from the contract, sample weights
+"""Training by kind: model family, label and defaults from the contract, sample weights
 from inclusion probabilities, per-class metrics, resume, the dataset-committed trigger, and the edge model
 scorer for every family (the closed loop)."""
 

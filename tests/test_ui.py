@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from edgehaul import events
 from edgehaul_dev import localstack
 from tests.conftest import api_auth
-from tests.waiting import run_log_lines
+from tests.waiting import run_log_lines, wait_for
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = [
@@ -237,27 +237,25 @@ def test_ui_shows_demo_run_artifacts_and_triggered_run(stack: localstack.StackSt
         with get_client(sync_client=True) as client:
             demo_name = client.read_flow_run(uuid.UUID(demo_id)).name
 
-        deadline = time.monotonic() + 120
-        while True:
+        def served() -> Any:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "served deployment's trigger never appeared"
             with get_client(sync_client=True) as client:
                 try:
                     dep = client.read_deployment_by_name(f"ui-triggered-{uid}/on-contact")
-                    if client.read_resource_related_automations(f"prefect.deployment.{dep.id}"):
-                        break
+                    return client.read_resource_related_automations(f"prefect.deployment.{dep.id}") and dep
                 except Exception:
-                    pass
-            time.sleep(0.5)
+                    return None
+
+        dep = wait_for(served, 120, "the served deployment's trigger", interval=0.5)
         events.emit(events.CONTACT_OPENED, f"edgehaul.node.ui-{uid}", {"node_id": f"ui-{uid}", "station_id": "gs-1"})
-        while True:
-            assert time.monotonic() < deadline + 90, (tmp_path / "serve.log").read_text()[-3000:]
+
+        def completed() -> Any:
             with get_client(sync_client=True) as client:
                 runs = [r for r in client.read_flow_runs() if r.deployment_id == dep.id]
-            if runs and runs[0].state and runs[0].state.is_completed():
-                break
-            time.sleep(1)
-        triggered = runs[0]
+            return runs and runs[0].state and runs[0].state.is_completed() and runs[0]
+
+        triggered = wait_for(completed, 150,
+                             lambda: f"the triggered run completed; {(tmp_path / 'serve.log').read_text()[-3000:]}")
         time.sleep(3)  # the runner cancels runs it still tracks when stopped: let it release this one
 
         progress = _artifacts(api, f"ui-demo-{uid}-progress")
@@ -310,15 +308,12 @@ def test_ui_shows_the_fleet_view(stack: localstack.StackState, tmp_path: Path) -
                                         "spool_used_fraction": 0.3})
     store = store_for(stack, "lifecycle")
     store.save(f"ui-fleet-{tag}", overwrite=True)
-    deadline = time.monotonic() + 60
-    while True:  # the link-stats event must be in the event store before the report reads it
+    def reported() -> bool:  # the link-stats event must be in the event store before the report reads it
         fleet_report(FleetReportParams(store_block=f"ui-fleet-{tag}"))
         view = fleet.read_view(store)
-        seen = view.nodes[node].link_utilisation if view and node in view.nodes else None
-        if seen == 0.55 or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert seen == 0.55, seen
+        return bool(view and node in view.nodes and view.nodes[node].link_utilisation == 0.55)
+
+    wait_for(reported, 60, f"the fleet view to show {node}'s link utilisation 0.55", interval=2)
     table, chart = Artifact.get("fleet-view"), Artifact.get("fleet-view-chart")
     assert table is not None and chart is not None
     ui_proxy = AuthProxy(stack.prefect_ui_url, api_auth())
@@ -439,8 +434,8 @@ def _failed_runs_view(ui: str, since: datetime, tmp: Path, states: tuple[str, ..
 @pytest.mark.timeout(1500)  # 4 worker processes and a process per flow run on a loaded 2-core machine
 def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_and_two_verifies(
         stack: localstack.StackState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 22's done-when, in the order an operator types it: `make demo`, `make deploy`, a run through
-    the deployments (`demo --via-deployments`), `make verify` twice; then the UI's Runs page filtered to
+    """The UI shows no failed run after the operator's sequence, typed in order: `make demo`, `make deploy`, a run
+    through the deployments (`demo --via-deployments`), `make verify` twice; then the UI's Runs page filtered to
     Failed and Crashed, read in Chromium, counts no run since the sequence began."""
     from prefect.client.orchestration import get_client
 

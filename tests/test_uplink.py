@@ -33,6 +33,7 @@ from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
 from tests.conftest import store_for
 from tests.doubles import MemorySource
+from tests.waiting import wait_for
 
 MiB = 1024 * 1024
 KiB = 1024
@@ -197,12 +198,13 @@ def test_kill_9_during_multipart_resumes_without_resending_finished_parts(
     child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     state_file = state / f"{m.bundle_id}.mpu.json"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    def a_part_recorded() -> bool:
         if state_file.exists() and json.loads(state_file.read_text())["parts"]:
-            break
+            return True
         assert child.poll() is None, child.communicate()
-        time.sleep(0.02)
+        return False
+
+    wait_for(a_part_recorded, 60, "the child's first recorded multipart part", interval=0.02)
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     st = json.loads(state_file.read_text())

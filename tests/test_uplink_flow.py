@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,20 +18,19 @@ from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
 from edgehaul_dev import localstack
 from tests.builders import bundle, processed_rows
 from tests.conftest import api_auth
+from tests.waiting import wait_for
 
 MiB = 1024 * 1024
 
 
 def _poll(url: str, body: dict[str, Any], key: str, timeout: float = 15) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def items() -> list[dict[str, Any]]:
         r = httpx.post(url, json=body, timeout=10, auth=api_auth())
         r.raise_for_status()
         doc = r.json()
-        items = doc.get(key, []) if isinstance(doc, dict) else doc
-        if items or time.monotonic() > deadline:
-            return list(items)
-        time.sleep(0.5)
+        return list(doc.get(key, []) if isinstance(doc, dict) else doc)
+
+    return wait_for(items, timeout, f"a non-empty answer of {url} to {body}", interval=0.5)
 
 
 @pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The hand-written per-bundle validation cache (issue 23): a record is taken only as JSON holding this
+"""The hand-written per-bundle validation cache: a record is taken only as JSON holding this
 bundle's success; anything else is a miss that decodes nothing. Plain functions, a local result storage."""
 
 from __future__ import annotations

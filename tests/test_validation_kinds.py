@@ -1,4 +1,4 @@
-"""Core validation of every layout (issue #20): a tensor's byte length, a file's size and media type, typed
+"""Core validation of every layout: a tensor's byte length, a file's size and media type, typed
 columns' nulls, ranges and categories; summary rows carry no payload; GE never reads a tensor's or file's bytes."""
 
 from __future__ import annotations

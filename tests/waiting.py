@@ -9,15 +9,18 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_for(pred: Callable[[], T], timeout: float, what: str) -> T:
-    """`pred()`'s first truthy value, polled each second; fails the test after `timeout` seconds."""
+def wait_for(pred: Callable[[], T], timeout: float, what: str | Callable[[], str], interval: float = 1.0) -> T:
+    """`pred()`'s first truthy value, polled every `interval` seconds; fails the test after `timeout` seconds.
+
+    `what` names the awaited state in the failure; a callable is called then, so the message can show what
+    was seen last (e.g. the notifications received so far)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = pred()
         if got:
             return got
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what() if callable(what) else what}")
 
 
 def run_log_lines(flow_run_id: object, needle: str, timeout: float = 90) -> list[str]:

@@ -18,7 +18,7 @@ MiB = 1024 * 1024
 class EdgeNode(Block):
     """An edge node: identity, team, spool location and the spool's cap and watermarks.
 
-    Watermarks follow the operations guide: clean-up from 80% of the cap, alert at 85%.
+    Watermarks: clean-up from 80% of the cap, alert at 85%.
 
     Example:
         ```python
@@ -60,7 +60,7 @@ class EdgeNode(Block):
 class LinkProfile(Block):
     """The uplink of a node: bandwidth, latency, loss/outages, contact windows and the rate cap.
 
-    The rate cap defaults to 70% of bandwidth (operations guide: start at 60-70% and tune), which
+    The rate cap defaults to 70% of bandwidth (start at 60-70% of the link and tune after a week), which
     also leaves room for control-plane traffic (Prefect API, events).
 
     Example:

@@ -355,7 +355,7 @@ def commit_validated(
     return datasets.commit_bundles(store, contract, items, run_id=run_id, lease_s=lease_s, s3=s3)
 
 
-# ---------------------------------------------------------------- catching up (issue 23)
+# ---------------------------------------------------------------- catching up
 
 
 @dataclass(frozen=True)

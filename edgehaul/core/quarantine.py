@@ -1,7 +1,8 @@
 """Quarantine: a bundle that failed validation is copied from the landing zone to `quarantine/<node>/<bundle>/`.
 
-Landing is write-once (issue 17 item 6): no central identity writes or deletes there, so the bundle and
-its manifest are copied server-side (no download) and left where they landed. `validation.json` beside
+Landing is write-once (written by its node, then only read until the janitor moves it): no central identity
+writes or deletes there, so the bundle and its manifest are copied server-side (no download) and left where
+they landed. `validation.json` beside
 the copies holds the reason, every sample id the bundle carried (the accounting of those samples) and the
 ETags of the landing objects it copied; its presence is what keeps core ingest from taking the bundle
 again (`landing_state`), and a landing object whose ETag no longer matches is reported as changed, never
@@ -182,7 +183,7 @@ def landing_state(store: ObjectStore, data_key: str, *, s3: S3Client | None = No
     return "quarantined", f"quarantined {rec.quarantined_at}: {rec.reason}"
 
 
-# ---------------------------------------------------------------- operator: list and re-admit (issue 17)
+# ---------------------------------------------------------------- operator: list and re-admit
 
 AUDIT_PREFIX = "quarantine/audit"  # in the ops bucket: one object per record, written once (If-None-Match)
 

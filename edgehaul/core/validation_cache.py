@@ -1,4 +1,4 @@
-"""The per-bundle cache of successful validations, read and written by the core itself (issue 23).
+"""The per-bundle cache of successful validations, read and written by the core itself.
 
 One core ingest run validates its bundles in a few task runs (a chunk each), not one task run per bundle:
 a task run costs Prefect API calls and a result write, which at fleet scale set the core's pace. The

@@ -1,4 +1,4 @@
-"""A drop folder: where an instrument writes its output files, read by the node once each (issue #20 item 2).
+"""A drop folder: where an instrument writes its output files, read by the node once each.
 
 Formats, by suffix: Parquet (`.parquet`), Arrow IPC (`.arrow`, `.feather`, `.ipc`) and CSV (`.csv`; a binary
 column is read as base64 text). A file is read only when it is complete:

@@ -1,4 +1,4 @@
-"""Durable, ordered outbox of the events an edge node raises (issue #18 item 2, part 1).
+"""Durable, ordered outbox of the events an edge node raises, kept while it is out of contact.
 
 While the central Prefect API is out of reach, events are appended here instead of being lost;
 the forwarder (`edgehaul.uplink.forwarder`) sends them in sequence order and deletes them only after

@@ -21,8 +21,8 @@ sidecar's mtime is the spooling time (from the injectable clock), which drives T
 Mutations hold an exclusive `flock` on `<root>/.lock`, so the ingest flow and the uplink drain
 can share a spool from separate processes.
 
-Cap and watermarks (operations guide): a write is admitted only if it fits under the cap after
-clean-up, so the spool never exceeds its cap. At >= cleanup_watermark, clean-up removes expired
+Cap and watermarks (clean-up from 80% of the cap, alert at 85%): a write is admitted only if it fits
+under the cap after clean-up, so the spool never exceeds its cap. At >= cleanup_watermark, clean-up removes expired
 entries, stale staging files, then raw-store entries lowest value first, until the spool is back
 under the clean-up watermark (bundles waiting for uplink are not touched by clean-up). At
 >= alert_watermark after a write, `edgehaul.spool.watermark` (level 2) is emitted once per

@@ -14,7 +14,7 @@ What it does, in order:
    contract (YAML, a field, an unknown expectation) fails the run before anything moves; a bundle an
    earlier run quarantined is done (`already_quarantined`), or skipped as `landing_changed` when its
    landing objects were rewritten since; a bundle its dataset already holds is done (`already_committed`)
-   before any validation. Catching up (`catch_up`, issue 23): a deployment run also takes the keys of the
+   before any validation. Catching up (`catch_up`): a deployment run also takes the keys of the
    runs of its deployment still queued with the same parameters (whole batches, up to `max_bundles`),
    and marks those runs Completed ("covered by ...") once all their bundles are settled, so a run that
    starts late commits everything queued behind it and the queue does not outgrow the runs' start-up cost;
@@ -274,7 +274,7 @@ def _validate(store: ObjectStore, scan: LandedScan, done_before: dict[str, str],
     """Validate the bundles not yet committed in chunks of `validate_batch`, one task run per chunk, all
     submitted at once; a chunk that fails after its retries stays in landing (`errors`). With the read's own
     rejections and errors: (every key's verdict, the number of validation task runs)."""
-    # result_storage is named, never saved here (issue 17): a flow that saved it would hand its keys to every
+    # result_storage is named, never saved here: a flow that saved it would hand its keys to every
     # reader of the block
     pending = [(k, m) for k, m in scan.manifests.items() if k not in done_before]
     chunks = [pending[i:i + p.validate_batch] for i in range(0, len(pending), p.validate_batch)]

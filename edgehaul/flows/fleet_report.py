@@ -1,4 +1,4 @@
-"""Flow `fleet_report` (ops pool, scheduled every 5 minutes): the operations guide's metrics as one picture.
+"""Flow `fleet_report` (ops pool, scheduled every 5 minutes): the fleet's metrics as one picture.
 
 Per node: link utilisation, retransmission rate, spool fill, uplink queue length, accelerator
 utilisation (each node's latest LINK_STATS event, as the node reports it), landed-to-committed latency

@@ -1,4 +1,5 @@
-"""The fleet view: the operations guide's metric set per node and for the core, from what is stored.
+"""The fleet view: link, spool, queue and accelerator figures per node and the core's queue, checkpoint,
+write-throughput and model-freshness figures, from what is stored.
 
 Inputs are plain data, gathered by `edgehaul.tasks.fleet`: each node's latest LINK_STATS and
 SPOOL_WATERMARK events (Prefect's event store), the EdgeNode blocks (node ids, contact plans),
@@ -55,7 +56,7 @@ class Metric:
     quantiles: tuple[str, ...] = ()  # a `quantile` label per value of a dict field
 
 
-# The operations guide's list, one gauge family each; every family carries a `node` label.
+# The monitored set (link, node, cluster figures), one gauge family each; every family carries a `node` label.
 METRICS: tuple[Metric, ...] = (
     Metric("edgehaul_link_utilisation_ratio", "Goodput as a fraction of the link's rate cap (last drain).", "node",
            "link_utilisation"),

@@ -1,4 +1,4 @@
-"""Where cached task results live, in which format, and cache keys from content (issue 17, item 1).
+"""Where cached task results live, in which format, and cache keys from content.
 
 A cached result is deserialised by whoever reads it, and Prefect decodes a record with the
 serializer the record itself names (pickle included). So the trust rule is about storage: nothing a

@@ -1,4 +1,4 @@
-"""Parallel object-store round trips over a batch (issue 23).
+"""Parallel object-store round trips over a batch, so a core run's pace is not set by latency.
 
 A core ingest run's per-bundle reads and writes (a manifest, a HEAD, the bundle's bytes, a cache record)
 are latency-bound: milliseconds of server work behind a round trip each. Done one after another they

@@ -7,7 +7,7 @@ API log handler at Prefect's log level), without depending on each process's env
 `edgehaul.tasks` and `edgehaul.flows` call it on import, so every flow run gets it.
 
 Prefect's API handler already tags each record with its flow run and task run; `for_node` adds the
-node, which the operations guide asks for on every line of a node's work.
+node, so every line of a node's work can be traced to that node.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A deployment run loads `flows/core_ingest.py:core_ingest` as a module named `core_ingest` (Prefect's
 script loader), which exists only in that process. Every task sent to Dask carries the flow run's
 context, flow included, pickled by reference to that module, so the scheduler and the workers fail
-with "No module named 'core_ingest'" (prefect issues #16419, #17956). Before submitting, this runner
+with "No module named 'core_ingest'" (PrefectHQ/prefect#16419 and #17956). Before submitting, this runner
 tells cloudpickle to ship such a flow module by value; its imports (`tasks.*`, `edgehaul.*`) still
 travel by reference, so workers need the same installed code (the `core` image), as always.
 Kept apart from edgehaul.platform.runners so that importing a flow does not import dask.distributed.

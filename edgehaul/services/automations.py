@@ -49,13 +49,14 @@ RUN_FAILED_NAME = "edgehaul L2: pipeline run failed or crashed"
 NODE_SILENT_NAME = "edgehaul L2: edge node silent beyond its contact plan"
 MODEL_STALE_NAME = "edgehaul L2: published model stale"
 DROP_REJECTED_NAME = "edgehaul L2: edge drop files rejected"
-# Every stage's flow: a failed or crashed run of any of them is an alert, not only the guide's three.
+# Every stage's flow: a failed or crashed run of any of them is an alert, not only the three levels above.
 PIPELINE_FLOWS = ("edge_ingest", "uplink_drain", "core_ingest", "compact_dataset", "train_model", "publish_model",
                   "lifecycle_moves", "cost_report", "fleet_report")
 
 
 class AlertPolicy(BaseModel):
-    """Thresholds of the operations guide; defaults are the guide's values."""
+    """Alert thresholds: level 1 sustained link retransmission, level 2 spool fill (85%), level 3 a failed
+    checkpoint, retried automatically."""
 
     retransmission_rate: float = Field(default=0.05, gt=0, lt=1, description="Level-1 threshold (fraction).")
     sustained_samples: int = Field(

@@ -1,4 +1,4 @@
-"""Warm serving: a deployment's flow runs executed inside one long-lived process (issue 23).
+"""Warm serving: a deployment's flow runs executed inside one long-lived process.
 
 Prefect's runner (`flow.serve`, a process worker) starts every flow run in a fresh Python process, which
 pays the interpreter, Prefect, Great Expectations and deltalake imports and the first table open before

@@ -2,9 +2,10 @@
 compact a dataset. The ingest steps' bodies are the plain functions of `edgehaul.core.ingest` (which
 the fault drills call too); these tasks add retries and caching.
 
-Caching (issues 11, 17, 23), results persisted as JSON (never pickle) to the central result storage the
-flow names (`result_storage`; `edgehaul.platform.caching`: a prefix no edge identity can write):
-- `validate_bundles_task` validates a chunk of bundles in one task run (issue 23: a task run per bundle
+Caching (reruns do no work twice; no cached record is writable by an edge identity), results persisted as
+JSON (never pickle) to the central result storage the flow names (`result_storage`;
+`edgehaul.platform.caching`: a prefix no edge identity can write):
+- `validate_bundles_task` validates a chunk of bundles in one task run (a task run per bundle
   set the core's pace at fleet scale) and keeps the cache per bundle by hand
   (`edgehaul.core.validation_cache`): keyed on the bundle's SHA-256 + the landed object and its ETag and
   size as the store reports them to the core + the contract file's SHA-256 + the validation and cache

@@ -1,4 +1,4 @@
-"""Task of the node's downlink (issue #18 item 3): fetch, verify and apply what the core published for it.
+"""Task of the node's downlink: fetch, verify and apply what the core published for it.
 
 No retries: an update that cannot be fetched now is fetched at the next contact, and a refused one is
 reported (outbox) and left for the operator; neither may fail the drain that carries the node's data.

@@ -5,8 +5,9 @@ task (an Arrow file written, fsynced, read back and checksummed twice) cost more
 preprocessing it let a policy change skip (benchmarks/bench_edge.py), so a new policy or scorer
 re-runs the whole batch.
 
-Caching (issues 11, 17), results persisted as JSON on the node's own disk by the flow (`result_storage`,
-default `edgehaul.platform.caching.edge_result_storage`: `<spool>/prefect-results/`), shared with nobody:
+Caching (reruns do no work twice; nothing a node caches is read centrally), results persisted as JSON on
+the node's own disk by the flow (`result_storage`, default `edgehaul.platform.caching.edge_result_storage`:
+`<spool>/prefect-results/`), shared with nobody:
 - `ingest_batch` is keyed on the raw batch's content key (`edgehaul.edge.preprocess.batch_key`, computed
   by the caller) + contract sha256 + preprocess code version + scorer cache version + policy
   fingerprint + node. Its value lists the bundles it spooled (ids, sizes, checksums), the reject

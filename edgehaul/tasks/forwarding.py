@@ -1,4 +1,4 @@
-"""Task of the node's store and forward (issue #18 item 2): drain its outbox to the central gateway.
+"""Task of the node's store and forward: drain its outbox to the central gateway.
 
 No retries here: whatever is not acknowledged stays in the outbox, in order, for the next run, so an
 unreachable gateway is a normal outcome (reported), not a failure. A refusal (the gateway's 4xx:

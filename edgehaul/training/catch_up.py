@@ -1,4 +1,4 @@
-"""Which dataset version a training run trains: the newest, once (issue 22, "training always catches up").
+"""Which dataset version a training run trains: the newest, once, so training always catches up.
 
 Commits arrive faster than training finishes. The training deployment queues its runs (concurrency 1,
 ENQUEUE: a run is never cancelled), and each run, when it starts, trains the newest committed version

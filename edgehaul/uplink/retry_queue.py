@@ -1,7 +1,6 @@
 """The uplink's persistent retry queue: bundles that failed to land, with a cap and an expiry.
 
-One SQLite file in the spool root. The operations guide warns that a retry queue without both a
-cap and an expiry fills the disk, so:
+One SQLite file in the spool root. A retry queue without both a cap and an expiry fills the disk, so:
 - at most `cap` entries; adding one more evicts the lowest-priority entry (normal before high,
   then lowest value, then the oldest failure) — possibly the new one;
 - an entry whose first failure is older than `expiry_seconds` expires.
