@@ -1,4 +1,4 @@
-"""A private PostgreSQL for a Prefect server, as in production (tests/test_postgres.py, benchmarks/bench_fleet.py).
+"""A private PostgreSQL for a Prefect server, as in production (tests/platform/test_postgres.py, benchmarks/bench_fleet.py).
 
 Debian's server binaries: initdb + pg_ctl into a temporary folder, on a free port, fsync off (a throwaway
 database); as the `postgres` user when run as root, since initdb refuses root.

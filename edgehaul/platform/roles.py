@@ -3,7 +3,7 @@
 Every central role has its own ObjectStore block whose credentials are that role's least-privilege
 identity (infra/iam/<identity>.json on AWS, `edgehaul_dev.localstack.identities_config` locally);
 an edge node's store block is named after the node and may write only its own landing prefix. Flow
-defaults, `deployments/prefect.yaml` (tests/test_roles.py keeps it in step), the local stack's
+defaults, `deployments/prefect.yaml` (tests/platform/test_roles.py keeps it in step), the local stack's
 `edgehaul_dev.configure` and the demo all take the names from here. infra/README.md ("Blocks")
 has the same table for operators.
 """

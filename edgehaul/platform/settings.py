@@ -14,8 +14,8 @@ Standard variables of other tools are not renamed: `Settings` also reads `AWS_AC
 `AWS_SECRET_ACCESS_KEY` (the product builds an `ObjectStore` from them; boto3 reads them too), and
 `TorchrunEnv` is the typed view of what torchrun sets in each training process (`RANK`, ...). Prefect's
 own variables (`PREFECT_API_URL`, ...) belong to Prefect's settings. The development harness has its
-own `edgehaul_dev.settings`. The settings table of docs/OPERATIONS.md lists all of them; tests/test_settings.py keeps
-code, these classes and that table in step.
+own `edgehaul_dev.settings`. The settings table of docs/OPERATIONS.md lists all of them;
+tests/platform/test_settings.py keeps code, these classes and that table in step.
 
 Imports nothing of edgehaul: any module may use it.
 """

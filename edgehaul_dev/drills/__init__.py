@@ -9,7 +9,7 @@ the spool (`Spool`), the uplink (`Drainer`, `Uplink`, `RetryQueue`), core ingest
 (`edgehaul.training.launch.run`); it injects its fault, lets the pipeline recover the way an
 operator's next run would, and then checks by sample id that every sample offered to an edge spool is
 in exactly one place (`accounting`). Nothing in this package validates, quarantines, commits or
-trains by itself (tests/test_drills.py checks that).
+trains by itself (tests/system/test_drills.py checks that).
 
 Modules: `pipeline` (the product path a trial runs), `accounting` (where is each sample),
 `env` (the private SeaweedFS servers, bundle pools, kill -9 workers), one module per drill family

@@ -4,7 +4,7 @@ to gigabytes, truncated or garbled zstd pages, wrong magic, rows weighted by inc
 another node) beside honest nodes' bundles. Every honest sample must reach the dataset exactly once, every
 hostile object must be quarantined with a reason, and no core ingest run may fail.
 
-`land_attack` is shared with tests/test_attacks_bytes.py (its hypothesis property feeds the same attacks in
+`land_attack` is shared with tests/security/test_attacks_bytes.py (its hypothesis property feeds the same attacks in
 random mixes); what checks the bytes is the product's (`edgehaul.core.ingest`, through `pipeline`).
 """
 

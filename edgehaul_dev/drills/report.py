@@ -123,7 +123,7 @@ whose cap only displaced older bundles counts as not struck), the link outage le
 
 {table_markdown(results)}
 {problems}
-Lost and duplicated must be 0 (`make drills` exits non-zero otherwise, and `tests/test_drills.py` runs
+Lost and duplicated must be 0 (`make drills` exits non-zero otherwise, and `tests/system/test_drills.py` runs
 every drill with a few trials in the test suite).
 
 What keeps 50 trials per drill affordable without weakening the checks:
