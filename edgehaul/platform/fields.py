@@ -1,0 +1,23 @@
+"""Field types that parameter models on every floor share, each defined once."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import AwareDatetime, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic_core import PydanticCustomError
+
+
+def _say_aware(v: object, handler: ValidatorFunctionWrapHandler) -> datetime:
+    try:
+        return handler(v)
+    except ValidationError as e:
+        if any(err["type"] == "timezone_aware" for err in e.errors()):
+            # pydantic's own wording ("should have timezone info") does not show the form to use.
+            raise PydanticCustomError("timezone_aware", "must be timezone-aware (e.g. 2026-01-31T00:00:00Z)") from None
+        raise
+
+
+# A decision or report time: pydantic's AwareDatetime, a naive one refused with an example of the form.
+AwareTime = Annotated[AwareDatetime, WrapValidator(_say_aware)]
