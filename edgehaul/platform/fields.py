@@ -5,8 +5,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import AwareDatetime, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import AwareDatetime, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
+
+# A run or model id: a checkpoint folder and a model key segment, so never a path (no "/", no leading dot).
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN)]
 
 
 def _say_aware(v: object, handler: ValidatorFunctionWrapHandler) -> datetime:
