@@ -574,7 +574,7 @@ def main() -> None:
             proxy = CountingProxy(state.s3_endpoint)
 
             def store_at(endpoint: str, prefix: str) -> ObjectStore:
-                return state.store("admin", prefix, inline_keys=True).model_copy(update={"endpoint_url": endpoint})
+                return state.store("admin", prefix, inline_keys=True, endpoint=endpoint)
 
             ingest = store_at(state.s3_endpoint, "ingest")
             bench_ingest_share(ingest, c, base, bundles, bundle_rows, runs)

@@ -139,21 +139,24 @@ class StackState:
         """The 0600 file that holds the central roles' S3 keys (profile = the role's block name)."""
         return Path(self.root) / "central" / "s3-credentials"
 
-    def store(self, identity: str = "admin", prefix: str = "", *, inline_keys: bool = False) -> ObjectStore:
+    def store(self, identity: str = "admin", prefix: str = "", *, inline_keys: bool = False,
+              endpoint: str | None = None) -> ObjectStore:
         """The store of a stack identity: the harness's, benches' and tests' one way to build one.
 
         By default it holds no key, so it may be saved as a block: a role's reads the central credentials
         file (profile = its block name), a node's its own file. `inline_keys` holds the keys instead, for a
         stack whose files were never written (`new_state` without `up`) or a store passed to another process.
+        `endpoint` reaches the stack through something in front of it (a counting or fault-injecting proxy).
         """
+        url = endpoint or self.s3_endpoint
         if inline_keys:
             c = self.identities[identity]
-            return ObjectStore(endpoint_url=self.s3_endpoint, access_key_id=SecretStr(c.access_key_id),
+            return ObjectStore(endpoint_url=url, access_key_id=SecretStr(c.access_key_id),
                                secret_access_key=SecretStr(c.secret_access_key), prefix=prefix)
         if identity not in ROLES:
-            return ObjectStore(endpoint_url=self.s3_endpoint, credentials_file=str(self.node_credentials_file(identity)),
+            return ObjectStore(endpoint_url=url, credentials_file=str(self.node_credentials_file(identity)),
                                profile=identity, prefix=prefix)
-        return ObjectStore(endpoint_url=self.s3_endpoint, credentials_file=str(self.central_credentials_file()),
+        return ObjectStore(endpoint_url=url, credentials_file=str(self.central_credentials_file()),
                            profile=_ROLE_OF_IDENTITY[identity], prefix=prefix)
 
     def write_central_credentials(self) -> Path:
