@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.blocks.object_store import write_credentials_file
+from edgehaul.platform.fields import Name
 from edgehaul.platform.private_files import write_private
 from edgehaul.platform.roles import DEFAULT_POLICY, node_store
 from edgehaul.platform.settings import get_settings
@@ -77,7 +78,7 @@ class GatewayConfig(_Strict):
 
 
 class NodeConfig(_Strict):
-    node_id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    node_id: Name
     state_dir: str = Field(description="The node's persistent folder: everything it needs lives here.")
     store: StoreSpec = Field(default_factory=StoreSpec)
     keys: Keys | None = Field(default=None, description="The node's own S3 keys, written to <state>/s3-credentials "

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 from edgehaul.blocks import ObjectStore
 from edgehaul.ops import fleet
 from edgehaul.platform.block_loading import load_block
-from edgehaul.platform.fields import AwareTime
+from edgehaul.platform.fields import AwareTime, Name
 from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.tasks.fleet import emit_alerts, passes_of, publish_view, read_facts, read_store_figures, window_start
@@ -40,8 +40,8 @@ ARTIFACT_KEY = "fleet-view"
 
 class FleetReportParams(BaseModel):
     store_block: str = Field(default=StoreBlock.LIFECYCLE, min_length=1, description="ObjectStore block name.")
-    model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
-                            description="Published model whose data version is watched.")
+    model_name: Name = Field(default="landcover",
+                             description="Published model whose data version is watched.")
     window_s: float = Field(default=3600, ge=60, le=7 * 86400, description="Look-back for events, runs and writes.")
     max_silence_s: float = Field(default=6 * 3600, ge=60, description="Silence bound of a node without a contact "
                                  "plan; nodes with one must speak in every pass.")

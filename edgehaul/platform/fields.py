@@ -8,6 +8,10 @@ from typing import Annotated
 from pydantic import AwareDatetime, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
 
+# A node id, team or model name: lowercase, so it is safe as a key prefix and as a block name.
+NAME = r"[a-z0-9][a-z0-9-]{0,62}"
+Name = Annotated[str, Field(pattern=f"^{NAME}$")]
+
 # A run or model id: a checkpoint folder and a model key segment, so never a path (no "/", no leading dot).
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN)]

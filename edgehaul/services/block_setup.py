@@ -61,6 +61,7 @@ from edgehaul.blocks import (
 from edgehaul.blocks.logos import clear_unreachable_logos
 from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.caching import CORE_RESULTS_BLOCK, core_result_storage_block
+from edgehaul.platform.fields import Name
 from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, StoreBlock, node_store
 
 
@@ -92,7 +93,7 @@ class Keys(_Strict):
 
 
 class NodeSpec(_Strict):
-    node_id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    node_id: Name
     team: str = DEFAULT_TEAM
     node_group: str = "edge-default"
     spool_dir: str

@@ -54,7 +54,7 @@ from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.decode import DecodeError
-from edgehaul.platform.fields import RunId
+from edgehaul.platform.fields import Name, RunId
 from edgehaul.platform.settings import torchrun_env
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointError, CheckpointStore, IntervalController, check_resumable
@@ -109,7 +109,7 @@ class TrainConfig(BaseModel):
     dataset_uri: str = Field(description="Delta table URI (s3://...).")
     dataset_version: int = Field(ge=0, description="Delta version to train on.")
     team: str = Field(default="default", description="Team billed for accelerator hours.")
-    model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    model_name: Name = "landcover"
     contract_id: str = Field(default="landsat_patch.v1")
     seed: int = Field(default=0, ge=0)
     epochs: int = Field(default=3, ge=1, le=10_000)
