@@ -5,8 +5,23 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import AwareDatetime, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 from pydantic_core import PydanticCustomError
+
+
+class Strict(BaseModel):
+    """A model that refuses unknown keys: a misspelt field is an error, never silently a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
 
 # A node id, team or model name: lowercase, so it is safe as a key prefix and as a block name.
 NAME = r"[a-z0-9][a-z0-9-]{0,62}"
