@@ -74,7 +74,7 @@ def main() -> None:
                                              PREFECT_API_AUTH_STRING: state.api_auth_string}):
                 configure.register_block_types()
                 configure.save_blocks(state)
-                admin = configure.store_block(state, "admin")
+                admin = state.store("admin")
                 cold_s, cold_ids = _pipeline(samples)
                 objects_after_cold = _count_objects(admin)
                 warm_s, warm_ids = _pipeline(samples)

@@ -46,7 +46,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.transaction import AddAction, RemoveAction
-from pydantic import SecretStr
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.bundles import read_bundle, write_bundle
@@ -592,11 +591,9 @@ def main() -> None:
         try:
             localstack.start_s3(state)  # inside: a start that times out still stops what it started
             proxy = CountingProxy(state.s3_endpoint)
-            cred = state.identities["admin"]
 
             def store_at(endpoint: str, prefix: str) -> ObjectStore:
-                return ObjectStore(endpoint_url=endpoint, access_key_id=SecretStr(cred.access_key_id),
-                                   secret_access_key=SecretStr(cred.secret_access_key), prefix=prefix)
+                return state.store("admin", prefix, inline_keys=True, endpoint=endpoint)
 
             ingest = store_at(state.s3_endpoint, "ingest")
             bench_ingest_share(ingest, c, base, bundles, bundle_rows, runs)

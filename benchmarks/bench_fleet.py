@@ -58,7 +58,7 @@ from edgehaul.core.datasets import DatasetError, open_table
 from edgehaul.services import gateway
 from edgehaul.uplink.link import Link
 from edgehaul.uplink.transfer import Drainer, Receipt, Uplink
-from edgehaul_dev import configure, localstack, postgres
+from edgehaul_dev import localstack, postgres
 from edgehaul_dev.deploy import PREFECT_FILE
 from tests.doubles import MemorySource
 
@@ -208,7 +208,7 @@ def central_stack(root: Path, nodes: list[str], *, window_s: float) -> Iterator[
             gateway.write_senders(root / "gateway" / "senders.json", senders)
             with localstack.environ(state.env()):
                 url = localstack.start_gateway(state)
-                yield Central(state, pg_url, url, keys, configure.store_block(state, "admin"))
+                yield Central(state, pg_url, url, keys, state.store("admin"))
         finally:
             localstack.down(root)
 
@@ -375,7 +375,7 @@ class Fleet:
         self.mu = threading.Lock()
         profile = LinkProfile(bandwidth_bps=LINK_BPS, chunk_bytes=64 * 1024)
         for n in nodes:  # set up before the clock: a node's client and link exist before its contact
-            store = configure.store_block(c.state, n)  # the node's own identity: it may write <node>/* only
+            store = c.state.store(n)  # the node's own identity: it may write <node>/* only
             self.uplinks[n] = Uplink(store, Link(profile, emit_events=False), state_dir / n / "uplink")
 
     def add(self, node: str) -> None:
@@ -712,7 +712,7 @@ def fleet(phases: list[Phase], *, window_s: float = WINDOW_S, limit: int = 4, wo
 
                 with temporary_settings(updates={PREFECT_API_URL: c.state.prefect_api_url,
                                                  PREFECT_API_AUTH_STRING: c.state.api_auth_string}):
-                    configure.store_block(c.state, "ingest").save(INGEST_BLOCK, overwrite=True)
+                    c.state.store("ingest").save(INGEST_BLOCK, overwrite=True)
                     factory = BundleFactory(phases[0].rows)
                     results = []
                     for p in phases:

@@ -13,8 +13,6 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from pydantic import SecretStr
-
 from edgehaul.blocks import ObjectStore, RetentionPolicy, RetentionRule
 from edgehaul.ops import lifecycle as lc
 from edgehaul_dev import localstack
@@ -40,9 +38,7 @@ def main() -> None:
         state.save()
         localstack.start_s3(state)
         try:
-            c = state.identities["admin"]
-            store = ObjectStore(endpoint_url=state.s3_endpoint, access_key_id=SecretStr(c.access_key_id),
-                                secret_access_key=SecretStr(c.secret_access_key), prefix="bench")
+            store = state.store("admin", "bench", inline_keys=True)
             s3 = store.client()
             # baseline: what a naive mover does, every byte through the client
             keys = _seed(store, n, size, "base")

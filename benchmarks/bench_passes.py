@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import BundleManifest
@@ -224,9 +223,7 @@ def measured(ms: list[BundleManifest], passes: list[Pass], ov: Overhead, speedup
         st.save()
         localstack.start_s3(st)
         try:
-            c = st.identities["admin"]
-            store = ObjectStore(endpoint_url=st.s3_endpoint, access_key_id=SecretStr(c.access_key_id),
-                                secret_access_key=SecretStr(c.secret_access_key), prefix="bench-passes")
+            store = st.store("admin", "bench-passes", inline_keys=True)
             _measured(store, root / "uplink", ms, passes, ov, speedup)
         finally:
             localstack.down(root / "stack")

@@ -22,7 +22,6 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
-from pydantic import SecretStr
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import load_contract
@@ -108,9 +107,7 @@ def main() -> None:
         state.save()
         localstack.start_s3(state)
         try:
-            cred = state.identities["admin"]
-            store = ObjectStore(endpoint_url=state.s3_endpoint, access_key_id=SecretStr(cred.access_key_id),
-                                secret_access_key=SecretStr(cred.secret_access_key), prefix=f"b-{uuid.uuid4().hex[:6]}")
+            store = state.store("admin", f"b-{uuid.uuid4().hex[:6]}", inline_keys=True)
             uri = build(store, rows, files)
             version = files - 1
             s_rate, m_rate = stream_rate(store, uri, version, 256)

@@ -20,7 +20,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import BundleManifest, conform, write_bundle
@@ -212,9 +211,7 @@ def main() -> None:
         st.save()
         localstack.start_s3(st)  # only S3: the bench needs no Prefect server
         try:
-            c = st.identities["admin"]
-            store = ObjectStore(endpoint_url=st.s3_endpoint, access_key_id=SecretStr(c.access_key_id),
-                                secret_access_key=SecretStr(c.secret_access_key), prefix="bench")
+            store = st.store("admin", "bench", inline_keys=True)
             goodput(store, root / "state", quick)
             merged_vs_per_sample(store, root / "state", quick)
             oversubscribed(store, root / "state", quick)

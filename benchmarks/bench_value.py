@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.contracts import Contract, load_contract
@@ -481,9 +480,7 @@ def s3_store(root: Path) -> Iterator[ObjectStore]:
     state.save()
     try:
         localstack.start_s3(state)
-        cred = state.identities["admin"]
-        yield ObjectStore(endpoint_url=state.s3_endpoint, access_key_id=SecretStr(cred.access_key_id),
-                          secret_access_key=SecretStr(cred.secret_access_key), prefix="bench-value")
+        yield state.store("admin", "bench-value", inline_keys=True)
     finally:
         localstack.down(root)
 

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from edgehaul.contracts import ADDED_COLUMNS, Contract, contract_by_id
+from edgehaul.platform.fields import NAME
 
 MANIFEST_VERSION = 1
 
@@ -51,7 +52,7 @@ class BundleError(ValueError):
 # Ids become parts of object keys (landing, quarantine, claims) and Delta txn ids: only characters that
 # are safe in every one of them, and never a path step ("..", "/"). Node ids as `EdgeNode.node_id`;
 # bundle ids are hex digests (see `bundle_id_for`), letters, digits, "-" and "_" also accepted.
-NODE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+NODE_ID_PATTERN = re.compile(NAME)
 BUNDLE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 DAY_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}")
 # A contract id as a manifest may name it: `<kind>.v<N>` (a kind is a file name in the contracts folder).

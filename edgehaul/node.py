@@ -40,10 +40,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.blocks.object_store import write_credentials_file
+from edgehaul.platform.fields import Name, Strict
 from edgehaul.platform.private_files import write_private
 from edgehaul.platform.roles import DEFAULT_POLICY, node_store
 from edgehaul.platform.settings import get_settings
@@ -59,25 +60,21 @@ class NodeError(RuntimeError):
     """The node's config or state dir is unusable, or its local server would not start; says which and where."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Schedules(_Strict):
+class Schedules(Strict):
     ingest_every_s: float = Field(default=600, gt=0, description="edge_ingest of the drop folder, every N seconds.")
     drain_every_s: float = Field(default=600, gt=0, description="uplink_drain attempts, every N seconds.")
     poll_s: float = Field(default=10, gt=0, description="How often the node's runner looks for runs that are due.")
 
 
-class GatewayConfig(_Strict):
+class GatewayConfig(Strict):
     url: str = Field(min_length=1, description="The central webhook gateway, e.g. https://gw.example/ .")
     key: SecretStr | None = Field(default=None, description="The node's own gateway key ('whsec_...'), written to "
                                   "<state>/gateway-key (0600) and never into a block; None: the file is provisioned.")
     sender_id: str | None = Field(default=None, description="Sender id of that key at the gateway; None: node id.")
 
 
-class NodeConfig(_Strict):
-    node_id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+class NodeConfig(Strict):
+    node_id: Name
     state_dir: str = Field(description="The node's persistent folder: everything it needs lives here.")
     store: StoreSpec = Field(default_factory=StoreSpec)
     keys: Keys | None = Field(default=None, description="The node's own S3 keys, written to <state>/s3-credentials "

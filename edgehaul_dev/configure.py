@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from edgehaul.blocks import ObjectStore, RetentionRule
+from edgehaul.blocks import RetentionRule
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.services.block_setup import Keys, NodeSpec, Setup, StoreSpec, TeamSpec, apply
 from edgehaul_dev import localstack
@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 # role block name -> stack identity
 STORE_BLOCKS = {b.value: b.identity for b in StoreBlock}
-ROLE_OF_IDENTITY = {b.identity: b.value for b in StoreBlock}
 
 
 def register_block_types() -> None:
@@ -37,16 +36,6 @@ def register_block_types() -> None:
         [str(Path(sys.executable).parent / "prefect"), "block", "register", "-m", "edgehaul.blocks"],
         check=True, capture_output=True, text=True,
     )
-
-
-def store_block(state: localstack.StackState, identity: str, prefix: str = "") -> ObjectStore:
-    """The store of a stack identity, holding no key: a role's reads the central credentials file (profile =
-    its block name), a node's its own file."""
-    if identity not in localstack.ROLES:
-        return ObjectStore(endpoint_url=state.s3_endpoint, credentials_file=str(state.node_credentials_file(identity)),
-                           profile=identity, prefix=prefix)
-    return ObjectStore(endpoint_url=state.s3_endpoint, credentials_file=str(state.central_credentials_file()),
-                       profile=ROLE_OF_IDENTITY[identity], prefix=prefix)
 
 
 def setup_of(state: localstack.StackState, *, team: str = "geo") -> Setup:

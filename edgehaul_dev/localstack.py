@@ -46,6 +46,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
+from edgehaul.blocks import ObjectStore
 from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.private_files import write_private
 from edgehaul.platform.roles import StoreBlock
@@ -56,6 +59,7 @@ DEFAULT_ROOT = dev_settings().stack_dir
 
 # Buckets of the product: one per zone, so identities and lifecycle rules can target them.
 ROLES = ("admin", "ingest", "trainer", "lifecycle")
+_ROLE_OF_IDENTITY = {b.identity: b.value for b in StoreBlock}
 BUCKETS = ("edgehaul-landing", "edgehaul-curated", "edgehaul-cold", "edgehaul-checkpoints", "edgehaul-ops")
 
 
@@ -134,6 +138,26 @@ class StackState:
     def central_credentials_file(self) -> Path:
         """The 0600 file that holds the central roles' S3 keys (profile = the role's block name)."""
         return Path(self.root) / "central" / "s3-credentials"
+
+    def store(self, identity: str = "admin", prefix: str = "", *, inline_keys: bool = False,
+              endpoint: str | None = None) -> ObjectStore:
+        """The store of a stack identity: the harness's, benches' and tests' one way to build one.
+
+        By default it holds no key, so it may be saved as a block: a role's reads the central credentials
+        file (profile = its block name), a node's its own file. `inline_keys` holds the keys instead, for a
+        stack whose files were never written (`new_state` without `up`) or a store passed to another process.
+        `endpoint` reaches the stack through something in front of it (a counting or fault-injecting proxy).
+        """
+        url = endpoint or self.s3_endpoint
+        if inline_keys:
+            c = self.identities[identity]
+            return ObjectStore(endpoint_url=url, access_key_id=SecretStr(c.access_key_id),
+                               secret_access_key=SecretStr(c.secret_access_key), prefix=prefix)
+        if identity not in ROLES:
+            return ObjectStore(endpoint_url=url, credentials_file=str(self.node_credentials_file(identity)),
+                               profile=identity, prefix=prefix)
+        return ObjectStore(endpoint_url=url, credentials_file=str(self.central_credentials_file()),
+                           profile=_ROLE_OF_IDENTITY[identity], prefix=prefix)
 
     def write_central_credentials(self) -> Path:
         path = self.central_credentials_file()

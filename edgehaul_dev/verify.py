@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prefect.blocks.core import Block
-from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore, TeamQuota
 from edgehaul.blocks.object_store import Zone
@@ -69,12 +68,6 @@ class Check:
     seconds: float = 0.0
 
 
-def admin_store(state: localstack.StackState, prefix: str) -> ObjectStore:
-    c = state.identities["admin"]
-    return ObjectStore(endpoint_url=state.s3_endpoint, access_key_id=SecretStr(c.access_key_id),
-                       secret_access_key=SecretStr(c.secret_access_key), prefix=prefix)
-
-
 ZONES: tuple[Zone, ...] = ("landing", "curated", "cold", "checkpoints", "ops")
 
 
@@ -96,7 +89,7 @@ def remove_prefix(store: ObjectStore) -> int:
 def scratch_store(state: localstack.StackState) -> Iterator[ObjectStore]:
     """An admin store under a fresh `verify-*` prefix, emptied in every bucket afterwards (also on failure):
     a check's bundle must not stay in the real landing bucket for every later core_ingest to skip."""
-    store = admin_store(state, f"verify-{uuid.uuid4().hex[:8]}")
+    store = state.store("admin", f"verify-{uuid.uuid4().hex[:8]}", inline_keys=True)
     try:
         yield store
     finally:
@@ -509,7 +502,7 @@ def check_quota(state: localstack.StackState, timeout: float = 300.0) -> tuple[b
         ok = final == "Failed" and "QuotaExceeded" in msg and clear(msg)
         return ok, f"{TRAIN_DEPLOYMENT} run {name} ({hours:g} h for team {quota.team!r}): {final}: {msg[:400]}"
     try:
-        check_team_quota.fn(admin_store(state, ""), quota, 1, hours, 0)
+        check_team_quota.fn(state.store(inline_keys=True), quota, 1, hours, 0)
     except QuotaExceeded as e:
         return clear(str(e)), f"refused (quota step; no {TRAIN_DEPLOYMENT} with a live worker): {e}"
     return False, f"a {hours:g} h request over a {quota.accelerator_hours_per_month:g} h quota was accepted"

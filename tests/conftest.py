@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from edgehaul.blocks import ObjectStore
-from edgehaul_dev import configure, localstack
+from edgehaul_dev import localstack
 from tests.s3_quirk_proxy import MODES, QuirkProxy
 
 EXTERNAL_S3 = os.environ.get("EDGEHAUL_TEST_S3_ENDPOINT", "")
@@ -123,7 +123,7 @@ def api_auth() -> tuple[str, str] | None:
 
 def store_for(state: localstack.StackState, role: str = "admin", prefix: str = "") -> ObjectStore:
     """A stack identity's store, holding no key (the stack's 0600 credentials files): tests may save it."""
-    return configure.store_block(state, role, prefix)
+    return state.store(role, prefix)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from typing import Literal
 from prefect.blocks.core import Block
 from pydantic import Field, model_validator
 
+from edgehaul.platform.fields import Name
 from edgehaul.scorer_names import check_scorer_name
 
 MiB = 1024 * 1024
@@ -30,7 +31,7 @@ class EdgeNode(Block):
     _block_type_name = "edgehaul Edge Node"
     _block_type_slug = "edgehaul-edge-node"
 
-    node_id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Node id; also its landing prefix.")
+    node_id: Name = Field(description="Node id; also its landing prefix.")
     team: str = Field(default="default", description="Team billed for this node's uplink and storage.")
     node_group: str = Field(default="edge", description="Work pool group this node's flows run in.")
     spool_dir: str = Field(description="Durable local spool folder (on the node's persistent disk).")
@@ -220,7 +221,7 @@ class TeamQuota(Block):
     _block_type_name = "edgehaul Team Quota"
     _block_type_slug = "edgehaul-team-quota"
 
-    team: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Team name.")
+    team: Name = Field(description="Team name.")
     accelerator_hours_per_month: float = Field(ge=0, description="Accelerator hours the team may use a month.")
     max_accelerators_per_run: int = Field(default=8, ge=0, description="Accelerators one run may request.")
     storage_bytes: int = Field(ge=0, description="Bytes the team may keep in the curated and cold tiers.")

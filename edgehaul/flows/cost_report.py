@@ -20,11 +20,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore, PriceSheet
 from edgehaul.ops.costs import RequestMeter, UsageRecord, markdown_summary, record_usage
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.fields import AwareTime
 from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
 from edgehaul.tasks.costs import build_report_task, node_teams_task, write_outputs_task
@@ -35,14 +36,7 @@ class CostReportParams(BaseModel):
     prices_block: str = Field(default=DEFAULT_POLICY, min_length=1, description="PriceSheet block name.")
     month: str | None = Field(default=None, pattern=r"^\d{4}-(0[1-9]|1[0-2])$",
                               description="Month to report (YYYY-MM); default: the month before `now`.")
-    now: datetime | None = Field(default=None, description="Report time (tests, backfills); default: now.")
-
-    @field_validator("now")
-    @classmethod
-    def _aware(cls, v: datetime | None) -> datetime | None:
-        if v is not None and v.tzinfo is None:
-            raise ValueError("now must be timezone-aware (e.g. 2026-02-01T06:00:00Z)")
-        return v
+    now: AwareTime | None = Field(default=None, description="Report time (tests, backfills); default: now.")
 
 
 @flow(name="cost_report",

@@ -50,6 +50,7 @@ from edgehaul.edge.tiering import TierReport
 from edgehaul.platform import run_logging
 from edgehaul.platform.block_loading import load_block
 from edgehaul.platform.caching import edge_result_storage
+from edgehaul.platform.fields import Name
 from edgehaul.platform.reporting import Progress, run_namer, summary_table
 from edgehaul.platform.roles import EXAMPLE_NODE
 from edgehaul.platform.runners import from_environment
@@ -67,7 +68,7 @@ from edgehaul.tasks.edge import (
 class EdgeIngestParams(BaseModel):
     edge_node: str | None = Field(default=EXAMPLE_NODE,
                                   description="EdgeNode block name (or None and set node_id/spool_dir).")
-    node_id: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Inline node id.")
+    node_id: Name | None = Field(default=None, description="Inline node id.")
     spool_dir: str | None = Field(default=None, description="Inline spool folder (with node_id).")
     spool_cap_bytes: int = Field(default=2 * 1024**3, gt=0, description="Inline spool cap.")
     tiering_policy: str | None = Field(default=None, description="TieringPolicy block name; None: the default policy.")

@@ -25,11 +25,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.ops import fleet
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.fields import AwareTime, Name
 from edgehaul.platform.reporting import run_namer, summary_table
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.tasks.fleet import emit_alerts, passes_of, publish_view, read_facts, read_store_figures, window_start
@@ -39,8 +40,8 @@ ARTIFACT_KEY = "fleet-view"
 
 class FleetReportParams(BaseModel):
     store_block: str = Field(default=StoreBlock.LIFECYCLE, min_length=1, description="ObjectStore block name.")
-    model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
-                            description="Published model whose data version is watched.")
+    model_name: Name = Field(default="landcover",
+                             description="Published model whose data version is watched.")
     window_s: float = Field(default=3600, ge=60, le=7 * 86400, description="Look-back for events, runs and writes.")
     max_silence_s: float = Field(default=6 * 3600, ge=60, description="Silence bound of a node without a contact "
                                  "plan; nodes with one must speak in every pass.")
@@ -49,14 +50,7 @@ class FleetReportParams(BaseModel):
     model_max_age_s: float = Field(default=86400, gt=0, description="A published model older than this while newer "
                                    "data exists is stale.")
     model_max_versions_behind: int = Field(default=5, ge=0, description="Stale at once beyond this many versions.")
-    now: datetime | None = Field(default=None, description="Report time (tests, backfills); default: now.")
-
-    @field_validator("now")
-    @classmethod
-    def _aware(cls, v: datetime | None) -> datetime | None:
-        if v is not None and v.tzinfo is None:
-            raise ValueError("now must be timezone-aware (e.g. 2026-02-01T06:00:00Z)")
-        return v
+    now: AwareTime | None = Field(default=None, description="Report time (tests, backfills); default: now.")
 
 
 @flow(name="fleet_report",

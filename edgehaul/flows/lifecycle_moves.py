@@ -26,7 +26,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from edgehaul.blocks import ObjectStore, RetentionPolicy
 from edgehaul.ops import store_probe
@@ -34,6 +34,7 @@ from edgehaul.ops.costs import RequestMeter, UsageRecord, record_usage
 from edgehaul.ops.lifecycle import Plan
 from edgehaul.ops.lifecycle_report import config_rows, failure_message, summary_markdown
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.fields import AwareTime
 from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_POLICY, StoreBlock
 from edgehaul.tasks.lifecycle import apply_config_task, pending_task, plan_task, prune_journal_task, run_batch_task
@@ -42,7 +43,7 @@ from edgehaul.tasks.lifecycle import apply_config_task, pending_task, plan_task,
 class LifecycleParams(BaseModel):
     store_block: str = Field(default=StoreBlock.LIFECYCLE, min_length=1, description="ObjectStore block name.")
     policy_block: str = Field(default=DEFAULT_POLICY, min_length=1, description="RetentionPolicy block name.")
-    now: datetime | None = Field(default=None, description="Decision time (tests, backfills); default: now.")
+    now: AwareTime | None = Field(default=None, description="Decision time (tests, backfills); default: now.")
     dry_run: bool = Field(default=False, description="Plan and report only; change nothing.")
     force_reason: str | None = Field(
         default=None, min_length=3, max_length=200,
@@ -51,13 +52,6 @@ class LifecycleParams(BaseModel):
     batch_size: int = Field(default=500, ge=1, le=10_000, description="Objects per batch task.")
     apply_store_lifecycle: bool = Field(default=False, description="Also put the equivalent S3 lifecycle config.")
     journal_keep_days: int = Field(default=30, ge=0, le=3650, description="Keep finished journal batches this long.")
-
-    @field_validator("now")
-    @classmethod
-    def _aware(cls, v: datetime | None) -> datetime | None:
-        if v is not None and v.tzinfo is None:
-            raise ValueError("now must be timezone-aware (e.g. 2026-01-31T00:00:00Z)")
-        return v
 
 
 @flow(name="lifecycle_moves", log_prints=False,

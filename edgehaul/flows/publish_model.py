@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from edgehaul.blocks import ObjectStore
 from edgehaul.ops import store_probe
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.fields import Name, RunId
 from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import StoreBlock
 from edgehaul.tasks.train import publish
@@ -29,8 +30,8 @@ from edgehaul.training import registry
 
 
 class PublishModelParams(BaseModel):
-    model_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-    model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    model_id: RunId
+    model_name: Name = "landcover"
     store_block: str = Field(default=StoreBlock.TRAINER)
     min_val_acc: float = Field(default=0.0, ge=0, le=1, description="Refuse models below this final val_acc.")
     min_macro_f1_over_chance: float = Field(

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 from edgehaul.blocks import ObjectStore, TeamQuota
 from edgehaul.contracts import Contract, ContractError, TrainingSpec, load_contract
 from edgehaul.platform.block_loading import load_block
+from edgehaul.platform.fields import Name, RunId
 from edgehaul.platform.reporting import run_namer
 from edgehaul.platform.roles import DEFAULT_TEAM, StoreBlock
 from edgehaul.tasks.train import check_team_quota, plan_training, publish, report_training, train_run
@@ -41,13 +42,13 @@ from edgehaul.training.trainer import TrainConfig
 
 
 class TrainModelParams(BaseModel):
-    team: str = Field(default=DEFAULT_TEAM, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    team: Name = DEFAULT_TEAM
     dataset_kind: str = Field(default="landsat_patch", min_length=1)
     dataset_version: int | None = Field(default=None, ge=0, description="Delta version; None: latest.")
-    run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
-                               description="Checkpoint folder / model id; None: train-<flow run id>.")
-    model_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
-                                   description="None: the contract's training.model_name.")
+    run_id: RunId | None = Field(default=None,
+                                 description="Checkpoint folder / model id; None: train-<flow run id>.")
+    model_name: Name | None = Field(default=None,
+                                    description="None: the contract's training.model_name.")
     store_block: str = Field(default=StoreBlock.TRAINER)
     quota_block: str | None = Field(default=None, description="TeamQuota block name; None: the team name.")
     nproc_per_node: int = Field(default=1, ge=1, le=64, description="Processes (accelerators) per node.")

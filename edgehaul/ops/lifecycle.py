@@ -63,6 +63,7 @@ from urllib.parse import unquote
 from botocore.exceptions import ClientError
 
 from edgehaul.core.datasets import open_uri
+from edgehaul.lineage import list_lineages
 from edgehaul.ops.storage_classes import CLASSES, Verdict, check_delete, check_move, storage_class
 from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import error_code
@@ -263,17 +264,10 @@ def access_records(s3: S3Client, store: ObjectStore) -> list[dict[str, Any]]:
 def model_lineages(s3: S3Client, store: ObjectStore) -> list[dict[str, Any]]:
     """Every `models/<name>/<model_id>/lineage.json`, with `_key` and `_at` (created_at or LastModified)."""
     out = []
-    for o in list_objects(s3, store.bucket("models"), store.key("models")):
-        if not o.key.endswith("/lineage.json"):
-            continue
-        body = s3.get_object(Bucket=o.bucket, Key=o.key)["Body"].read()
-        try:
-            doc = json.loads(body)
-        except json.JSONDecodeError as e:
-            raise LifecycleError(f"s3://{o.bucket}/{o.key}: malformed lineage ({e})") from e
-        doc["_key"] = o.key
+    for key, last_modified, doc in list_lineages(store, s3=s3):
+        doc["_key"] = key
         at = doc.get("finished_at") or doc.get("finished") or doc.get("created_at")
-        doc["_at"] = _iso(at, o.last_modified) if isinstance(at, str) else o.last_modified
+        doc["_at"] = _iso(at, last_modified) if isinstance(at, str) else last_modified
         out.append(doc)
     return out
 

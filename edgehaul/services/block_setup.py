@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from edgehaul.blocks import (
     EdgeNode,
@@ -61,6 +61,7 @@ from edgehaul.blocks import (
 from edgehaul.blocks.logos import clear_unreachable_logos
 from edgehaul.blocks.object_store import write_credentials_file
 from edgehaul.platform.caching import CORE_RESULTS_BLOCK, core_result_storage_block
+from edgehaul.platform.fields import Name, Strict
 from edgehaul.platform.roles import DEFAULT_POLICY, DEFAULT_TEAM, StoreBlock, node_store
 
 
@@ -68,11 +69,7 @@ class SetupError(ValueError):
     """The setup file is unreadable or invalid; the message names the field."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StoreSpec(_Strict):
+class StoreSpec(Strict):
     """Where the central store is: the setup file's `store:` and an edge node's config (`edgehaul node init`)."""
 
     endpoint_url: str | None = Field(default=None, description="S3 endpoint; None for AWS S3 itself.")
@@ -86,13 +83,13 @@ class StoreSpec(_Strict):
     ops_bucket: str | None = None
 
 
-class Keys(_Strict):
+class Keys(Strict):
     access_key_id: SecretStr
     secret_access_key: SecretStr
 
 
-class NodeSpec(_Strict):
-    node_id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+class NodeSpec(Strict):
+    node_id: Name
     team: str = DEFAULT_TEAM
     node_group: str = "edge-default"
     spool_dir: str
@@ -112,7 +109,7 @@ class NodeSpec(_Strict):
         return self.model_dump(exclude={"credentials_file", "profile", "credentials_from_environment"})
 
 
-class TeamSpec(_Strict):
+class TeamSpec(Strict):
     team: str
     accelerator_hours_per_month: float = Field(gt=0)
     storage_bytes: int = Field(gt=0)
@@ -121,7 +118,7 @@ class TeamSpec(_Strict):
 DEFAULT_CENTRAL_CREDENTIALS = "~/.config/edgehaul/s3-credentials"
 
 
-class Setup(_Strict):
+class Setup(Strict):
     store: StoreSpec
     central_credentials_file: str = Field(
         default=DEFAULT_CENTRAL_CREDENTIALS,

@@ -99,6 +99,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from edgehaul import events
+from edgehaul.platform.fields import Strict
 from edgehaul.platform.private_files import write_private
 from edgehaul.platform.settings import get_settings
 from edgehaul.platform.webhooks import (
@@ -125,8 +126,8 @@ _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 _MAX_SIGNATURES = 8
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+class _Strict(Strict):
+    model_config = ConfigDict(str_strip_whitespace=True)  # and Strict's extra="forbid"
 
 
 def _check_key(key: str, node_id: str, what: str) -> None:

@@ -14,6 +14,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from edgehaul.blocks import ObjectStore, TeamQuota
+from edgehaul.lineage import list_lineages
 from edgehaul.platform.reporting import Progress, summary_table
 from edgehaul.platform.s3_errors import IO_RETRY
 from edgehaul.training import registry
@@ -40,7 +41,7 @@ def plan_training(store: ObjectStore, kind: str, requested: int | None, model_na
 @task(**IO_RETRY, cache_policy=NO_CACHE)
 def check_team_quota(store: ObjectStore, quota: TeamQuota, accelerators: int, hours: float,
                      storage_bytes: int) -> dict[str, Any]:
-    usage = usage_from_lineage(registry.iter_lineage(store), quota.team)
+    usage = usage_from_lineage((lin.doc for lin in list_lineages(store)), quota.team)
     check_quota(quota, usage, accelerators, hours, storage_bytes)
     return asdict(usage)
 

@@ -14,7 +14,6 @@ import io
 import json
 import math
 import subprocess
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from botocore.exceptions import ClientError
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.lineage import list_lineages
 from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import error_code
 from edgehaul.platform.settings import get_settings
@@ -87,36 +87,13 @@ def read_lineage(store: ObjectStore, name: str, model_id: str) -> dict[str, Any]
         return None
 
 
-def iter_lineage(store: ObjectStore) -> Iterator[dict[str, Any]]:
-    """Every registered model's lineage record (any model name)."""
-    s3 = store.client()
-    bucket = store.bucket("models")
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=store.key("models", "")):
-        for o in page.get("Contents", []):
-            if o["Key"].endswith("/lineage.json"):
-                body = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
-                try:
-                    yield json.loads(body)
-                except json.JSONDecodeError as e:
-                    raise RegistryError(f"lineage record {o['Key']} is not JSON: {e}") from e
-
-
 def trained_versions(store: ObjectStore, name: str, dataset_uri: str) -> dict[int, str]:
     """Dataset version -> model id, for every registered model `name` trained on `dataset_uri`."""
-    s3 = store.client()
-    bucket = store.bucket("models")
     out: dict[int, str] = {}
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=store.key("models", f"{name}/")):
-        for o in page.get("Contents", []):
-            if not o["Key"].endswith("/lineage.json"):
-                continue
-            try:
-                lineage = json.loads(s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read())
-            except json.JSONDecodeError as e:
-                raise RegistryError(f"lineage record {o['Key']} is not JSON: {e}") from e
-            on = _trained_on(lineage)
-            if on is not None and on[0] == dataset_uri:
-                out.setdefault(on[1], str(lineage.get("model_id", "")))
+    for _, _, lineage in list_lineages(store, name):
+        on = _trained_on(lineage)
+        if on is not None and on[0] == dataset_uri:
+            out.setdefault(on[1], str(lineage.get("model_id", "")))
     return out
 
 

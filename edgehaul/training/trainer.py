@@ -54,6 +54,7 @@ from edgehaul import events
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.decode import DecodeError
+from edgehaul.platform.fields import Name, RunId
 from edgehaul.platform.settings import torchrun_env
 from edgehaul.training import registry
 from edgehaul.training.checkpoints import CheckpointError, CheckpointStore, IntervalController, check_resumable
@@ -104,11 +105,11 @@ class QualityGateFailed(TrainingFailed):
 class TrainConfig(BaseModel):
     """Everything that defines a training run (recorded in checkpoints and lineage)."""
 
-    run_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="Checkpoint folder and model id.")
+    run_id: RunId = Field(description="Checkpoint folder and model id.")
     dataset_uri: str = Field(description="Delta table URI (s3://...).")
     dataset_version: int = Field(ge=0, description="Delta version to train on.")
     team: str = Field(default="default", description="Team billed for accelerator hours.")
-    model_name: str = Field(default="landcover", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    model_name: Name = "landcover"
     contract_id: str = Field(default="landsat_patch.v1")
     seed: int = Field(default=0, ge=0)
     epochs: int = Field(default=3, ge=1, le=10_000)

@@ -111,12 +111,6 @@ def store_from(d: dict[str, str]) -> ObjectStore:
                        secret_access_key=SecretStr(d["secret"]), prefix=d["prefix"])
 
 
-def _admin_of(state: localstack.StackState) -> ObjectStore:
-    admin = state.identities["admin"]
-    return ObjectStore(endpoint_url=state.s3_endpoint, access_key_id=SecretStr(admin.access_key_id),
-                       secret_access_key=SecretStr(admin.secret_access_key))
-
-
 class DrillEnv:
     """Two private SeaweedFS servers (one for every drill, one that the store-down drill stops and
     restarts, so it can run beside the others), a work folder, the bundle pools and a forkserver."""
@@ -140,7 +134,7 @@ class DrillEnv:
         starting = threading.Thread(target=start_second, daemon=True)
         starting.start()
         localstack.start_s3(self.states[0])
-        self.admin, self.down_admin = _admin_of(self.states[0]), _admin_of(self.states[1])
+        self.admin, self.down_admin = self.states[0].store(inline_keys=True), self.states[1].store(inline_keys=True)
         self.work = root / "trials"
         self.work.mkdir(exist_ok=True)
         self.ctx = mp.get_context("forkserver")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from pydantic import SecretStr
 
 from edgehaul.blocks import ObjectStore, RetentionPolicy
 from edgehaul.blocks.policies import RetentionRule
@@ -16,9 +15,7 @@ from tests.s3_quirk_proxy import MODES, QuirkProxy
 
 
 def _store(stack: localstack.StackState, url: str) -> ObjectStore:
-    a = stack.identities["admin"]
-    return ObjectStore(endpoint_url=url, access_key_id=SecretStr(a.access_key_id),
-                       secret_access_key=SecretStr(a.secret_access_key), prefix=f"p-{uuid.uuid4().hex[:10]}")
+    return stack.store("admin", f"p-{uuid.uuid4().hex[:10]}", inline_keys=True, endpoint=url)
 
 
 @pytest.mark.integration

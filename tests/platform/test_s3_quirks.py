@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from botocore.exceptions import ClientError
-from pydantic import SecretStr
 
 from edgehaul.blocks import LinkProfile, ObjectStore
 from edgehaul.bundles import read_bundle
@@ -51,9 +50,7 @@ def quirky(request: pytest.FixtureRequest, stack: localstack.StackState) -> Iter
     s3compat.forget_all()  # what one mode's server taught must not carry over to the next
     px = QuirkProxy(stack.s3_endpoint, {c.access_key_id: c.secret_access_key for c in stack.identities.values()},
                     MODES[request.param]).start()
-    admin = stack.identities["admin"]
-    store = ObjectStore(endpoint_url=px.url, access_key_id=SecretStr(admin.access_key_id),
-                        secret_access_key=SecretStr(admin.secret_access_key), prefix=f"q-{uuid.uuid4().hex[:10]}")
+    store = stack.store("admin", f"q-{uuid.uuid4().hex[:10]}", inline_keys=True, endpoint=px.url)
     try:
         yield px, store
     finally:
@@ -133,9 +130,7 @@ def test_a_node_identity_that_gets_403_on_head_of_a_missing_key_still_lands(
     px = QuirkProxy(stack.s3_endpoint, {c.access_key_id: c.secret_access_key for c in stack.identities.values()},
                     {"head-403"}).start()
     try:
-        c = stack.identities["node-a"]
-        node = ObjectStore(endpoint_url=px.url, access_key_id=SecretStr(c.access_key_id),
-                           secret_access_key=SecretStr(c.secret_access_key))
+        node = stack.store("node-a", inline_keys=True, endpoint=px.url)
         d, m = bundle(8000, seed=231, start_seq=231_000, node_id="node-a")
         up = Uplink(node, Link(prof(40 * MiB, multipart_threshold_bytes=5 * MiB, part_bytes=5 * MiB)), tmp_path / "s")
         r = up.send(d, m)
@@ -253,9 +248,7 @@ def test_fifty_rewrite_races_leave_no_cold_copy_that_differs_from_its_recorded_s
     s3compat.forget_all()
     px = QuirkProxy(stack.s3_endpoint, {c.access_key_id: c.secret_access_key for c in stack.identities.values()},
                     MODES["ignores-copy-conditions"]).start()
-    admin = stack.identities["admin"]
-    store = ObjectStore(endpoint_url=px.url, access_key_id=SecretStr(admin.access_key_id),
-                        secret_access_key=SecretStr(admin.secret_access_key), prefix=f"r-{uuid.uuid4().hex[:10]}")
+    store = stack.store("admin", f"r-{uuid.uuid4().hex[:10]}", inline_keys=True, endpoint=px.url)
     s3, writer = store.client(), store.client()
     bucket = store.bucket("landing")
     rng = random.Random(32)
