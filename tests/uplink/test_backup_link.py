@@ -116,4 +116,4 @@ def test_cost_report_shows_both_links_bytes_and_costs(store: ObjectStore, tmp_pa
     assert by_meter[("uplink_backup", NODE)]["quantity"] == backup_bytes
     assert abs(by_meter[("uplink_backup", NODE)]["cost"] - backup_bytes / costs.GB * 5.0) < 1e-12
     md = costs.markdown_summary(report, "s3://x/c.png", "c.png", "s3://x/r.parquet")
-    assert "uplink (backup link)" in md
+    assert "uplink (backup link;" in md
