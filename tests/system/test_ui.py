@@ -455,7 +455,7 @@ def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_a
     # make demo (edgehaul_dev.demo._main): blocks, then the pipeline as flow runs of this process
     configure.register_block_types()
     configure.save_blocks(stack)
-    out = demo.run(samples=400, epochs=1, nodes=["node-a", "node-b"])
+    out = demo.run(samples=1500, epochs=2, nodes=["node-a", "node-b"])  # val rows enough for the gates (400: chance-level)
     assert out["train"].get("model_id"), out["train"]
     assert out["cost"]["month"] == demo.this_month()  # month to date: the demo's own use shows
     lap("demo")
