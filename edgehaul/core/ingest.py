@@ -100,7 +100,7 @@ def limits_problem(m: BundleManifest, manifest_bytes: int) -> tuple[str, str]:
 class LandedScan:
     """What `read_manifests` found for each landing key; every key is in exactly one field."""
 
-    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)  # ready to validate
+    manifests: dict[str, BundleManifest] = field(default_factory=dict)  # ready to validate, parsed once
     rejected: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (reason, error): quarantine
     waiting: list[str] = field(default_factory=list)  # data without a manifest yet: left in landing
     skipped: dict[str, str] = field(default_factory=dict)  # not a bundle we can name or move: left, logged
@@ -169,7 +169,7 @@ def read_manifests(
         reason, error = manifest_problem(owner, m)
         if not reason:
             reason, error = limits_problem(m, len(raw))  # raises ContractInvalid for a broken contract
-        return ("rejected", (reason, error)) if reason else ("manifests", asdict(m))
+        return ("rejected", (reason, error)) if reason else ("manifests", m)
 
     out = LandedScan()
     keys = list(dict.fromkeys(keys))
@@ -199,13 +199,12 @@ def unreadable(key: str, error: str, reason: str = "unreadable") -> ValidationRe
                             success=False, reason=reason, error=error)
 
 
-def _manifest_rejection(key: str, manifest: dict[str, Any]) -> tuple[BundleManifest, dict[str, Any] | None]:
+def _manifest_rejection(key: str, m: BundleManifest) -> dict[str, Any] | None:
     """The manifest as a task input, checked again against its landing key (`read_manifests` sorted these out):
-    the manifest, and the rejection (a ValidationResult dict) when its ids disagree with the key."""
-    m = BundleManifest(**manifest)
+    the rejection (a ValidationResult dict) when its fields or ids disagree with the key."""
     m.check_types()
     reason, error = manifest_problem(quarantine.ids_from_key(key), m)
-    return m, unreadable(key, error, reason).to_dict() if reason else None
+    return unreadable(key, error, reason).to_dict() if reason else None
 
 
 def _fetch_rejection(m: BundleManifest, lb: landed.LandedBundle) -> dict[str, Any]:
@@ -227,7 +226,7 @@ class ValidatedBatch:
 
 
 def validate_landed_many(
-    store: ObjectStore, items: Sequence[tuple[str, dict[str, Any]]], *, cache: ValidationCache | None = None,
+    store: ObjectStore, items: Sequence[tuple[str, BundleManifest]], *, cache: ValidationCache | None = None,
     refresh: bool = False, s3: S3Client | None = None, workers: int = IO_WORKERS, validate: Validator = validate_fresh,
 ) -> ValidatedBatch:
     """Validate landed bundles: each manifest against its landing key, then the bytes (checksum, manifest
@@ -238,16 +237,16 @@ def validate_landed_many(
     failing (transport, after the client's retries) is in `errors`, left in landing for the next run."""
     s3 = s3 or store.client(max_pool_connections=workers)
     out = ValidatedBatch()
-    todo: list[tuple[str, dict[str, Any], BundleManifest]] = []
-    for key, manifest in items:
-        m, rejection = _manifest_rejection(key, manifest)
+    todo: list[tuple[str, BundleManifest]] = []
+    for key, m in items:
+        rejection = _manifest_rejection(key, m)
         if rejection:
             out.rejected[key] = rejection
         else:
-            todo.append((key, manifest, m))
+            todo.append((key, m))
 
-    def look(item: tuple[str, dict[str, Any], BundleManifest]) -> tuple[str, ValidationResult | landed.LandedBundle | str]:
-        key, manifest, _ = item
+    def look(item: tuple[str, BundleManifest]) -> tuple[str, ValidationResult | landed.LandedBundle | str]:
+        key, manifest = item
         try:
             entry = ""
             if cache is not None:
@@ -261,7 +260,7 @@ def validate_landed_many(
 
     looked = io_map(look, todo, workers)
     fresh: list[tuple[str, str, BundleManifest, bytes]] = []
-    for (key, _, m), (entry, got) in zip(todo, looked, strict=True):
+    for (key, m), (entry, got) in zip(todo, looked, strict=True):
         if isinstance(got, ValidationResult):
             out.passed[key] = got
             out.cached.append(key)
@@ -287,11 +286,10 @@ def validate_landed_many(
 
 
 def quarantine_rejected(
-    store: ObjectStore, key: str, result: dict[str, Any], manifest: dict[str, Any] | None, *,
+    store: ObjectStore, key: str, result: dict[str, Any], m: BundleManifest | None, *,
     s3: S3Client | None = None, emit_event: bool = True,
 ) -> dict[str, Any]:
     """Move a rejected bundle to quarantine with its validation record; returns the record."""
-    m = BundleManifest(**manifest) if manifest else None
     ids = None
     if m is None:  # no usable manifest: account for the samples from the file itself when it parses
         lb = landed.fetch(store, key, s3=s3)
@@ -451,13 +449,13 @@ def settled(store: ObjectStore, keys: list[str], *, s3: S3Client | None = None) 
 
 
 def already_committed(
-    store: ObjectStore, manifests: dict[str, dict[str, Any]], *, s3: S3Client | None = None,
+    store: ObjectStore, manifests: dict[str, BundleManifest], *, s3: S3Client | None = None,
 ) -> dict[str, str]:
     """key -> bundle id of the bundles whose dataset already holds them (one index lookup per bundle on the
     process's open table, see `datasets.committed_bundle_ids`): a run skips them before validating."""
     by_contract: dict[str, dict[datasets.Ref, str]] = {}
     for key, m in manifests.items():  # a bundle id is unique per node only
-        by_contract.setdefault(str(m["contract"]), {})[(str(m["node_id"]), str(m["bundle_id"]))] = key
+        by_contract.setdefault(m.contract, {})[(m.node_id, m.bundle_id)] = key
     out: dict[str, str] = {}
     for contract_id, ids in sorted(by_contract.items()):
         try:

@@ -21,9 +21,9 @@ def emit_already_committed(scan: LandedScan, done_before: dict[str, str], own: s
         if key in own:
             m = scan.manifests[key]
             events.emit(events.BUNDLE_RECEIPT, f"edgehaul.bundle.{b}",
-                        {"status": "already_committed", "kind": contract_by_id(m["contract"]).kind, "version": None,
-                         "node_id": m["node_id"]},
-                        **{"edgehaul.node.id": m["node_id"]})
+                        {"status": "already_committed", "kind": contract_by_id(m.contract).kind, "version": None,
+                         "node_id": m.node_id},
+                        **{"edgehaul.node.id": m.node_id})
 
 
 def emit_commit(c: CommitResult, contract_id: str) -> None:

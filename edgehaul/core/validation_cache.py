@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from prefect.types._datetime import DateTime
 
     from edgehaul.blocks import ObjectStore
+    from edgehaul.bundles import BundleManifest
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,13 @@ def landed_etag(store: ObjectStore, key: str, *, s3: S3Client | None = None) -> 
     return f"{head['ETag'].strip(chr(34))}:{head['ContentLength']}"
 
 
-def entry_for(store: ObjectStore, key: str, manifest: dict[str, Any], *, s3: S3Client | None = None) -> str:
+def entry_for(store: ObjectStore, key: str, manifest: BundleManifest, *, s3: S3Client | None = None) -> str:
     """The cache entry of the landed bundle at `key` as it is in the store now (one HEAD)."""
     try:
-        contract_sha = contract_by_id(str(manifest["contract"])).sha256
+        contract_sha = contract_by_id(manifest.contract).sha256
     except ContractError:
-        contract_sha = f"unknown:{manifest['contract']}"  # validation rejects it; nothing is cached under it
-    return validation_key(str(manifest["sha256"]), f"{store.bucket('landing')}/{key}", landed_etag(store, key, s3=s3),
+        contract_sha = f"unknown:{manifest.contract}"  # validation rejects it; nothing is cached under it
+    return validation_key(manifest.sha256, f"{store.bucket('landing')}/{key}", landed_etag(store, key, s3=s3),
                           contract_sha)
 
 
@@ -144,7 +145,7 @@ class ValidationCache:
             raise RuntimeError("refused result storage")
         return call_explicitly_sync_block_method(self.storage, method, args, kwargs)
 
-    def get(self, entry: str, manifest: dict[str, Any]) -> ValidationResult | None:
+    def get(self, entry: str, manifest: BundleManifest) -> ValidationResult | None:
         """The cached success for `entry`, when there is a usable one for this bundle; else None."""
         if self.storage is None:
             return None
@@ -162,7 +163,7 @@ class ValidationCache:
             return None
         return self._decode(entry, raw, manifest)
 
-    def _decode(self, entry: str, raw: bytes, manifest: dict[str, Any]) -> ValidationResult | None:
+    def _decode(self, entry: str, raw: bytes, manifest: BundleManifest) -> ValidationResult | None:
         from prefect.serializers import JSONSerializer
 
         try:
@@ -179,8 +180,8 @@ class ValidationCache:
         except (ValueError, KeyError, TypeError) as e:
             log.warning("validation cache: record %s refused (%s); validating", entry, str(e)[:200])
             return None
-        if not (value.success and value.bundle_sha256 == manifest["sha256"] and value.bundle_id == manifest["bundle_id"]
-                and value.node_id == manifest["node_id"]):
+        if not (value.success and value.bundle_sha256 == manifest.sha256 and value.bundle_id == manifest.bundle_id
+                and value.node_id == manifest.node_id):
             log.warning("validation cache: record %s is not this bundle's success; validating", entry)
             return None
         return value

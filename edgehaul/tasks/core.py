@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.bundles import BundleManifest
 from edgehaul.core import compaction, datasets, ingest, landed
 from edgehaul.core.validation import ValidationResult
 from edgehaul.core.validation_cache import CORE_CACHE_VERSION, ValidationCache
@@ -79,7 +80,7 @@ def release_batch_claims_task(store: ObjectStore, batches: list[ingest.QueuedBat
 
 @task(name="core-committed", **IO_RETRY,
       cache_policy=NO_CACHE)
-def committed_task(store: ObjectStore, manifests: dict[str, dict[str, Any]]) -> dict[str, str]:
+def committed_task(store: ObjectStore, manifests: dict[str, BundleManifest]) -> dict[str, str]:
     """key -> bundle id of the bundles already in their dataset (see `ingest.already_committed`)."""
     return ingest.already_committed(store, manifests)
 
@@ -89,7 +90,7 @@ def committed_task(store: ObjectStore, manifests: dict[str, dict[str, Any]]) -> 
 
 @task(name="core-validate", **IO_RETRY, cache_policy=NO_CACHE, task_run_name="validate-{label}")
 def validate_bundles_task(
-    store: ObjectStore, items: list[tuple[str, dict[str, Any]]], result_storage: str, refresh: bool, label: str,
+    store: ObjectStore, items: list[tuple[str, BundleManifest]], result_storage: str, refresh: bool, label: str,
 ) -> ingest.ValidatedBatch:
     """Validate a chunk of landed bundles (one GE run, reads in parallel), each bundle's success cached by
     hand in `result_storage` (see `edgehaul.core.validation_cache`); rejections are results, not errors."""
@@ -102,7 +103,7 @@ def validate_bundles_task(
 
 @task(name="core-quarantine", **IO_RETRY,
       cache_policy=NO_CACHE)
-def quarantine_task(store: ObjectStore, key: str, result: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
+def quarantine_task(store: ObjectStore, key: str, result: dict[str, Any], manifest: BundleManifest | None) -> dict[str, Any]:
     """Move a rejected bundle to quarantine with its validation record; returns the record."""
     return ingest.quarantine_rejected(store, key, result, manifest)
 

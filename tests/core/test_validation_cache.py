@@ -16,10 +16,13 @@ from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
 from prefect.filesystems import LocalFileSystem
 from prefect.serializers import PickleSerializer
 
+from edgehaul.bundles import BundleManifest
 from edgehaul.core.validation import ExpectationRow, ValidationResult
 from edgehaul.core.validation_cache import ValidationCache, validation_key
 
-MANIFEST: dict[str, Any] = {"bundle_id": "b" * 32, "node_id": "node-a", "sha256": "c" * 64, "contract": "landsat_patch.v1"}
+MANIFEST = BundleManifest(bundle_id="b" * 32, node_id="node-a", contract="landsat_patch.v1", tier="normal", row_count=25,
+                          sample_ids=[], sha256="c" * 64, nbytes=1, min_capture_time="2026-12-05T00:00:00+00:00",
+                          max_capture_time="2026-12-05T00:00:00+00:00", value_sum=0.0, max_value=0.0)
 OK = ValidationResult(bundle_id="b" * 32, node_id="node-a", contract="landsat_patch.v1", contract_sha256="d" * 64,
                       bundle_sha256="c" * 64, rows=25, success=True, reason="ok",
                       expectations=(ExpectationRow("expect_column_values_to_not_be_null", "sample_id", True, None, 0, ""),))
@@ -73,7 +76,7 @@ def test_a_pickle_record_under_the_entry_runs_no_code_and_is_a_miss(
 def test_a_record_of_another_bundle_or_checksum_is_a_miss(tmp_path: Path, change: dict[str, str]) -> None:
     cache = _cache(tmp_path)
     cache.put(ENTRY, OK)
-    assert cache.get(ENTRY, {**MANIFEST, **change}) is None
+    assert cache.get(ENTRY, replace(MANIFEST, **change)) is None
 
 
 def test_an_expired_record_and_garbage_are_misses(tmp_path: Path) -> None:
