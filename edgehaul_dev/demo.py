@@ -180,8 +180,11 @@ def _flow_of(c: Any, run: Any, names: dict[UUID, str]) -> str:
 
 
 def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: localstack.StackState,
-                        timeout: float = 1800.0, say: Callable[[str], None] = log.info) -> dict[str, Any]:
-    """The pipeline through the deployments of `make deploy`; returns the flow runs and what they made."""
+                        timeout: float = 1800.0, say: Callable[[str], None] = log.info,
+                        start_seq: int | None = None) -> dict[str, Any]:
+    """The pipeline through the deployments of `make deploy`; returns the flow runs and what they made.
+    `start_seq`: the nodes' first sample number (sample ids are node + number); None: past every number the
+    node's spool handed out before."""
     from prefect.client.orchestration import get_client
 
     t0, since = time.monotonic(), datetime.now(UTC) - timedelta(seconds=5)
@@ -191,7 +194,8 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
     edge = _run_all({f"edge_ingest/{n}": (f"edge_ingest/{n}", {
         "edge_node": n, "object_store": node_store(n), "tiering_policy": DEFAULT_POLICY, "n_samples": samples,
         "batch_size": max(100, min(20_000, samples)),
-        "seed": i, "class_weights": mixes[i % len(mixes)]}) for i, n in enumerate(nodes)}, timeout, say)
+        "seed": i, "class_weights": mixes[i % len(mixes)], **({} if start_seq is None else {"start_seq": start_seq})})
+        for i, n in enumerate(nodes)}, timeout, say)
     runs += edge.values()
     say(f"edge_ingest: {[f'{k} {r.state_name}' for k, r in edge.items()]}")
     up = _run_all({f"uplink_drain/{n}": (f"uplink_drain/{n}", {
@@ -268,7 +272,8 @@ def run_via_deployments(samples: int, epochs: int, nodes: list[str], state: loca
                  "by": r.created_by.type if r.created_by else "", "parameters": r.parameters.get("params", {}),
                  "message": (r.state.message or "") if r.state else ""}
                 for r in runs]
-    return {"runs": rows, "bundles_landed": landed, "wall_s": round(time.monotonic() - t0, 1)}
+    return {"runs": rows, "bundles_landed": landed, "versions_committed": committed,
+            "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def run_ok(row: dict[str, Any]) -> bool:

@@ -38,7 +38,7 @@ from edgehaul.tasks.train import check_team_quota, plan_training, publish, repor
 from edgehaul.training.catch_up import NOTHING_TO_TRAIN
 from edgehaul.training.model import arch_for, estimate_storage_bytes
 from edgehaul.training.placement import check_placement
-from edgehaul.training.trainer import TrainConfig
+from edgehaul.training.trainer import DEFAULT_PATIENCE, TrainConfig
 
 
 class TrainModelParams(BaseModel):
@@ -60,6 +60,8 @@ class TrainModelParams(BaseModel):
     seed: int = Field(default=0, ge=0)
     width: int | None = Field(default=None, ge=4, le=512, description="None: the contract's.")
     val_fraction: float = Field(default=0.1, ge=0, lt=1)
+    patience: int | None = Field(default=None, ge=0, le=10_000, description="Stop after this many epochs without a "
+                                 "better validation macro-F1; 0: never stop early; None: the trainer's default.")
     checkpoint_every_steps: int | None = Field(default=None, ge=1, description="None: adapt to a 5% cost.")
     num_threads: int | None = Field(default=None, ge=1, le=256)
     allow_local: bool = Field(default=False, description="Allow a run outside any work pool (local call).")
@@ -133,7 +135,7 @@ def train_model(params: TrainModelParams | None = None) -> dict[str, Any]:
         contract_id=contract.id, seed=p.seed, epochs=p.epochs or spec.epochs, batch_size=p.batch_size or spec.batch_size,
         lr=p.lr or spec.lr, width=width, augment=spec.augment, val_fraction=p.val_fraction,
         checkpoint_every_steps=p.checkpoint_every_steps, num_threads=p.num_threads, flow_run_id=flow_run.id,
-        quality_gate=p.quality_gate,
+        quality_gate=p.quality_gate, patience=DEFAULT_PATIENCE if p.patience is None else p.patience,
     )
     logger.info("team %s: %.3g accelerator-h used in %s; training %s (%s %s) on %s v%d in %s", p.team,
                 usage["accelerator_hours"], usage["month"], run_id, spec.model, model_name, uri, version, where)

@@ -102,6 +102,9 @@ class QualityGateFailed(TrainingFailed):
     """The best validation macro-F1 is not above a uniform-prior guesser's."""
 
 
+DEFAULT_PATIENCE = 3  # epochs with no better validation macro-F1 before a run stops early
+
+
 class TrainConfig(BaseModel):
     """Everything that defines a training run (recorded in checkpoints and lineage)."""
 
@@ -120,8 +123,9 @@ class TrainConfig(BaseModel):
     augment: bool = Field(default=True, description="Random flips/rotations per batch (seeded; cnn2d only).")
     val_fraction: float = Field(default=0.1, ge=0, lt=1,
                                 description="Held-out share, by stretches of consecutive readings per node.")
-    patience: int = Field(default=3, ge=0, le=10_000, description="Stop after this many epochs without a better "
-                          "validation macro-F1 (the best epoch's weights are registered); 0: never stop early.")
+    patience: int = Field(default=DEFAULT_PATIENCE, ge=0, le=10_000,
+                          description="Stop after this many epochs without a better validation macro-F1 (the best "
+                          "epoch's weights are registered); 0: never stop early.")
     quality_gate: bool = Field(default=True, description="Register nothing when the best validation macro-F1 "
                                "is not above a uniform-prior guesser's (`metrics.chance_macro_f1`).")
     calibrate: bool = Field(default=True, description="After training, choose the decision rule on the validation "

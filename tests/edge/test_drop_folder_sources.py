@@ -351,11 +351,13 @@ def test_the_drop_rejected_alert_reaches_the_receiver(stack: object) -> None:
 
     from edgehaul.edge.drop_folder import emit_drop_rejected
     from edgehaul.services.automations import AlertPolicy, apply_automations
+    from tests.prefect_cleanup import delete_automations
     from tests.services.test_automations import Receiver
 
     r = Receiver()
+    applied = []
     try:
-        apply_automations(AlertPolicy(), webhook_url=r.url, token="t0k3n")
+        applied = apply_automations(AlertPolicy(), webhook_url=r.url, token="t0k3n")
         node = f"node-{uuid.uuid4().hex[:8]}"
         message = '1 of 2 drop files rejected: cut.csv: not readable as csv: CSV parse error: "Expected 13 columns"'
         r.probe(lambda: emit_drop_rejected(node, message, {"cut.csv": "not readable as csv"},
@@ -365,4 +367,6 @@ def test_the_drop_rejected_alert_reaches_the_receiver(stack: object) -> None:
         assert b["level"] == 2 and b["alert"] == "drop-rejected" and b["message"] == message
         assert "[edgehaul L2] drop-rejected" in b["subject"]
     finally:
+        # no alert automation left pointing at a receiver that is gone: every later failure would retry it
+        delete_automations([a.id for a in applied])
         r.server.shutdown()

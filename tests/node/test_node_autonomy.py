@@ -43,6 +43,7 @@ from edgehaul.tasks.uplink import probe_contact
 from edgehaul_dev import localstack
 from tests.conftest import store_for
 from tests.edge.test_spool import mk
+from tests.prefect_cleanup import delete_deployments_named
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -484,6 +485,8 @@ def _centre(stack: localstack.StackState, tmp_path: Path, sweep_s: float = 0) ->
         yield uid
     finally:
         _stop_group(proc, 30)
+        # its trigger would otherwise go on making core_ingest runs nobody serves from later tests' landings
+        delete_deployments_named([f"core_ingest/on-bundle-landed-{uid}", f"core_ingest/landing-sweep-{uid}"])
 
 
 def _node_config(stack: localstack.StackState, state: Path, relay: Relay, gw_relay: Relay,

@@ -463,11 +463,13 @@ def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_a
     deployed = deploy.deploy(edge_workers=True)  # the demo simulates its nodes here, as `make verify-demo` does
     lap("deploy")
     try:
-        # a run through the deployments: another sample count than the demo's, so edge batches are new; one
-        # node (a process per flow run: each costs 10-20 s here)
-        via = demo.run_via_deployments(300, 1, ["node-a"], stack, timeout=900)
+        # a run through the deployments, one node (a process per flow run: each costs 10-20 s here). Its sample
+        # ids (node + number) start past any other test's: earlier tests of this session committed node-a rows
+        # from spools of their own to the same dataset, and rows already there make no version and no training
+        via = demo.run_via_deployments(300, 1, ["node-a"], stack, timeout=900, start_seq=int(time.time() * 1000))
         lap("via_deployments")
         assert via["bundles_landed"] > 0, via
+        assert via["versions_committed"] > 0, via  # else nothing trains through the deployment, and verify says so
         bad = [r for r in via["runs"] if not demo.run_ok(r)]
         assert not bad, bad
         # make verify, twice

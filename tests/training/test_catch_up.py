@@ -89,7 +89,9 @@ def test_three_commits_during_a_busy_training_the_next_run_trains_the_newest(sta
         return fr
 
     try:
-        first = submit(0, epochs=12)  # long enough on an idle machine to still train while we commit
+        # 100 epochs, no early stop: ~35 s on these machines (an epoch of 1,000 rows takes ~0.35 s), where the
+        # three commits and submissions below take ~8 s; 12 epochs once ended before the third submission
+        first = submit(0, epochs=100, patience=0)
         with get_client(sync_client=True) as client:
             def started() -> State | None:
                 s = client.read_flow_run(first.id).state
@@ -97,7 +99,7 @@ def test_three_commits_during_a_busy_training_the_next_run_trains_the_newest(sta
 
             state = wait_for(started, 240, f"run {first.id} to start", interval=0.5)
             assert state is not None and state.is_running(), state
-            # busy training v0 once its first checkpoint is committed (step 20 of ~560): the object store says
+            # busy training v0 once its first checkpoint is committed (step 20 of ~3,300): the object store says
             # so at once, where its log lines reach the API seconds later
             ckpt = CheckpointStore(store, f"train-{first.id}", emit_events=False)
             wait_for(ckpt.latest, 240, f"a committed checkpoint of run train-{first.id}")
