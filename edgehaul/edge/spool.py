@@ -95,19 +95,20 @@ class ThinResult:
 
 
 def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float,
-                pack_rows: int | None = None) -> float:
-    """keep in [0, 1] with E[bytes after `Spool.thin`] = room: per group of bundles (contract, tier), the rows'
-    bytes times keep plus one fixed part per packed bundle (the rows kept / the group's largest bundle's rows,
-    rounded up; `pack_rows` or the largest original bundle's rows per bundle). Summary rows are counted as rows (a
-    budgeted edge sends few)."""
+                pack_rows: int | None = None, merge_tiers: bool = False) -> float:
+    """keep in [0, 1] with E[bytes after `Spool.thin`] = room: per group of bundles (contract, tier; contract
+    alone with `merge_tiers`, as `Spool.thin` packs them), the rows' bytes times keep plus one fixed part per
+    packed bundle (the rows kept / the group's largest bundle's rows, rounded up; `pack_rows` or the largest
+    original bundle's rows per bundle). Summary rows are counted as rows (a budgeted edge sends few)."""
     if room <= 0:
         return 0.0
     groups: dict[tuple[str, str], tuple[float, float, float, int]] = {}
     for e in entries:
         m = e.manifest
         o = float(overhead.get(m.contract, 0))
-        rows, body, _, size = groups.get((m.contract, e.tier), (0.0, 0.0, o, pack_rows or 1))
-        groups[m.contract, e.tier] = (rows + m.row_count, body + max(m.nbytes - o, 0.0), o, max(size, m.row_count))
+        g = (m.contract, "" if merge_tiers else e.tier)
+        rows, body, _, size = groups.get(g, (0.0, 0.0, o, pack_rows or 1))
+        groups[g] = (rows + m.row_count, body + max(m.nbytes - o, 0.0), o, max(size, m.row_count))
 
     def expected(k: float) -> float:
         return sum(k * body + math.ceil(k * rows / size - 1e-9) * o for rows, body, o, size in groups.values())
@@ -407,14 +408,18 @@ class Spool:
         rows stay. Never a cut by drain order: that would land only the top of the value ranking.
 
         The rows that stay are packed into as few bundles as `pack_rows` rows per bundle allow (default: the
-        originals' largest row count), per tier and writer: a bundle's fixed Parquet part (schema, footer) costs
-        as much as a dozen small rows, and thinning twenty bundles to two rows each would spend the link on
-        footers. A packed bundle's scorer_version lists those of the bundles its rows come from."""
+        originals' largest row count), per tier and writer: a bundle's fixed Parquet part (footer) costs as much
+        as a dozen small rows, and thinning twenty bundles to two rows each would spend the link on footers.
+        Thinning urgent and normal bundles together (`tiers` both: the urgent ones are then sampled with the rest)
+        packs their rows together too, urgent rows first, a packed bundle urgent when it holds an urgent row: a
+        bundle of one to four urgent rows per batch paid a whole footer (at a 2% budget, most of its bytes). A
+        packed bundle's scorer_version lists those of the bundles its rows come from."""
         if not 0.0 <= keep <= 1.0:
             raise SpoolError(f"thinning keep {keep} is outside [0, 1]")
         out = ThinResult(keep=keep, salt=salt)
         if keep >= 1.0:
             return out
+        merged = len(set(tiers)) > 1
         groups: dict[tuple[str, ...], list[tuple[SpoolEntry, pa.Table]]] = {}
         for e in self.pending():
             if e.tier not in tiers or e.bundle_id in skip:
@@ -436,7 +441,8 @@ class Spool:
                 p = np.where(full[stay], p * keep, p).astype(np.float32)
                 kept = kept.set_column(kept.schema.get_field_index(INCLUSION_P), kept.schema.field(INCLUSION_P),
                                        pa.array(p, pa.float32()))
-            key = (m.contract, e.tier, m.policy_version, m.team)  # scorer versions differ batch to batch
+            # scorer versions differ batch to batch; pending() is in drain order, so urgent rows come first
+            key = (m.contract, "+".join(tiers) if merged else e.tier, m.policy_version, m.team)
             groups.setdefault(key, []).append((e, kept))
             out.bundles += 1
             out.rows_out += gone.num_rows
@@ -447,7 +453,11 @@ class Spool:
             rows = pa.concat_tables(stays) if stays else pa.table({})
             size = max(pack_rows or 0, *(e.manifest.row_count for e, _ in parts))
             for a in range(0, rows.num_rows, size):
-                data, man = write_bundle(rows.slice(a, size), contract_by_id(contract_id), tier=tier,
+                chunk = rows.slice(a, size)
+                if merged:  # the most urgent thinned tier among its rows (a sampled low row rides as normal)
+                    present = set(pc.unique(chunk.column("tier")).to_pylist()) & set(tiers)
+                    tier = min(present, key=tier_rank) if present else max(tiers, key=tier_rank)
+                data, man = write_bundle(chunk, contract_by_id(contract_id), tier=tier,
                                          policy_fingerprint=f"thinned|{salt}", policy_version=version,
                                          scorer_version=scorer, team=team)
                 if self.put(data, man) is None:
@@ -492,7 +502,7 @@ class Spool:
                     overhead[e.manifest.contract] = max(0, o1 - (e.manifest.nbytes - o1) // max(
                         e.manifest.row_count - 1, 1))
             room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned))
-            keep = _solve_keep(thinned, overhead, room, pack_rows)
+            keep = _solve_keep(thinned, overhead, room, pack_rows, merge_tiers=len(tiers) > 1)
             done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows))
         return done
 

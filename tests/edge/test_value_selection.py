@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -253,6 +254,30 @@ def test_thinning_small_bundles_lands_close_to_capacity_and_packs_the_rows_kept(
     raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
     sent_ids = set(after.column("sample_id").to_pylist())
     assert sent_ids.isdisjoint(raw_ids) and len(sent_ids) + len(raw_ids) == 3000
+
+
+def test_thinning_urgent_and_normal_together_packs_their_rows_together_urgent_first(pump: Contract,
+                                                                                    tmp_path: Path) -> None:
+    """When the urgent bundles are thinned too (over half the capacity), their rows are packed with the normal
+    ones: as few bundles as the rows kept need (one footer per `pack_rows` rows, not one more per tier), urgent
+    rows first, each bundle urgent when it holds an urgent row, else normal."""
+    policy = TieringPolicy(version="pack", budget_share=0.2, flush_max_samples=16, flush_max_bytes=64 * 1024)
+    spool = run_edge(pump, policy, tmp_path, n=3000, batch=100, seed=22)
+    pending = spool.pending()
+    total = sum(e.manifest.nbytes for e in pending)
+    urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
+    capacity = urgent  # under twice the urgent bytes: urgent bundles are thinned with the rest
+    assert any(e.tier == "normal" for e in pending) and total > capacity
+    spool.thin_to(capacity, salt="pass-pack", pack_rows=policy.flush_max_samples)
+    after = spool.pending()
+    rows = [read_bundle(spool.read(e.bundle_id), e.manifest) for e in after]
+    n = sum(t.num_rows for t in rows)
+    assert len(after) == math.ceil(n / policy.flush_max_samples)  # no part-empty bundle per tier
+    tiers = [t for tb in rows for t in tb.column("tier").to_pylist()]  # drain order; "low": a sampled low row
+    urgent_rows = tiers.count("high")
+    assert 0 < urgent_rows < len(tiers) and set(tiers[:urgent_rows]) == {"high"}
+    for e, t in zip(after, rows, strict=True):
+        assert e.tier == ("high" if "high" in t.column("tier").to_pylist() else "normal")
 
 
 # ------------------------------------------------------------------------------------------ integration
