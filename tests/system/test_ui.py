@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from edgehaul import events
 from edgehaul_dev import localstack
 from tests.conftest import api_auth
+from tests.prefect_cleanup import delete_deployments_named
 from tests.waiting import run_log_lines, wait_for
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -516,10 +517,9 @@ def test_ui_failed_runs_view_holds_no_failure_after_demo_deploy_deployment_run_a
             os.killpg(pid, signal.SIGTERM)
             (Path(stack.root) / "pids" / "workers.pid").unlink(missing_ok=True)
         spec = deploy.load_spec(overlay=deploy.DEMO_OVERLAY)
-        with get_client(sync_client=True) as client:  # leave no schedules or triggers to the session's other tests
-            for name in deploy.deployment_names(spec):
-                with contextlib.suppress(Exception):  # not deployed: deploy failed before it
-                    client.delete_deployment(client.read_deployment_by_name(name).id)
+        # leave no schedules, triggers or unserved runs to the session's other tests (a name not deployed: skipped)
+        delete_deployments_named(deploy.deployment_names(spec))
+        with get_client(sync_client=True) as client:
             for name in {t["name"] for ts in deploy.split_triggers(spec)[1].values() for t in ts}:
                 for a in client.read_automations_by_name(name):
                     client.delete_automation(a.id)
