@@ -19,7 +19,8 @@ mean score of what is selected).
 3. Policies, same bytes: FIFO (every sample normal tier, drained oldest first), random (the same
    over a shuffled copy of the round: a uniform sample), tiering with the novelty scorer, and
    tiering with the model scorer after one closed-loop round (round 1 as novelty; a model trained
-   on round 1's dataset version is published to the edge and scores round 2).
+   on round 1's dataset version is published to the edge when it passes the publish gate, as the
+   publish_model flow does, and scores round 2; below the gate, the model scorer's fallback does).
 4. Core: landed bundles go through the product's uplink (`Uplink.send`), validation
    (`validation.validate_bundles`, Great Expectations) and `datasets.commit_bundles` (one Delta
    commit per round, one table per cell) on a private SeaweedFS. Training: `training.launch.run`,
@@ -576,7 +577,7 @@ SETUPS = {"landsat_patch": landsat_setup, "daphnet_gait": gait_setup, "digits_pn
 def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print,
                    setup: KindSetup | None = None) -> dict[str, Any]:
     from edgehaul.edge.scorer_registry import ScorerContext, build_scorer
-    from edgehaul.training.registry import publish
+    from edgehaul.training.registry import QualityGateFailed, check_quality, publish, read_json
 
     ks = setup or landsat_setup(cfg)
     contract = ks.contract
@@ -694,7 +695,13 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         n1 = r1.num_rows - int(pc.sum(r1.column("is_summary")).as_py() or 0)
         mid = f"round1-{round(budget * 100)}"
         train_on(st, v1, n1, cfg, cfg.seeds[0], mid, contract)
-        publish(st, model_name, mid)  # the registry's own publish: the loop is closed whatever its gate
+        lineage, _ = read_json(st, st.uri("models", f"{model_name}/{mid}/lineage.json"))
+        try:  # as the publish_model flow: a model below the publish gate never reaches the edge
+            check_quality(lineage)
+            publish(st, model_name, mid)
+        except QualityGateFailed as e:  # the edge's model scorer then runs its fallback scorer (a cold start)
+            cell.note = f"round-1 model not published ({e}); round 2 scored by the fallback scorer"
+            log(f"  tier-model {budget:4.0%}: {cell.note}")
         policy = policy_for("tier-model", cfg, budget)
         scorer = scorer_for("model", policy, st, work / f"model-state-{round(budget * 100)}")
         sp2, _ = edge_round(rounds[1], contract, policy, scorer, work / f"model{round(budget * 100)}")

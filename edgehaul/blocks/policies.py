@@ -122,6 +122,9 @@ class TieringPolicy(Block):
         "Which scorer values samples: a name registered under the `edgehaul.scorers` entry point "
         "(shipped: novelty, anomaly, model)."))
     model_uri: str | None = Field(default=None, description="Model for the 'model' scorer (s3://... or 'latest').")
+    fallback_scorer: str | None = Field(default="novelty", description=(
+        "The 'model' scorer's stand-in while its kind has no model (none published or downlinked yet): a "
+        "registered scorer other than model. None: a missing model fails the batch."))
     use_labels: bool = Field(default=False, description=(
         "Let the novelty and anomaly scorers read a label the edge happens to have (class rarity, labelled "
         "anomalies first). Off: value from the features alone, as on a node that sees no labels."))
@@ -167,6 +170,10 @@ class TieringPolicy(Block):
         check_scorer_name(self.scorer)
         if self.scorer == "model" and not self.model_uri:
             raise ValueError("scorer 'model' needs model_uri")
+        if self.fallback_scorer is not None:
+            check_scorer_name(self.fallback_scorer)
+            if self.fallback_scorer == "model":
+                raise ValueError("fallback_scorer cannot be 'model': it stands in for a missing model")
         return self
 
     @property
@@ -174,7 +181,9 @@ class TieringPolicy(Block):
         import hashlib
         import json
 
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+        # The fallback only acts for the model scorer: other policies keep the fingerprints (and caches) they had.
+        fields = self.model_dump(mode="json", exclude=None if self.scorer == "model" else {"fallback_scorer"})
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 DataClass = Literal["raw", "features", "model_weights", "logs", "checkpoints", "reports"]

@@ -14,12 +14,19 @@ registry imports this lazily (torch is only needed where the 'model' scorer is c
 
 A policy's `model_uri: latest` means the published model of the scored kind (its contract's
 `training.model_name`), so one node scores each kind with that kind's own model.
+
+Before a kind has a model (none published, or none downlinked to the node yet: the closed loop's cold start),
+the policy's `fallback_scorer` values its rows (`ColdStart`, default `novelty`), said in every log line and in
+the scorer version that keys the edge cache, so the first batches after a model arrives are scored by it. With
+`fallback_scorer: null` the missing model fails the batch, as any other missing input.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -29,10 +36,16 @@ import torch
 
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, contract_by_id
-from edgehaul.edge.scorer_registry import ScorerContext
-from edgehaul.edge.scoring import CannotScore
+from edgehaul.edge.scorer_registry import ScorerContext, build_scorer
+from edgehaul.edge.scoring import CannotScore, ContextualScorer, Scorer, scorer_cache_version
 from edgehaul.training.model import build_model, inputs
-from edgehaul.training.registry import load_model_file, parse_model_file, resolve_model_uri
+from edgehaul.training.registry import NoPublishedModel, load_model_file, parse_model_file, resolve_model_uri
+
+log = logging.getLogger(__name__)
+
+
+class NoModelYet(ValueError):
+    """The kind has no model for this scorer yet: none published, or none downlinked to the node."""
 
 
 class ModelScorer:
@@ -115,15 +128,59 @@ _loaded: dict[tuple[str, str], ModelScorer] = {}
 _loaded_lock = threading.Lock()
 
 
-def from_context(ctx: ScorerContext) -> ModelScorer:
-    """The `model` entry point. A model is loaded once per process and model id: a task per batch must not
-    download it again; 'latest' is re-resolved on every call, so a newly published model re-scores."""
+class ColdStart:
+    """The `model` scorer of a kind that has no model yet: the policy's fallback scorer values the rows.
+    Its version names both, so batches scored now are scored again once a model arrives."""
+
+    def __init__(self, fallback: Scorer, reason: str) -> None:
+        self.fallback, self.reason = fallback, reason
+
+    @property
+    def version(self) -> str:
+        return f"model-pending+{self.fallback.version}"
+
+    def cache_version(self, batch_key: str) -> str:
+        return f"model-pending+{scorer_cache_version(self.fallback, batch_key)}"
+
+    def score(self, table: pa.Table, batch_key: str | None = None) -> np.ndarray:
+        if isinstance(self.fallback, ContextualScorer):
+            return self.fallback.score(table, batch_key=batch_key)
+        return self.fallback.score(table)
+
+    def fold(self, table: pa.Table, batch_key: str) -> None:
+        if isinstance(self.fallback, ContextualScorer):
+            self.fallback.fold(table, batch_key)
+
+    def save(self) -> None:
+        if isinstance(self.fallback, ContextualScorer):
+            self.fallback.save()
+
+
+def from_context(ctx: ScorerContext) -> ModelScorer | ColdStart:
+    """The `model` entry point: the kind's model, or before it has one the policy's fallback scorer (its state
+    in a folder of its own under this scorer's)."""
+    try:
+        return _model_for(ctx)
+    except NoModelYet as e:
+        name = ctx.policy.fallback_scorer
+        if name is None:
+            raise
+        log.warning("scorer model for %s: %s; scoring with %s until a model arrives", ctx.contract.id, e, name)
+        return ColdStart(build_scorer(name, replace(ctx, state_dir=ctx.state_dir / f"fallback-{name}")), str(e))
+
+
+def _model_for(ctx: ScorerContext) -> ModelScorer:
+    """A model is loaded once per process and model id: a task per batch must not download it again; 'latest'
+    is re-resolved on every call, so a newly published model re-scores."""
     if not ctx.policy.model_uri:
         raise ValueError(f"tiering policy {ctx.policy.version}: scorer 'model' needs model_uri")
     if ctx.policy.model_uri.startswith(DOWNLINK):  # the model the core downlinked to this node
         return _downlinked(ctx, ctx.policy.model_uri.removeprefix(DOWNLINK))
     store = ctx.store or ObjectStore.from_env()
-    uri = resolve_model_uri(store, kind_model_uri(ctx.policy.model_uri, ctx.contract))
+    try:
+        uri = resolve_model_uri(store, kind_model_uri(ctx.policy.model_uri, ctx.contract))
+    except NoPublishedModel as e:
+        raise NoModelYet(str(e)) from e
     key = (uri, store.model_dump_json())
     with _loaded_lock:
         scorer = _loaded.get(key)
@@ -143,7 +200,7 @@ def _downlinked(ctx: ScorerContext, name: str) -> ModelScorer:
         name = ctx.contract.training.model_name
     path = ctx.downlinked("model", name) if ctx.downlinked else None
     if path is None:
-        raise ValueError(f"no model {name!r} downlinked to this node yet ({ctx.state_dir}); it arrives with the "
+        raise NoModelYet(f"no model {name!r} downlinked to this node yet ({ctx.state_dir}); it arrives with the "
                          f"next contact (edgehaul downlink sync)")
     key = (str(path), "downlink")  # a new generation is a new folder: a new model re-scores
     with _loaded_lock:

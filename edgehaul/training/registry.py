@@ -125,6 +125,10 @@ def latest_uri(store: ObjectStore, name: str = "landcover") -> str:
     return store.uri("models", f"{name}/latest.json")
 
 
+class NoPublishedModel(RegistryError):
+    """No model of that name has been published yet (its latest.json does not exist)."""
+
+
 def resolve_model_uri(store: ObjectStore, model_uri: str | None) -> str:
     """The model a scorer or reader means: `latest` / `latest:<name>` / None is the published model of
     that name (default `landcover`, through its `latest.json` pointer); anything else is a model URI."""
@@ -135,7 +139,7 @@ def resolve_model_uri(store: ObjectStore, model_uri: str | None) -> str:
     try:
         pointer, _ = read_json(store, latest_uri(store, name))
     except RegistryError as e:
-        raise RegistryError(f"no published {name} model yet ({e}); run the publish_model flow") from e
+        raise NoPublishedModel(f"no published {name} model yet ({e}); run the publish_model flow") from e
     return str(pointer["model_uri"])
 
 

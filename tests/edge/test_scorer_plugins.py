@@ -163,3 +163,35 @@ def test_state_file_is_json_in_the_kinds_folder(tmp_path: Path) -> None:
     spool.close()
     path = Path(node.spool_dir) / "scorer" / "novelty" / LANDSAT.id / NoveltyScorer.STATE_FILE
     assert len(json.loads(path.read_bytes())["batches"]) == 1
+
+
+def test_the_model_scorer_before_its_kind_has_a_model_scores_with_the_fallback_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from edgehaul.edge.model_scorer import ColdStart, NoModelYet
+
+    node, spool = _node(tmp_path), _spool(tmp_path)
+    policy = TieringPolicy(scorer="model", model_uri="downlink:")  # the kind's own model, none downlinked yet
+    with caplog.at_level("WARNING", logger="edgehaul.edge.model_scorer"):
+        accepted = sum(_run(t, LANDSAT, node, spool, policy) for t in generate(300, "node-a", seed=5, batch_size=150))
+    spool.close()
+    assert accepted == 300 and len(spool.pending()) > 0
+    assert "no model 'landcover' downlinked to this node yet" in caplog.text and "scoring with novelty" in caplog.text
+    cold = make_scorer(policy, node, LANDSAT)
+    assert isinstance(cold, ColdStart) and isinstance(cold.fallback, NoveltyScorer)
+    # the fallback learnt from both batches, in a folder of its own under the model scorer's
+    assert cold.fallback.state_path is not None and _rows_seen(cold.fallback.state_path) == 300
+    assert cold.fallback.state_path.is_relative_to(Path(node.spool_dir) / "scorer" / "model")
+    assert cold.version.startswith("model-pending+novelty") and cold.cache_version("x").startswith("model-pending+")
+    with pytest.raises(NoModelYet):
+        make_scorer(policy.model_copy(update={"fallback_scorer": None}), node, LANDSAT)
+
+
+def test_the_fallback_scorer_is_checked_and_keys_only_model_policies() -> None:
+    with pytest.raises(ValueError, match="fallback_scorer cannot be 'model'"):
+        TieringPolicy(scorer="model", model_uri="latest", fallback_scorer="model")
+    with pytest.raises(ValueError, match="scorer 'vibration' is not registered"):
+        TieringPolicy(fallback_scorer="vibration")
+    # only the model scorer ever falls back: other policies keep their fingerprint, so their edge cache holds
+    assert TieringPolicy().fingerprint == TieringPolicy(fallback_scorer="anomaly").fingerprint
+    model = TieringPolicy(scorer="model", model_uri="latest")
+    assert model.fingerprint != model.model_copy(update={"fallback_scorer": "anomaly"}).fingerprint

@@ -180,8 +180,9 @@ def test_the_edge_model_scorer_uses_the_downlinked_model(stack: localstack.Stack
     from edgehaul.blocks.policies import EdgeNode
     from edgehaul.contracts import load_contract
     from edgehaul.edge.landsat import generate
-    from edgehaul.edge.model_scorer import ModelScorer
+    from edgehaul.edge.model_scorer import ColdStart, ModelScorer, NoModelYet
     from edgehaul.edge.preprocess import preprocess
+    from edgehaul.edge.scoring import NoveltyScorer
     from edgehaul.tasks.edge import make_scorer
     from edgehaul.training.registry import parse_model_file
 
@@ -192,8 +193,14 @@ def test_the_edge_model_scorer_uses_the_downlinked_model(stack: localstack.Stack
     node = EdgeNode(node_id="node-a", spool_dir=str(tmp_path))
     policy = TieringPolicy(scorer="model", model_uri="downlink:landcover")
     rows = preprocess(next(generate(200, "node-a", seed=4, batch_size=200)), contract).accepted
-    with pytest.raises(ValueError, match="no model 'landcover' downlinked to this node yet"):
-        make_scorer(policy, node, contract)
+    with pytest.raises(NoModelYet, match="no model 'landcover' downlinked to this node yet"):
+        make_scorer(policy.model_copy(update={"fallback_scorer": None}), node, contract)
+    # The cold start: until a model arrives, the policy's fallback scorer values the rows, and says so.
+    cold = make_scorer(policy, node, contract)
+    assert isinstance(cold, ColdStart) and cold.version.startswith("model-pending+novelty")
+    assert "no model 'landcover' downlinked" in cold.reason
+    novelty = NoveltyScorer(contract)  # a fresh sketch, as the cold start's own
+    np.testing.assert_allclose(cold.score(rows, batch_key="b1"), novelty.score(rows, batch_key="b1"))
     for model_id, seed in (("dl-m1", 1), ("dl-m2", 2)):
         data = _model_bytes(model_id, seed)
         downlink.publish_update(core, "node-a", [("landcover", "model", model_id, data)])
