@@ -21,7 +21,8 @@ class UnknownScorer(ValueError):
 BUILTIN = {name: EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP) for name, value in (
     ("novelty", "edgehaul.edge.scoring:NoveltyScorer.from_context"),
     ("model", "edgehaul.edge.model_scorer:from_context"),
-    ("anomaly", "edgehaul.edge.anomaly_scorer:AnomalyScorer.from_context"))}
+    ("anomaly", "edgehaul.edge.anomaly_scorer:AnomalyScorer.from_context"),
+    ("density", "edgehaul.edge.density_scorer:DensityScorer.from_context"))}
 
 
 @cache

@@ -177,6 +177,10 @@ def check_quality(lineage: dict[str, Any], margin: float = PUBLISH_MARGIN, min_v
     if not (math.isfinite(f1) and math.isfinite(chance)):
         raise QualityGateFailed(f"model {mid}: no validation macro-F1 to judge (trained without validation rows): "
                                 "below the publish gate")
+    present = [k for k in final if k.startswith("val_support_") and float(final[k] or 0) > 0]
+    if len(present) == 1:  # one class: a constant guesser scores 1.0, so no model can be judged against it
+        raise QualityGateFailed(f"model {mid}: its validation rows hold one class only ({present[0]}), so its "
+                                "quality cannot be judged: below the publish gate")
     if not f1 >= chance + margin:
         raise QualityGateFailed(f"model {mid}: validation macro-F1 {f1:.3f} below the publish gate "
                                 f"{chance + margin:.3f} (chance {chance:.3f} + {margin:.2f})")

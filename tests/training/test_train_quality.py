@@ -107,6 +107,10 @@ def test_the_publish_gate_judges_macro_f1_against_chance_plus_its_floor() -> Non
     # a lineage without the chance figure: computed from the support it records
     legacy = {"model_id": "l", "final": {"val_macro_f1": 0.9, "val_support_1": 50.0, "val_support_2": 50.0}}
     assert registry.check_quality(legacy)["chance_macro_f1"] == pytest.approx(0.5)
+    # validation rows of one class (a rare class missed by the split): chance is 1.0, nothing could pass; said so
+    one = {"model_id": "o", "final": {"val_macro_f1": 1.0, "val_support_0": 57.0, "val_support_1": 0.0}}
+    with pytest.raises(registry.QualityGateFailed, match=r"validation rows hold one class only \(val_support_0\)"):
+        registry.check_quality(one)
 
 
 # ---------------------------------------------------------------------------------------- real runs
