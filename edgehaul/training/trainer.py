@@ -238,6 +238,7 @@ class _Acc:
     steps: int = 0
     wsum: float = 0.0  # sum of training rows' weights
     val_confusion: list[float] = field(default_factory=list)  # weighted, row-major [true][predicted]
+    val_rows: list[float] = field(default_factory=list)  # validation rows per true class, unweighted
 
     @classmethod
     def restore(cls, d: dict[str, Any], n_classes: int) -> _Acc:
@@ -246,11 +247,13 @@ class _Acc:
             acc.wsum = acc.n
         if not acc.val_confusion:
             acc.val_confusion = [0.0] * n_classes * n_classes
+        if not acc.val_rows:  # a checkpoint from before the count: the epoch's ranking waits for the next one
+            acc.val_rows = [0.0] * n_classes
         return acc
 
     def as_list(self) -> list[float]:
         return [self.loss, self.correct, self.n, self.val_loss, self.val_correct, self.val_n, self.wsum,
-                *self.val_confusion]
+                *self.val_confusion, *self.val_rows]
 
 
 @dataclass
@@ -370,22 +373,23 @@ def _inverse_shares(counts: np.ndarray, max_weight: float) -> np.ndarray:
 
 def _class_weights(fragments: list[Any], columns: list[str], contract: Contract, n_classes: int,
                    max_rows: int = 65_536, max_weight: float = 100.0,
-                   power: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss class weights, population class weights): inverse class shares of the row weights the loss uses,
-    (1/inclusion_p)^power, so the loss weighs every class the same; and of the 1/inclusion_p counts (the
-    stream's mix), whose log the decision rule puts back as the prior."""
+                   power: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """(loss class weights, population class weights, rows per class): inverse class shares of the row weights
+    the loss uses, (1/inclusion_p)^power, so the loss weighs every class the same; and of the 1/inclusion_p
+    counts (the stream's mix), whose log the decision rule puts back as the prior."""
     assert contract.label_column is not None
-    counts = np.zeros((2, n_classes), dtype=np.float64)
+    counts = np.zeros((3, n_classes), dtype=np.float64)
     for rows in _sample_rows(fragments, columns, contract, max_rows, batch_size=8192):
         y = labels_to_targets(rows.column(contract.label_column), contract).numpy()
         w = sample_weights(rows)
         w = np.where(np.isfinite(w), w, 0.0)
         np.add.at(counts[0], y, w**power)
         np.add.at(counts[1], y, w)
-    loss_w, pop_w = (_inverse_shares(c, max_weight) for c in counts)
+        np.add.at(counts[2], y, 1.0)
+    loss_w, pop_w = (_inverse_shares(c, max_weight) for c in counts[:2])
     log.info("class weights %s (population %s)", [round(float(v), 3) for v in loss_w],
              [round(float(v), 3) for v in pop_w])
-    return torch.from_numpy(loss_w.astype(np.float32)), torch.from_numpy(pop_w.astype(np.float32))
+    return torch.from_numpy(loss_w.astype(np.float32)), torch.from_numpy(pop_w.astype(np.float32)), counts[2]
 
 
 ProgressFn = Callable[[float, str], None]
@@ -457,8 +461,10 @@ class _Run:
         balance = contract.training is None or contract.training.balance_classes
         self.class_w: torch.Tensor | None = None  # the loss's, per class
         self.prior_w: torch.Tensor | None = None  # 1/share of the stream (1/p-weighted): the decision rule's prior
+        self.class_rows: np.ndarray | None = None  # rows per class in the version (of a sample of it)
         if balance:
-            cw, pw = _class_weights(self.fragments, self.columns, contract, self.n_classes, power=cfg.weight_power)
+            cw, pw, self.class_rows = _class_weights(self.fragments, self.columns, contract, self.n_classes,
+                                                     power=cfg.weight_power)
             self.class_w, self.prior_w = cw.to(d.device), pw
         self.ctl = IntervalController(
             target_share=cfg.max_checkpoint_share,
@@ -547,6 +553,8 @@ class _Run:
             cm = torch.zeros(n * n, dtype=torch.float64)
             cm.index_add_(0, (va.y * n + pred).cpu(), va.w.double().cpu())
             acc.val_confusion = [a + b for a, b in zip(acc.val_confusion, cm.tolist(), strict=True)]
+            rows = torch.bincount(va.y.cpu(), minlength=n).double()
+            acc.val_rows = [a + b for a, b in zip(acc.val_rows, rows.tolist(), strict=True)]
         self.raw_model.train()
 
     def step_on(self, tr: _Part, global_w: float) -> None:
@@ -606,7 +614,9 @@ class _Run:
             "train_loss": s[0] / s[6] if s[6] else float("nan"), "train_acc": s[1] / s[2] if s[2] else float("nan"),
             "val_loss": s[3] / s[5] if s[5] else float("nan"), "val_acc": s[4] / s[5] if s[5] else float("nan"),
             "train_samples": s[2], "val_samples": s[5],
-            **class_metrics(np.asarray(s[7:]).reshape(self.n_classes, self.n_classes), contract.label_values),
+            **class_metrics(np.asarray(s[7 : 7 + self.n_classes**2]).reshape(self.n_classes, self.n_classes),
+                            contract.label_values),
+            **{f"val_rows_{v}": s[7 + self.n_classes**2 + i] for i, v in enumerate(contract.label_values)},
         }
         row["val_chance_macro_f1"] = chance_of(row, contract.label_values)
         self.history.append(row)
@@ -625,10 +635,14 @@ class _Run:
     def keep_best(self, row: dict[str, float]) -> bool:
         """Remember the epoch if its validation macro-F1 is the best; True when training should stop (no
         better epoch for `patience` epochs). Without validation rows every epoch is 'best': the last is kept; so
-        with fewer than `RANKING_MIN_ROWS` per class (a dozen readings cannot rank epochs: the barely trained
-        first epochs would win by chance and be registered)."""
+        with fewer than `RANKING_MIN_ROWS` validation rows of some class the version holds: a dozen readings
+        cannot rank epochs (the barely trained first epochs would win by chance and be registered), and three
+        rows, or none, of a rare class let an epoch that never predicts it win (macro-F1 counts the classes
+        present; gait at 10%: half of the models answered 'normal' to everything)."""
         f1 = row["val_macro_f1"]
-        if row.get("val_samples", 0) < RANKING_MIN_ROWS * self.n_classes:
+        rows = np.asarray([row.get(f"val_rows_{v}", 0.0) for v in self.contract.label_values])
+        held = self.class_rows > 0 if self.class_rows is not None else rows > 0
+        if row.get("val_samples", 0) < RANKING_MIN_ROWS * self.n_classes or (rows[held] < RANKING_MIN_ROWS).any():
             f1 = math.nan
         if not math.isfinite(f1) or f1 > self.best.macro_f1:
             self.best = _Best(int(row["epoch"]), f1 if math.isfinite(f1) else -math.inf,

@@ -233,12 +233,12 @@ def test_balanced_loss_counts_a_class_rows_alike_and_the_prior_stays_the_streams
     p = np.r_[np.full(150, 0.1), np.ones(150), np.ones(50)]  # class 0 stands for 1,650 rows, class 1 for 50
     uri = _write(store, GAIT, [kind_rows(GAIT, 350, seed=5, labels=labels, inclusion_p=p, unusable_every=10**9)])
     frags, cols = open_fragments(DatasetRef(uri, 0, store.storage_options()), GAIT)
-    loss_w, prior_w = _class_weights(frags, cols, GAIT, 2, power=0.0)
-    assert loss_w.tolist() == pytest.approx([1.0, 6.0])
+    loss_w, prior_w, rows = _class_weights(frags, cols, GAIT, 2, power=0.0)
+    assert loss_w.tolist() == pytest.approx([1.0, 6.0]) and rows.tolist() == [300.0, 50.0]  # rows, unweighted
     assert prior_w.tolist() == pytest.approx([1.0, 33.0])
-    ht_loss, ht_prior = _class_weights(frags, cols, GAIT, 2, power=1.0)
+    ht_loss, ht_prior, _ = _class_weights(frags, cols, GAIT, 2, power=1.0)
     assert ht_loss.tolist() == pytest.approx([1.0, 33.0]) and ht_prior.tolist() == pytest.approx([1.0, 33.0])
-    half, _ = _class_weights(frags, cols, GAIT, 2, power=0.5)  # class 0: 150 x sqrt(10) + 150 rows' worth
+    half, _, _ = _class_weights(frags, cols, GAIT, 2, power=0.5)  # class 0: 150 x sqrt(10) + 150 rows' worth
     assert half.tolist() == pytest.approx([1.0, (150 * 10**0.5 + 150) / 50], rel=1e-5)
     assert TrainConfig.model_fields["weight_power"].default == 0.5
 
