@@ -197,19 +197,26 @@ def test_a_batch_sends_its_budget_and_p_is_the_chance_of_landing(pump: Contract,
 
 def test_a_pass_short_of_the_plan_thins_at_random_and_p_follows(pump: Contract, tmp_path: Path) -> None:
     """The default policy (no budget) sends far more than the link carries: thin_to brings the waiting bytes
-    under capacity by a random draw per row (urgent bundles untouched), multiplies inclusion_p by keep, and moves
-    the rows thinned out to the raw store: every sample is sent or kept, never both, never lost."""
+    under capacity by a random draw per row (every urgent row kept, its p unchanged, packed first with the rows
+    kept), multiplies inclusion_p by keep, and moves the rows thinned out to the raw store: every sample is sent
+    or kept, never both, never lost."""
     spool = run_edge(pump, TieringPolicy(), tmp_path, n=12_000, batch=4000, seed=5)
     before = landed(spool)
     before_p = dict(zip(before.column("sample_id").to_pylist(), before.column("inclusion_p").to_pylist(), strict=True))
-    urgent_before = {e.bundle_id for e in spool.pending() if e.tier == "high"}
+    urgent_ids = {i for e in spool.pending() if e.tier == "high" for i in e.manifest.sample_ids}
     total = sum(e.manifest.nbytes for e in spool.pending())
     urgent = sum(e.manifest.nbytes for e in spool.pending() if e.tier == "high")
     capacity = urgent + (total - urgent) // 4
     rounds = spool.thin_to(capacity, salt="pass-1")
     assert rounds and sum(e.manifest.nbytes for e in spool.pending()) <= capacity
-    assert urgent_before <= {e.bundle_id for e in spool.pending()}
+    pending = spool.pending()
+    in_urgent = {i for e in pending if e.tier == "high" for i in e.manifest.sample_ids}
+    assert urgent_ids and urgent_ids <= in_urgent  # every urgent row still waits, in an urgent bundle
+    order = [i for e in pending for i in e.manifest.sample_ids]
+    assert set(order[: len(urgent_ids)]) == urgent_ids  # and drains first
     after = landed(spool)
+    after_p = dict(zip(after.column("sample_id").to_pylist(), after.column("inclusion_p").to_pylist(), strict=True))
+    assert all(after_p[i] == before_p[i] for i in urgent_ids)
     keep = float(np.prod([r.keep for r in rounds]))
     ratios = {round(p / before_p[i], 5) for i, p, t in zip(after.column("sample_id").to_pylist(),
                                                             after.column("inclusion_p").to_pylist(),
