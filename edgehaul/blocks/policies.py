@@ -120,7 +120,7 @@ class TieringPolicy(Block):
     version: str = Field(default="1", min_length=1, description="Policy version, recorded with every bundle.")
     scorer: str = Field(default="novelty", min_length=1, description=(
         "Which scorer values samples: a name registered under the `edgehaul.scorers` entry point "
-        "(shipped: novelty, anomaly, model)."))
+        "(shipped: novelty, anomaly, density, model)."))
     model_uri: str | None = Field(default=None, description="Model for the 'model' scorer (s3://... or 'latest').")
     fallback_scorer: str | None = Field(default="novelty", description=(
         "The 'model' scorer's stand-in while its kind has no model (none published or downlinked yet): a "

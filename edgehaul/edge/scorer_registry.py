@@ -15,9 +15,10 @@ against what was folded before it, then fold it; `save()` persists) and its `cac
 keys the edge cache; a stateless one only needs `version` and `score(table)`.
 
 Shipped: `novelty` (rarity x feature novelty, generic over the contract's label and feature columns),
-`anomaly` (labelled anomalies, then a robust z-score against the normal class: labelled telemetry) and
-`model` (uncertainty of a published model; imported only when chosen, so a node without torch can run the
-others).
+`anomaly` (labelled anomalies, then a robust z-score against the normal class: labelled telemetry), `density`
+(a sparse neighbourhood in the batch is worth more: rare clusters, not far common ones) and `model` (uncertainty
+of a published model; imported only when chosen, so a node without torch can run the others; before its kind has
+a model, the policy's `fallback_scorer`).
 """
 
 from __future__ import annotations
