@@ -363,3 +363,26 @@ def test_at_5_percent_the_default_scorer_lands_more_faults_than_random_and_train
         scores[name] = _macro_f1(truth, np.asarray(model.contract.label_values)[pred])
     log.info("macro-F1 on %d held-out rows: %s", test.num_rows, scores)
     assert scores["tiered"] >= scores["random"] - 0.01, scores
+
+
+def test_a_pass_that_fits_once_its_rows_share_footers_repacks_and_thins_nothing(pump: Contract,
+                                                                               tmp_path: Path) -> None:
+    """Bundles of two rows are mostly footer: what waits is over the capacity, the same rows packed 16 to a bundle
+    are under it. thin_to packs them with keep 1 (no row to the raw store, every p unchanged) instead of leaving
+    the spool over capacity, where the link would carry a prefix of the drain order (the urgent bundles alone)."""
+    policy = TieringPolicy(version="tiny", flush_max_samples=2, low_threshold=0.0)  # every row travels
+    spool = run_edge(pump, policy, tmp_path, n=96, batch=48, seed=3)
+    before = landed(spool)
+    pending = spool.pending()
+    total = sum(e.manifest.nbytes for e in pending)
+    assert len(pending) >= 30
+    capacity = total // 2
+    rounds = spool.thin_to(capacity, salt="pass-pack", pack_rows=16)
+    after_entries = spool.pending()
+    assert rounds[0].keep == 1.0 and sum(r.rows_out for r in rounds) == 0 and not spool.raw_entries()
+    assert sum(e.manifest.nbytes for e in after_entries) <= capacity and len(after_entries) < len(pending) / 4
+    after = landed(spool)
+    assert sorted(after.column("sample_id").to_pylist()) == sorted(before.column("sample_id").to_pylist())
+    p_before = dict(zip(before.column("sample_id").to_pylist(), before.column("inclusion_p").to_pylist(), strict=True))
+    assert all(p == p_before[i] for i, p in zip(after.column("sample_id").to_pylist(),
+                                                after.column("inclusion_p").to_pylist(), strict=True))
