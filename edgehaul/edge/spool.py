@@ -95,19 +95,19 @@ class ThinResult:
 
 
 def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float,
-                pack_rows: int | None = None, merge_tiers: bool = False, kept_whole: frozenset[str] = frozenset()) -> float:
-    """keep in [0, 1] with E[bytes after `Spool.thin`] = room: per group of bundles (contract, tier; contract
-    alone with `merge_tiers`, as `Spool.thin` packs them), the rows' bytes times keep plus one fixed part per
+                pack_rows: int | None = None, kept_whole: frozenset[str] = frozenset()) -> float:
+    """keep in [0, 1] with E[bytes after `Spool.thin`] = room: per contract (`thin_to` packs every tier of a
+    contract together), the rows' bytes times keep plus one fixed part per
     packed bundle (the rows kept / the group's largest bundle's rows, rounded up; `pack_rows` or the largest
     original bundle's rows per bundle). The bundles of `kept_whole` tiers are packed with the others but keep
     every row. Summary rows are counted as rows (a budgeted edge sends few)."""
     if room <= 0:
         return 0.0
-    groups: dict[tuple[str, str], tuple[float, float, float, float, float, int]] = {}
+    groups: dict[str, tuple[float, float, float, float, float, int]] = {}
     for e in entries:
         m = e.manifest
         o = float(overhead.get(m.contract, 0))
-        g = (m.contract, "" if merge_tiers else e.tier)
+        g = m.contract
         rows, body, rows1, body1, _, size = groups.get(g, (0.0, 0.0, 0.0, 0.0, o, pack_rows or 1))
         if e.tier in kept_whole:
             rows1, body1 = rows1 + m.row_count, body1 + max(m.nbytes - o, 0.0)
@@ -518,7 +518,7 @@ class Spool:
                         e.manifest.row_count - 1, 1))
             room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned))
             whole = frozenset({"high"} - set(tiers))
-            keep = _solve_keep(thinned, overhead, room, pack_rows, merge_tiers=True, kept_whole=whole)
+            keep = _solve_keep(thinned, overhead, room, pack_rows, kept_whole=whole)
             done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
                                   pack_with=tuple(whole), repack=True))
             if not done[-1].bundles:
