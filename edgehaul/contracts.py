@@ -160,15 +160,23 @@ class LabelSpec:
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """What the edge derives per observation: statistics per tensor channel (`mean_<channel>`...), each numeric
+    """What the edge derives per observation: statistics per tensor channel (`mean_<channel>`...), the mean of
+    each cell of a coarse spatial grid per channel (`per: grid`, `cells: [rows, cols]`: `grid_<channel>_r<i>c<j>`,
+    a layout descriptor the scorers can tell shapes apart by where channel statistics cannot), each numeric
     column normalised to its declared range (`per: column`: `norm_<column>` = (x - min) / (max - min), x itself
     where no range is declared), or a named function `module:function(table, contract) -> {name: float32 array}`."""
 
-    per: str | None  # "channel" | "column" | None for a function
+    per: str | None  # "channel" | "grid" | "column" | None for a function
     stats: tuple[str, ...] = ("mean", "std")
     columns: tuple[str, ...] = ()  # per: column; empty = every numeric column
     function: str | None = None
     outputs: tuple[str, ...] = ()  # the columns a function returns
+    cells: tuple[int, int] = (0, 0)  # per: grid: cells along the tensor's two spatial axes
+
+
+def grid_feature_names(channels: tuple[str, ...], cells: tuple[int, int]) -> list[str]:
+    """`grid_<channel>_r<i>c<j>`, channel-major then row-major (the order `decode.grid_means` returns)."""
+    return [f"grid_{ch}_r{i}c{j}" for ch in channels for i in range(cells[0]) for j in range(cells[1])]
 
 
 # How a raw file may write `capture_time` (`raw.capture_time`): ISO 8601 text with a zone is always read; a
@@ -328,6 +336,8 @@ class Contract:
         for f in self.features:
             if f.per == "channel":
                 out += [f"{stat}_{ch}" for stat in f.stats for ch in self.channels]
+            elif f.per == "grid":
+                out += grid_feature_names(self.channels, f.cells)
             elif f.per == "column":
                 out += [f"{stat}_{c}" for stat in f.stats for c in (f.columns or self.numeric_columns)]
             else:
@@ -337,10 +347,20 @@ class Contract:
     @property
     def derived_feature_columns(self) -> list[str]:
         """Features a core derives from the row's own columns (`norm_<column>`: the reading scaled by the
-        contract's range, `decode.derived_features`): the edge computes them to score, no bundle carries them,
-        so no reading travels twice."""
+        contract's range; `grid_...`: cell means of the decoded payload; `decode.with_derived_features`): the edge
+        computes them to score, no bundle carries them, so no reading travels twice."""
         return [f"{stat}_{c}" for f in self.features if f.per == "column"
-                for stat in f.stats for c in (f.columns or self.numeric_columns)]
+                for stat in f.stats for c in (f.columns or self.numeric_columns)] + self.grid_feature_columns
+
+    @property
+    def grid_feature_columns(self) -> list[str]:
+        """The `per: grid` features (derived: a core decodes the payload for them)."""
+        return [n for f in self.features if f.per == "grid" for n in grid_feature_names(self.channels, f.cells)]
+
+    @property
+    def grid_cells(self) -> tuple[int, int] | None:
+        """The grid of the contract's `per: grid` feature (at most one), None without one."""
+        return next((f.cells for f in self.features if f.per == "grid"), None)
 
     @property
     def bundle_schema(self) -> pa.Schema:
@@ -543,14 +563,18 @@ class _Doc:
 
     def feature(self, raw: Any, where: str, layout: str, tensor: TensorSpec | None,
                 columns: tuple[ColumnSpec, ...]) -> FeatureSpec:
-        f = self.mapping(raw, where, {"per", "stats", "columns", "function", "outputs"})
+        f = self.mapping(raw, where, {"per", "stats", "columns", "function", "outputs", "cells"})
         if "function" in f:
             fn = self.string(f["function"], f"{where}.function")
             if ":" not in fn:
                 raise self.fail(f"{where}.function", f"must be 'module:function', got {fn!r}")
             outputs = self.strings(self.need(f, "outputs", where), f"{where}.outputs")
             return FeatureSpec(per=None, function=fn, outputs=outputs, stats=())
-        per = self.string(self.need(f, "per", where), f"{where}.per", ("channel", "column"))
+        per = self.string(self.need(f, "per", where), f"{where}.per", ("channel", "grid", "column"))
+        if "cells" in f and per != "grid":
+            raise self.fail(f"{where}.cells", f"belongs to per: grid, not per: {per}")
+        if per == "grid":
+            return self.grid_feature(f, where, layout, tensor)
         if per == "channel":
             if tensor is None:
                 raise self.fail(f"{where}.per", f"is channel, but a {layout} kind has no tensor to decode")
@@ -565,6 +589,23 @@ class _Doc:
         if bad := [c for c in cols if c not in numeric]:
             raise self.fail(f"{where}.columns", f"names {bad}, not numeric columns of this kind")
         return FeatureSpec(per="column", stats=("norm",), columns=cols)
+
+    def grid_feature(self, f: dict[str, Any], where: str, layout: str, tensor: TensorSpec | None) -> FeatureSpec:
+        if tensor is None:
+            raise self.fail(f"{where}.per", f"is grid, but a {layout} kind has no tensor to decode")
+        spatial = [s for i, s in enumerate(tensor.shape) if i != tensor.channel_axis]
+        if len(spatial) != 2:
+            raise self.fail(f"{where}.per", f"is grid, which needs a tensor with two spatial axes besides its "
+                                            f"channels; shape {list(tensor.shape)} has {len(spatial)}")
+        raw = self.need(f, "cells", where)
+        if not isinstance(raw, list) or len(raw) != 2:
+            raise self.fail(f"{where}.cells", f"must be [rows, cols], got {raw!r}")
+        cells = tuple(self.integer(x, f"{where}.cells[{i}]") for i, x in enumerate(raw))
+        if not all(1 <= c <= s for c, s in zip(cells, spatial, strict=True)):
+            raise self.fail(f"{where}.cells", f"must be between 1 and the spatial size {spatial}, got {list(cells)}")
+        if "stats" in f and f["stats"] != ["mean"]:
+            raise self.fail(f"{where}.stats", f"a grid holds cell means only, got {f['stats']!r}")
+        return FeatureSpec(per="grid", stats=("mean",), cells=(cells[0], cells[1]))
 
     def training(self, v: Any, layout: str, tensor: TensorSpec | None, label: LabelSpec, kind: str
                  ) -> TrainingSpec | None:

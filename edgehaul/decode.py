@@ -6,13 +6,15 @@ scorers) and for training alike.
   and valid (preprocessing checked them); a row that is not names its index.
 - `column_matrix(table, contract)`: a columns kind's numeric data columns -> (m, k) float32, each
   normalised to its declared range (the `norm_<column>` features), NaN where null.
-- `with_derived_features(table, contract)`: the table with the `norm_<column>` features a bundle does not
-  carry (`Contract.derived_feature_columns`), derived from its columns: what a core reads them as.
+- `grid_means(x, spec, cells)`: (m, *shape) -> the `per: grid` features, (m, channels x rows x cols) float32.
+- `with_derived_features(table, contract)`: the table with the `norm_<column>` and `grid_...` features a bundle
+  does not carry (`Contract.derived_feature_columns`), derived from its columns: what a core reads them as.
 """
 
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -131,6 +133,38 @@ def column_matrix(table: pa.Table, contract: Contract, columns: tuple[str, ...] 
     return out
 
 
+def grid_means(x: np.ndarray, spec: TensorSpec, cells: tuple[int, int]) -> np.ndarray:
+    """Mean of the normalised values in each cell of a rows x cols grid over the two spatial axes, per channel:
+    (m, *shape) -> (m, C * rows * cols) float32, channel-major then row-major (`contracts.grid_feature_names`).
+    Cells split the axes as evenly as integers allow; a float tensor's NaNs are skipped (an all-NaN cell: NaN)."""
+    xc = np.moveaxis(x, 1 + spec.channel_axis, -1)  # (m, H, W, C)
+    m, h, w, c = xc.shape
+    rows, cols = cells
+    re = [i * h // rows for i in range(rows + 1)]
+    ce = [j * w // cols for j in range(cols + 1)]
+    out = np.empty((m, c, rows, cols), dtype=np.float64)
+    mean = np.nanmean if np.issubdtype(xc.dtype, np.floating) else np.mean
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN cell is NaN, said in the docstring
+        for i in range(rows):
+            for j in range(cols):
+                out[:, :, i, j] = mean(xc[:, re[i]:re[i + 1], ce[j]:ce[j + 1], :], axis=(1, 2), dtype=np.float64)
+    return (out * spec.scale + spec.offset).reshape(m, c * rows * cols).astype(np.float32)
+
+
+def _grid_features(table: pa.Table, contract: Contract) -> np.ndarray:
+    """The grid features of every row; NaN where the payload is null (a summary row)."""
+    spec, cells = contract.tensor, contract.grid_cells
+    assert spec is not None and cells is not None
+    col = _combine(table[contract.payload_columns[0]])
+    out = np.full((len(col), len(spec.channels) * cells[0] * cells[1]), np.nan, np.float32)
+    have = np.flatnonzero(col.is_valid().to_numpy(zero_copy_only=False))
+    if len(have):
+        x = decode_tensors(col.take(pa.array(have)), contract)
+        out[have] = grid_means(x, spec, cells)
+    return out
+
+
 def with_derived_features(table: pa.Table, contract: Contract, names: list[str] | None = None) -> pa.Table:
     """`table` with the derived features (`names`, default all of `Contract.derived_feature_columns`) it lacks
     appended as float32, computed from the row's columns as the edge computed them (NaN in a summary row or for
@@ -139,8 +173,14 @@ def with_derived_features(table: pa.Table, contract: Contract, names: list[str] 
             if n not in table.column_names]
     if not want:
         return table
-    cols = tuple(n.removeprefix("norm_") for n in want)
-    mat = column_matrix(table, contract, cols)
-    for j, n in enumerate(want):
-        table = table.append_column(pa.field(n, pa.float32()), pa.array(mat[:, j], pa.float32()))
+    grid = contract.grid_feature_columns
+    got: dict[str, np.ndarray] = {}
+    if norms := [n for n in want if n not in grid]:
+        mat = column_matrix(table, contract, tuple(n.removeprefix("norm_") for n in norms))
+        got.update({n: mat[:, j] for j, n in enumerate(norms)})
+    if any(n in grid for n in want):
+        mat = _grid_features(table, contract)
+        got.update({n: mat[:, grid.index(n)] for n in want if n in grid})
+    for n in want:
+        table = table.append_column(pa.field(n, pa.float32()), pa.array(got[n], pa.float32()))
     return table

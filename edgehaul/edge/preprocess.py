@@ -54,8 +54,9 @@ from edgehaul.contracts import (
     ContractInvalid,
     FeatureSpec,
     TensorSpec,
+    grid_feature_names,
 )
-from edgehaul.decode import DecodeError, binary_values, column_matrix, decode_file, raw_tensors
+from edgehaul.decode import DecodeError, binary_values, column_matrix, decode_file, grid_means, raw_tensors
 
 # Bump when the output of preprocess changes for the same input (it keys the preprocess cache).
 CODE_VERSION = "preprocess-2"  # 2: capture times in ISO 8601 with any fraction, epoch units
@@ -790,6 +791,10 @@ def _features(alive: _Alive, rj: _Rejects, contract: Contract) -> dict[str, pa.A
     for i, f in enumerate(contract.features):
         if f.per == "channel":
             out.update(_channel_stats(alive, contract, f))
+        elif f.per == "grid":
+            assert contract.tensor is not None and alive.x is not None
+            grid = grid_means(alive.x, contract.tensor, f.cells)
+            out.update({n: grid[:, j] for j, n in enumerate(grid_feature_names(contract.channels, f.cells))})
         elif f.per == "column":
             out.update(_column_norms(alive, contract, f))
         else:

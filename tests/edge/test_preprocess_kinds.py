@@ -393,12 +393,15 @@ def test_summaries_null_the_payload_and_keep_features(contract: Contract) -> Non
     for name in contract.payload_columns:
         assert s.column(name).null_count == 40
     derived = contract.derived_feature_columns
-    assert bool(derived) == (contract is GAIT)  # a gait row's norm_<column>: the reading again, scaled
+    # a gait row's norm_<column>: the reading again, scaled; a digit's grid of cell means: its image, coarser
+    assert bool(derived) == (contract is not MOTIONS)
     for name in contract.feature_columns:
         if name in derived:  # the edge scores on it; no bundle carries it: a core derives the same numbers
             assert name in acc.column_names and name not in scored.column_names
             got = with_derived_features(scored, contract).column(name)
             np.testing.assert_array_equal(got.to_numpy(), acc.column(name).to_numpy())
+            # a summary row has no payload to derive from: NaN, never a number made up
+            assert np.isnan(with_derived_features(s, contract).column(name).to_numpy()).all()
         else:
             assert s.column(name).equals(scored.column(name))
     assert s.column("is_summary").to_pylist() == [True] * 40 and s.schema.equals(contract.bundle_schema)

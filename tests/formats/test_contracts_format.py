@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from edgehaul.blocks import TieringPolicy
 from edgehaul.bundles import write_bundle
 from edgehaul.contracts import Contract, ContractInvalid, load_contract
-from edgehaul.decode import decode_tensors, normalise
+from edgehaul.decode import decode_tensors, grid_means, normalise, with_derived_features
 from edgehaul.edge.preprocess import preprocess, preprocessed_schema
 from edgehaul.edge.tiering import assign
 
@@ -96,6 +96,14 @@ MALFORMED = [
     (TENSOR, "kind", _DEL, "kind"),
     (TENSOR, "raw_columns", {"x": "blob"}, "raw_columns.x"),
     (TENSOR, "expectations", [{"type": "expect_x"}], "expectations[0]"),
+    (TENSOR, "features", [{"per": "grid", "cells": [2, 1]}], "features[0].per"),  # one spatial axis
+    (FILE, "features", [{"per": "grid"}], "cells"),
+    (FILE, "features", [{"per": "grid", "cells": [3, 1]}], "features[0].cells"),  # 3 rows of a 2-row image
+    (FILE, "features", [{"per": "grid", "cells": [0, 1]}], "features[0].cells[0]"),
+    (FILE, "features", [{"per": "grid", "cells": [2]}], "features[0].cells"),
+    (FILE, "features", [{"per": "grid", "cells": [1, 1], "stats": ["std"]}], "features[0].stats"),
+    (FILE, "features", [{"per": "channel", "cells": [2, 2]}], "features[0].cells"),
+    (FILE, "features", [{"per": "grid", "cells": [1, 1]}, {"per": "grid", "cells": [2, 2]}], "grid_g_r0c0"),
     (FILE, "file.media_type", "image/gif", "file.media_type"),
     (FILE, "file.max_bytes", -1, "file.max_bytes"),
     (FILE, "file.max_bytes", _DEL, "file.max_bytes"),
@@ -112,6 +120,7 @@ MALFORMED = [
     (COLUMNS, "label.column", "t", "label.column"),
     (COLUMNS, "features", [{"per": "column", "columns": ["s"]}], "features[0].columns"),
     (COLUMNS, "features", [{"per": "channel"}], "features[0].per"),
+    (COLUMNS, "features", [{"per": "grid", "cells": [1, 1]}], "features[0].per"),
     (COLUMNS, "training", {"model": "mlp"}, "training"),  # an anomaly label is fine; see below for none
 ]
 
@@ -194,3 +203,72 @@ def test_any_tensor_round_trips_through_preprocess_bundle_and_decode(tmp_path: P
                           ("max", xn[..., j].max(axis=1)), ("std", xn[..., j].std(axis=1))):
             got = back.column(f"{stat}_{ch}").to_numpy().astype(np.float64)
             np.testing.assert_allclose(got, ref.astype(np.float32), rtol=2e-5, atol=1e-5 * (1 + np.abs(ref).max()))
+
+
+@st.composite
+def images(draw: st.DrawFn) -> tuple[dict[str, Any], np.ndarray, list[int]]:
+    """A tensor with two spatial axes and a channel axis anywhere, and a grid that fits it."""
+    shape = draw(st.lists(st.integers(1, 7), min_size=3, max_size=3))
+    axis = draw(st.integers(0, 2))
+    spatial = [s for i, s in enumerate(shape) if i != axis]
+    cells = [draw(st.integers(1, s)) for s in spatial]
+    dtype = draw(st.sampled_from(["uint8", "int16", "float32"]))
+    spec = {"column": "x", "shape": shape, "dtype": dtype, "channel_axis": axis, "scale": 0.5, "offset": -1.0,
+            "channels": [f"c{i}" for i in range(shape[axis])]}
+    m = draw(st.integers(1, 5))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x = (rng.normal(0, 50, (m, *shape)) if dtype == "float32" else rng.integers(0, 200, (m, *shape))).astype(dtype)
+    return spec, x, cells
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(drawn=images())
+def test_grid_features_describe_the_image_and_a_core_derives_the_same(
+        tmp_path: Path, drawn: tuple[dict[str, Any], np.ndarray, list[int]]) -> None:
+    spec, x, cells = drawn
+    doc = {"kind": "k", "version": 1, "tensor": spec,
+           "features": [{"per": "channel", "stats": ["mean"]}, {"per": "grid", "cells": cells}]}
+    c = _load(tmp_path, doc)
+    m, rows, cols = len(x), cells[0], cells[1]
+    raw = pa.table({"sample_id": [f"s{i}" for i in range(m)], "node_id": ["n"] * m,
+                    "capture_time": pa.array([datetime(2026, 1, 1, tzinfo=UTC)] * m, pa.timestamp("ms", tz="UTC")),
+                    "seq": pa.array(range(m), pa.int64()), "x": pa.array([a.tobytes() for a in x], pa.binary())})
+    acc = preprocess(raw, c).accepted
+    grid = c.grid_feature_columns
+    assert len(grid) == len(spec["channels"]) * rows * cols and set(grid) <= set(acc.column_names)
+    # derived: the edge scores on the grid, no bundle carries it, a core derives the same numbers from the payload
+    bundle = assign(acc, np.zeros(m), TieringPolicy(), c)
+    assert not set(grid) & set(bundle.column_names) and bundle.schema.equals(c.bundle_schema)
+    core = with_derived_features(bundle, c)
+    for n in grid:
+        np.testing.assert_array_equal(core.column(n).to_numpy(), acc.column(n).to_numpy())
+    # the cell means, weighted by cell size, are the channel mean; a 1x1 grid is the channel mean itself
+    assert c.tensor is not None
+    xn = np.moveaxis(normalise(x, c.tensor).astype(np.float64), 1 + c.tensor.channel_axis, -1)
+    h, w = xn.shape[1:3]
+    sizes = np.diff([i * h // rows for i in range(rows + 1)])[:, None] * np.diff([j * w // cols for j in range(cols + 1)])
+    for ch in spec["channels"]:
+        cell = np.stack([acc.column(f"grid_{ch}_r{i}c{j}").to_numpy() for i in range(rows) for j in range(cols)], 1)
+        np.testing.assert_allclose((cell * sizes.reshape(1, -1)).sum(1) / (h * w), acc.column(f"mean_{ch}").to_numpy(),
+                                   rtol=1e-4, atol=1e-4 * (1 + np.abs(xn).max()))
+    # one cell per pixel: the normalised image itself, row-major per channel
+    assert grid_means(x, c.tensor, (h, w)).shape == (m, len(spec["channels"]) * h * w)
+    per_pixel = grid_means(x, c.tensor, (h, w)).reshape(m, -1, h, w)
+    np.testing.assert_allclose(per_pixel, np.moveaxis(xn, -1, 1).astype(np.float32), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grid_means(x, c.tensor, (1, 1)), acc.select([f"mean_{ch}" for ch in spec["channels"]])
+                               .to_pandas().to_numpy(), rtol=1e-4, atol=1e-4 * (1 + np.abs(xn).max()))
+
+
+def test_grid_of_a_float_image_skips_nans_and_a_summary_row_gets_none(tmp_path: Path) -> None:
+    doc = {"kind": "k", "version": 1,
+           "tensor": {"column": "x", "shape": [2, 2, 1], "dtype": "float32", "channels": ["g"], "max_nan_fraction": 0.5},
+           "features": [{"per": "grid", "cells": [1, 2]}]}
+    c = _load(tmp_path, doc)
+    assert c.tensor is not None
+    x = np.array([[[[1.0], [np.nan]], [[3.0], [np.nan]]]], np.float32)  # left column 1, 3; right column all NaN
+    got = grid_means(x, c.tensor, (1, 2))
+    assert got[0, 0] == 2.0 and np.isnan(got[0, 1])
+    rows = pa.table({"x": pa.array([x[0].tobytes(), None], pa.binary())})
+    derived = with_derived_features(rows, c)
+    assert derived.column("grid_g_r0c0").to_pylist()[0] == 2.0
+    assert all(v != v for v in derived.column("grid_g_r0c0").to_pylist()[1:])  # the null payload: NaN
