@@ -118,6 +118,53 @@ def test_scores_macro_f1_and_rare_recall() -> None:
     assert s["accuracy"] == pytest.approx(6 / 8)
 
 
+def _cell(policy: str, budget: float, f1: tuple[float, float, float], rare: tuple[float, float, float]
+          ) -> dict[str, Any]:
+    """A bench cell as run_experiment reports it: means and 90% intervals (lo, mean, hi)."""
+    return {"policy": policy, "budget": budget, "runs": [{}], "macro_f1_mean": f1[1], "rare_recall_mean": rare[1],
+            "accuracy_mean": 0.9, "ci": {"macro_f1": [f1[0], f1[2]], "rare_recall": [rare[0], rare[2]]}}
+
+
+def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
+    """The README's verdict is generated: the small-budget target needs the rare recall apart from FIFO's AND
+    random's (bounds that meet are not apart) and macro-F1 not below; the balanced kind's needs every tiered cell
+    not below random's, said with whether the intervals overlap."""
+    from benchmarks.bench_value import plain_verdict, verdicts
+
+    skewed = {"kind": "gait", "skewed": True, "policies": ["fifo", "random", "tier-anomaly"], "cells": [
+        _cell("fifo", 0.02, (0.50, 0.568, 0.63), (0.013, 0.093, 0.169)),
+        _cell("random", 0.02, (0.49, 0.518, 0.55), (0.016, 0.068, 0.138)),
+        _cell("tier-anomaly", 0.02, (0.56, 0.589, 0.62), (0.169, 0.222, 0.279)),  # touches FIFO's bound
+        _cell("fifo", 0.05, (0.50, 0.56, 0.62), (0.02, 0.11, 0.22)),
+        _cell("random", 0.05, (0.54, 0.58, 0.61), (0.21, 0.29, 0.36)),
+        _cell("tier-anomaly", 0.05, (0.55, 0.59, 0.63), (0.37, 0.45, 0.52)),  # apart from both, F1 not below
+        _cell("fifo", 0.10, (0.57, 0.591, 0.62), (0.4, 0.6, 0.7)),
+        _cell("random", 0.10, (0.53, 0.555, 0.58), (0.1, 0.3, 0.5)),
+        _cell("tier-anomaly", 0.10, (0.58, 0.609, 0.63), (0.4, 0.58, 0.66)),
+        *[_cell(p, 1.0, (0.61, 0.641, 0.67), (0.5, 0.6, 0.7)) for p in ("fifo", "random", "tier-anomaly")]]}
+    lines = verdicts(skewed)
+    small = [v for v in lines if v.startswith("small-budget target")]
+    assert len(small) == 2 and small[0].startswith("small-budget target at 2%: tier-anomaly")
+    assert "(overlapping)" in small[0] and small[0].endswith("NOT met")
+    assert "(apart)" in small[1] and "(not below)" in small[1] and small[1].endswith("MET")
+    assert any(v.startswith("target at 10%") and v.endswith(": MET") for v in lines)  # 0.609 >= 0.95 x 0.641
+    assert "the rare-recall target at 2% not met, 5% met" in plain_verdict([skewed])
+    skewed["cells"][5] = _cell("tier-anomaly", 0.05, (0.50, 0.57, 0.63), (0.37, 0.45, 0.52))  # F1 below random's
+    assert [v for v in verdicts(skewed) if v.startswith("small-budget target at 5%")][0].endswith("(below): NOT met")
+
+    balanced = {"kind": "digits", "skewed": False, "policies": ["fifo", "random", "tier-novelty"], "cells": [
+        _cell("fifo", 0.10, (0.79, 0.815, 0.835), (0.7, 0.8, 0.85)),
+        _cell("random", 0.10, (0.788, 0.825, 0.860), (0.7, 0.75, 0.82)),
+        _cell("tier-novelty", 0.10, (0.761, 0.787, 0.809), (0.57, 0.67, 0.77)),
+        *[_cell(p, 1.0, (0.88, 0.905, 0.92), (0.8, 0.9, 0.95)) for p in ("fifo", "random", "tier-novelty")]]}
+    lines = verdicts(balanced)
+    assert ("target (balanced kind): every tiered cell not below random's macro-F1: NOT met, below it: "
+            "tier-novelty@10% 0.787 < 0.825 (intervals overlap)") in lines
+    assert not any(v.startswith("small-budget") for v in lines)  # a balanced kind has no rare-recall target
+    balanced["cells"][2] = _cell("tier-novelty", 0.10, (0.80, 0.83, 0.86), (0.6, 0.7, 0.8))
+    assert "target (balanced kind): every tiered cell not below random's macro-F1: MET" in verdicts(balanced)
+
+
 @pytest.mark.parametrize("rows", [20, 192, 384, 2_000, 4_000, 20_000])
 def test_every_model_gets_its_minimum_of_optimiser_steps_whatever_the_cell_size(rows: int) -> None:
     """A 10% cell of a kind with batches of 256 once trained 16 steps in all (2 an epoch) and predicted the rare
