@@ -741,9 +741,18 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         finish(cell, st, v2 if v2 is not None else v1, sent1 + sent2, seed)
         shutil.rmtree(where, ignore_errors=True)
 
+    def random_spools(budget: float, seed: int) -> dict[int, tuple[Spool, list[SpoolEntry]]]:
+        """Uniform random at the same bytes: the round in a random order, thinned to the link's bytes as a tiered
+        edge is (`Spool.thin_to`: a uniform draw with a constant value, the rows kept packed into full bundles), so
+        random fills the budget as tiering does instead of leaving what a whole 16-row bundle would overrun."""
+        out = {}
+        for r, rb in enumerate(rounds):
+            sp, _ = edge_round(shuffled(rb, (seed, r)), contract, policy_for("random", cfg), ConstantScorer(),
+                               work / f"random-{round(budget * 100)}-{r}-s{seed}")
+            out[r] = sp, thinned(sp, budget * raw[r], f"bench-random-{r}-s{seed}", cfg.bundle_rows)
+        return out
+
     for seed in cfg.seeds:  # a seed redraws the whole selection (random's order, every draw and thinning) and training
-        random_spools = {r: edge_round(shuffled(rb, (seed, r)), contract, policy_for("random", cfg), ConstantScorer(),
-                                       work / f"random{r}-s{seed}") for r, rb in enumerate(rounds)}
         for budget in cfg.budgets:
             for pol in policies[:-1]:
                 if pol == "random" and budget == 1.0:
@@ -755,7 +764,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
                         fifo_landed[budget] = land_rounds(cell, pol, fifo_spools, seed)
                     st, version, sent = fifo_landed[budget]
                 else:
-                    spools = random_spools if pol == "random" else tiered_spools(pol, budget, seed)
+                    spools = random_spools(budget, seed) if pol == "random" else tiered_spools(pol, budget, seed)
                     st, version, sent = land_rounds(cell, pol, spools, seed)
                     if pol == "tier-novelty":
                         novelty_spools = spools
@@ -763,8 +772,8 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
                 if novelty_spools is not None:
                     closed_loop(budget, seed, novelty_spools)
                 shutil.rmtree(work / f"{pol}-{round(budget * 100)}-s{seed}", ignore_errors=True)
-        for r in (0, 1):
-            shutil.rmtree(work / f"random{r}-s{seed}", ignore_errors=True)
+                for r in (0, 1):
+                    shutil.rmtree(work / f"random-{round(budget * 100)}-{r}-s{seed}", ignore_errors=True)
 
     ordered = summarise_cells(cells, preds, policies, truth, rare, ks.anomaly, log)
 
@@ -973,12 +982,14 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
         "tiered policies plan for the budget: `TieringPolicy.budget_share`, every row with its `inclusion_p`, and "
         "thin what still waits to the link's bytes: `Spool.thin_to`, recorded, p updated, the rows kept packed "
         "into full bundles), the link carries a "
-        "share of each round's raw bytes (FIFO: oldest first; random: a uniform sample), and the landed bundles "
+        "share of each round's raw bytes (FIFO: oldest first, in whole bundles, so a budget smaller than a bundle "
+        "lands nothing; random: a uniform sample thinned and packed to the link's bytes as tiering is, so it fills "
+        "the budget as tiering does), and the landed bundles "
         "go through `Uplink.send`, Great Expectations and a Delta commit, then the `train_model` trainer "
         "(early stopping on a held-out stretch of the landed rows, balanced classes with rows weighted "
         "(1/p)^0.5, the decision rule, with the stream's 1/p-weighted prior, chosen on that stretch, at least "
         f"{cfg.get('min_steps', 0)} optimiser steps per model), scored on "
-        "rows the edge never saw. FIFO and random send the same bytes. Intervals: 90% bootstrap over the test "
+        "rows the edge never saw. Intervals: 90% bootstrap over the test "
         f"rows and the seeds {list(cfg['seeds'])}; a seed redraws the whole selection (random's order, every "
         "tiered draw and thinning, the closed loop's round-1 model) and the training, so the intervals hold the "
         "selection's own variance; bytes, rows and mixes are means over the draws (FIFO has no draw: one landing "
