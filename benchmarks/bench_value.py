@@ -829,9 +829,10 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         return (float(lo_hi[0]), float(lo_hi[1])) if lo_hi else (m, m)
 
     for b in budgets:
-        if ("fifo", b) not in cells or ("random", b) not in cells:
+        landed = [p for p in ("fifo", "random") if (p, b) in cells and cells[p, b].get("runs")]
+        if not landed:  # (FIFO's whole bundles can overrun a small budget: it lands nothing, no model to beat)
             continue
-        base_pol = max(("fifo", "random"), key=lambda p: cells[p, b]["macro_f1_mean"])
+        base_pol = max(landed, key=lambda p: cells[p, b]["macro_f1_mean"])
         base = cells[base_pol, b]
         for pol in [p for p in result.get("policies", POLICIES) if p.startswith("tier-")]:
             if (pol, b) not in cells:
@@ -1067,7 +1068,34 @@ def write_docs(results: list[dict[str, Any]], png: Path, quick: bool) -> None:
 def verdict_paragraph(results: list[dict[str, Any]], quick: bool) -> str:
     """README's short form: the plain verdict, and where the tables are."""
     return (f"Model quality per uplinked byte (`python -m benchmarks value`, {'quick' if quick else 'full'} run): "
-            + plain_verdict(results) + " Tables, chart and method: docs/MEASURED.md.")
+            + plain_verdict(results) + " Every cell, the method and the mixes: docs/MEASURED.md.\n\n"
+            + glance_table(results) + "\n\n![Model quality per uplinked byte](docs/bench-value.png)")
+
+
+def glance_table(results: list[dict[str, Any]]) -> str:
+    """README's table: per kind and budget, macro-F1 [90% CI] of FIFO, random and the best tiered cell, and
+    rare-class recall (anomaly recall for an anomaly kind) of the tiered cell that finds most against random's."""
+    def fmt(c: dict[str, Any] | None, k: str = "macro_f1") -> str:
+        if c is None or not c.get("runs"):
+            return "nothing landed"
+        lo_hi = (c.get("ci") or {}).get(k)
+        return f"{c[f'{k}_mean']:.3f}" + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
+
+    out = ["| kind | budget | FIFO | random | best tiered | rare recall: tiered / random |", "|---|---|---|---|---|---|"]
+    for r in results:
+        cells = {(c["policy"], c["budget"]): c for c in r["cells"]}
+        for b in _budgets(r):
+            tiered = [c for (p, bb), c in cells.items() if bb == b and p.startswith("tier-") and c.get("runs")]
+            if b == 1.0:
+                out.append(f"| {r['kind']} | 100% | {fmt(cells.get(('fifo', 1.0)))} | (as FIFO) | - | - |")
+                continue
+            best = max(tiered, key=lambda c: c["macro_f1_mean"], default=None)
+            finder = max(tiered, key=lambda c: c["rare_recall_mean"], default=None)
+            out.append(f"| {r['kind']} | {b:.0%} | {fmt(cells.get(('fifo', b)))} | {fmt(cells.get(('random', b)))} | "
+                       + (f"{best['policy']} {fmt(best)}" if best else "nothing landed") + " | "
+                       + (f"{finder['policy']} {fmt(finder, 'rare_recall')} / {fmt(cells.get(('random', b)), 'rare_recall')}"
+                          if finder else "-") + " |")
+    return "\n".join(out)
 
 
 def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> None:

@@ -157,11 +157,18 @@ def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
         _cell("random", 0.10, (0.788, 0.825, 0.860), (0.7, 0.75, 0.82)),
         _cell("tier-novelty", 0.10, (0.761, 0.787, 0.809), (0.57, 0.67, 0.77)),
         *[_cell(p, 1.0, (0.88, 0.905, 0.92), (0.8, 0.9, 0.95)) for p in ("fifo", "random", "tier-novelty")]]}
+    balanced["cells"] += [{**_cell("fifo", 0.02, (0, 0, 0), (0, 0, 0)), "runs": [], "macro_f1_mean": float("nan")},
+                          _cell("random", 0.02, (0.375, 0.437, 0.506), (0.1, 0.3, 0.5)),
+                          _cell("tier-novelty", 0.02, (0.184, 0.243, 0.296), (0.1, 0.26, 0.46))]
     lines = verdicts(balanced)
+    # FIFO landed nothing at 2% (its bundle overran the budget): tiering is judged against random's model
+    assert ("  2% tier-novelty: macro-F1 0.243 [0.184, 0.296] loses to the better of FIFO/random (random 0.437 "
+            "[0.375, 0.506])") in lines
     assert ("target (balanced kind): every tiered cell not below random's macro-F1: NOT met, below it: "
-            "tier-novelty@10% 0.787 < 0.825 (intervals overlap)") in lines
+            "tier-novelty@10% 0.787 < 0.825 (intervals overlap), tier-novelty@2% 0.243 < 0.437 (intervals apart)") in lines
     assert not any(v.startswith("small-budget") for v in lines)  # a balanced kind has no rare-recall target
     balanced["cells"][2] = _cell("tier-novelty", 0.10, (0.80, 0.83, 0.86), (0.6, 0.7, 0.8))
+    balanced["cells"][-1] = _cell("tier-novelty", 0.02, (0.40, 0.45, 0.50), (0.1, 0.3, 0.5))
     assert "target (balanced kind): every tiered cell not below random's macro-F1: MET" in verdicts(balanced)
 
 
