@@ -150,7 +150,7 @@ def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
     assert any(v.startswith("target at 10%") and v.endswith(": MET") for v in lines)  # 0.609 >= 0.95 x 0.641
     assert "the rare-recall target at 2% not met, 5% met" in plain_verdict([skewed])
     skewed["cells"][5] = _cell("tier-anomaly", 0.05, (0.50, 0.57, 0.63), (0.37, 0.45, 0.52))  # F1 below random's
-    assert [v for v in verdicts(skewed) if v.startswith("small-budget target at 5%")][0].endswith("(below): NOT met")
+    assert next(v for v in verdicts(skewed) if v.startswith("small-budget target at 5%")).endswith("(below): NOT met")
 
     balanced = {"kind": "digits", "skewed": False, "policies": ["fifo", "random", "tier-novelty"], "cells": [
         _cell("fifo", 0.10, (0.79, 0.815, 0.835), (0.7, 0.8, 0.85)),
