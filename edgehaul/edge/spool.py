@@ -82,6 +82,9 @@ _SIDECAR = ".manifest.json"
 _TMP = ".tmp"
 
 
+FIT_ROUNDS = 8  # fixed-size draws after thin_to's Poisson rounds, each at least one row fewer
+
+
 @dataclass
 class ThinResult:
     """One thinning: the keep probability, its salt, bundles rewritten and full rows kept / moved out."""
@@ -407,7 +410,7 @@ class Spool:
 
     def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",),
              skip: frozenset[str] = frozenset(), pack_rows: int | None = None,
-             pack_with: tuple[str, ...] = (), repack: bool = False) -> ThinResult:
+             pack_with: tuple[str, ...] = (), repack: bool = False, keep_rows: int | None = None) -> ThinResult:
         """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
         full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
         inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
@@ -424,14 +427,26 @@ class Spool:
         only the normal tier is thinned: what waits crosses in this pass or not at all, so their own footers buy
         no latency; gait at 5% spent 46% of a pass on four urgent bundles of nine rows). With `repack`, a keep of 1
         still packs (what waits fits once its rows share footers: ten digits bundles of 1-7 rows, 27.5 KB, are 12 KB
-        in three). A packed bundle's scorer_version lists those of the bundles its rows come from."""
+        in three). A packed bundle's scorer_version lists those of the bundles its rows come from.
+
+        `keep_rows`: a draw of fixed size instead (`keep` is then ignored): exactly that many of the full rows in
+        `tiers` stay, those with the smallest u(salt, sample id), a simple random sample without replacement, so
+        each row's inclusion_p is multiplied by keep_rows / rows (its exact chance, given the rows that waited)."""
         if not 0.0 <= keep <= 1.0:
             raise SpoolError(f"thinning keep {keep} is outside [0, 1]")
+        pack_with = tuple(t for t in pack_with if t not in tiers)
+        every = (*tiers, *pack_with)
+        cut = 2.0  # u below or at it stays (a Poisson draw: u < keep)
+        if keep_rows is not None:
+            u_all = np.concatenate([np.zeros(0), *(self._full_uniforms(e, salt) for e in self.pending()
+                                                   if e.tier in tiers and e.bundle_id not in skip)])
+            if not 0 <= keep_rows <= len(u_all):
+                raise SpoolError(f"thinning keep_rows {keep_rows} is outside [0, {len(u_all)}] waiting rows")
+            keep = keep_rows / len(u_all) if len(u_all) else 1.0
+            cut = float(np.sort(u_all)[keep_rows - 1]) if keep_rows else -1.0
         out = ThinResult(keep=keep, salt=salt)
         if keep >= 1.0 and not repack:
             return out
-        pack_with = tuple(t for t in pack_with if t not in tiers)
-        every = (*tiers, *pack_with)
         merged = len(set(every)) > 1
         groups: dict[tuple[str, ...], list[tuple[SpoolEntry, pa.Table]]] = {}
         for e in self.pending():
@@ -440,7 +455,9 @@ class Spool:
             t = read_bundle(self.read(e.bundle_id), e.manifest)
             full = ~np.asarray(pc.fill_null(t.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
             row_keep = keep if e.tier in tiers else 1.0
-            stay = ~full | (uniforms(t.column("sample_id"), salt) < row_keep)
+            u = uniforms(t.column("sample_id"), salt)
+            drawn = (u <= cut) if keep_rows is not None and e.tier in tiers else (u < row_keep)
+            stay = ~full | drawn
             m = e.manifest
             gone = t.filter(pa.array(~stay))
             if gone.num_rows:
@@ -487,6 +504,12 @@ class Spool:
                      self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
         return out
 
+    def _full_uniforms(self, e: SpoolEntry, salt: str) -> np.ndarray:
+        """u(salt, sample id) of a waiting bundle's full rows (not its summaries)."""
+        t = read_bundle(self.read(e.bundle_id), e.manifest)
+        full = ~np.asarray(pc.fill_null(t.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
+        return np.asarray(uniforms(t.column("sample_id"), salt))[full]
+
     def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
                 skip: frozenset[str] = frozenset(), urgent_share: float = 0.5,
                 pack_rows: int | None = None) -> list[ThinResult]:
@@ -523,6 +546,20 @@ class Spool:
                                   pack_with=tuple(whole), repack=True))
             if not done[-1].bundles:
                 break
+        # Poisson rounds of few rows can stay over (a keep of 0.99 over five rows keeps all five; a packed bundle
+        # a few bytes over its estimate): then draws of fixed size, each one row fewer at least, until it fits,
+        # so the pass carries a sample rather than nothing.
+        for r in range(max_rounds, max_rounds + FIT_ROUNDS):
+            pending = self.pending()
+            total = sum(e.manifest.nbytes for e in pending)
+            thinned = [e for e in pending if e.tier in ("high", "normal") and e.bundle_id not in skip]
+            n = sum(len(self._full_uniforms(e, f"{salt}|{r}")) for e in thinned)
+            if total <= capacity_bytes or not n:
+                break
+            room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned))
+            k = min(n - 1, math.floor(_solve_keep(thinned, overhead, room, pack_rows) * n))
+            done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=("high", "normal"), skip=skip, pack_rows=pack_rows,
+                                  repack=True, keep_rows=max(k, 0)))
         return done
 
     def write_staging(self, name: str, data: bytes) -> Path:

@@ -28,7 +28,7 @@ from edgehaul.contracts import Contract, load_contract
 from edgehaul.edge.batch import ingest_batch
 from edgehaul.edge.preprocess import batch_key
 from edgehaul.edge.scorer_registry import ScorerContext, build_scorer, scorer_state_dir
-from edgehaul.edge.spool import Spool
+from edgehaul.edge.spool import Spool, SpoolError
 from edgehaul.edge.tiering import inclusion_probabilities, uniforms
 from edgehaul.training.data import sample_weights, trainable
 
@@ -386,3 +386,41 @@ def test_a_pass_that_fits_once_its_rows_share_footers_repacks_and_thins_nothing(
     p_before = dict(zip(before.column("sample_id").to_pylist(), before.column("inclusion_p").to_pylist(), strict=True))
     assert all(p == p_before[i] for i, p in zip(after.column("sample_id").to_pylist(),
                                                 after.column("inclusion_p").to_pylist(), strict=True))
+
+
+def test_a_pass_a_few_bytes_short_ends_with_a_fixed_size_draw_that_fits(pump: Contract, tmp_path: Path) -> None:
+    """Eight rows in one bundle, a capacity three bytes under it: a Poisson round at keep ~0.99 keeps all eight,
+    so the link would carry nothing this pass (bench, digits at 2%: a packed bundle of 5 rows 3 bytes over). thin_to
+    ends with draws of fixed size: exactly k rows stay, those with the smallest u, each p times k/8 (its chance
+    given the eight that waited), the rest to the raw store, and what waits fits."""
+    policy = TieringPolicy(version="few", flush_max_samples=8, low_threshold=0.0, high_threshold=1.0)
+    spool = run_edge(pump, policy, tmp_path, n=8, batch=8, seed=4)
+    [entry] = spool.pending()
+    before = landed(spool)
+    p_before = dict(zip(before.column("sample_id").to_pylist(), before.column("inclusion_p").to_pylist(), strict=True))
+    capacity = entry.manifest.nbytes - 3
+    rounds = spool.thin_to(capacity, salt="pass-few", pack_rows=8)
+    # the Poisson rounds left it over; the draws of fixed size (salts |4, |5...) brought it under
+    assert any(r.salt.endswith("|4") for r in rounds), [(r.salt, r.keep, r.rows_kept, r.rows_out) for r in rounds]
+    after_entries = spool.pending()
+    assert after_entries and sum(e.manifest.nbytes for e in after_entries) <= capacity
+    after = landed(spool)
+    kept = after.column("sample_id").to_pylist()
+    assert 0 < len(kept) < 8
+    keep = float(np.prod([r.keep for r in rounds]))
+    assert all(p == pytest.approx(p_before[i] * keep, rel=1e-5)
+               for i, p in zip(kept, after.column("inclusion_p").to_pylist(), strict=True))
+    raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
+    assert raw_ids.isdisjoint(kept) and len(raw_ids) + len(kept) == 8
+    # the draw of fixed size itself: exactly k stay, those with the smallest u under its salt, p times k/n
+    spool2 = run_edge(pump, policy, tmp_path / "fixed", n=8, batch=8, seed=4)
+    res = spool2.thin(1.0, salt="fixed-5", tiers=("normal",), keep_rows=5, pack_rows=8, repack=True)
+    assert (res.rows_kept, res.rows_out, res.keep) == (5, 3, 5 / 8)
+    stayed = landed(spool2)
+    ids = sorted(p_before)
+    u = dict(zip(ids, uniforms(pa.array(ids), "fixed-5").tolist(), strict=True))
+    assert set(stayed.column("sample_id").to_pylist()) == set(sorted(ids, key=u.__getitem__)[:5])
+    assert all(p == pytest.approx(p_before[i] * 5 / 8, rel=1e-6) for i, p in zip(
+        stayed.column("sample_id").to_pylist(), stayed.column("inclusion_p").to_pylist(), strict=True))
+    with pytest.raises(SpoolError, match="keep_rows 6 is outside \\[0, 5\\]"):
+        spool2.thin(1.0, salt="fixed-6", keep_rows=6)
