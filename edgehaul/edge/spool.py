@@ -552,14 +552,19 @@ class Spool:
         for r in range(max_rounds, max_rounds + FIT_ROUNDS):
             pending = self.pending()
             total = sum(e.manifest.nbytes for e in pending)
+            if total <= capacity_bytes:
+                break
+            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
+            tiers = ("normal",) if urgent <= urgent_share * capacity_bytes else ("high", "normal")
             thinned = [e for e in pending if e.tier in ("high", "normal") and e.bundle_id not in skip]
-            n = sum(len(self._full_uniforms(e, f"{salt}|{r}")) for e in thinned)
-            if total <= capacity_bytes or not n:
+            n = sum(len(self._full_uniforms(e, salt)) for e in thinned if e.tier in tiers)
+            if not n:
                 break
             room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned))
-            k = min(n - 1, math.floor(_solve_keep(thinned, overhead, room, pack_rows) * n))
-            done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=("high", "normal"), skip=skip, pack_rows=pack_rows,
-                                  repack=True, keep_rows=max(k, 0)))
+            whole = frozenset({"high"} - set(tiers))
+            k = min(n - 1, math.floor(_solve_keep(thinned, overhead, room, pack_rows, kept_whole=whole) * n))
+            done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
+                                  pack_with=tuple(whole), repack=True, keep_rows=max(k, 0)))
         return done
 
     def write_staging(self, name: str, data: bytes) -> Path:
