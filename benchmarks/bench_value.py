@@ -829,8 +829,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         return (float(lo_hi[0]), float(lo_hi[1])) if lo_hi else (m, m)
 
     for b in budgets:
-        landed = [p for p in ("fifo", "random") if (p, b) in cells and cells[p, b].get("runs")]
-        if not landed:  # (FIFO's whole bundles can overrun a small budget: it lands nothing, no model to beat)
+        landed = [p for p in ("fifo", "random") if (p, b) in cells and cells[p, b].get("runs") != []]
+        if not landed:  # FIFO's whole bundles can overrun a small budget: nothing landed, no model to beat
             continue
         base_pol = max(landed, key=lambda p: cells[p, b]["macro_f1_mean"])
         base = cells[base_pol, b]
@@ -892,10 +892,10 @@ def small_budget_targets(result: dict[str, Any], cells: dict[tuple[str, float], 
     cell per budget (by its interval's lower bound) is stated, met or not."""
     out = []
     for b in (0.02, 0.05):
-        if not all((p, b) in cells and cells[p, b].get("runs") for p in ("fifo", "random")):
+        if not all((p, b) in cells and cells[p, b].get("runs") != [] for p in ("fifo", "random")):
             continue
         tiered = [cells[p, b] for p in result.get("policies", POLICIES)
-                  if p.startswith("tier-") and (p, b) in cells and cells[p, b].get("runs")]
+                  if p.startswith("tier-") and (p, b) in cells and cells[p, b].get("runs") != []]
         if not tiered:
             continue
         t = max(tiered, key=lambda c: ci(c, "rare_recall")[0])

@@ -667,6 +667,13 @@ class _Run:
         verdict = {"measured": measured, "val_macro_f1": f1 if measured else None,
                    "chance_macro_f1": chance if measured else None, "passed": measured and f1 > chance,
                    "epoch": self.best.epoch}
+        present = [k for k in row if k.startswith("val_support_") and float(row[k] or 0) > 0]
+        if self.cfg.quality_gate and measured and not f1 > chance and len(present) == 1:
+            # a constant guesser scores 1.0 on one class: the split cannot judge, the model may be fine
+            raise QualityGateFailed(
+                f"run {self.cfg.run_id}: its validation rows hold one class only ({present[0]}), so its quality "
+                "cannot be judged: nothing registered (the held-out stretches of this version missed every other "
+                "class)")
         if self.cfg.quality_gate and measured and not f1 > chance:
             raise QualityGateFailed(
                 f"run {self.cfg.run_id}: best validation macro-F1 {f1:.3f} (epoch {self.best.epoch}) is not above "

@@ -25,6 +25,7 @@ import pytest
 from edgehaul.blocks import ObjectStore
 from edgehaul.contracts import Contract, load_contract
 from edgehaul.training import registry
+from edgehaul.training.data import is_validation, val_block_rows
 from edgehaul_dev import kinds_data as kd
 from tests.kinds_support import Loop, close_the_loop, run_loop
 
@@ -70,8 +71,15 @@ def test_daphnet_gait_from_csv_and_parquet_drop_files(store: ObjectStore, tmp_pa
     node_id = f"kd-{uuid.uuid4().hex[:8]}"
     end = datetime.now(UTC).replace(microsecond=0)
     real = kd.gait_table(node_id, end=end - timedelta(minutes=5))
-    synthetic = pa.concat_tables(list(kd.generate_gait(1500, node_id, seed=7, anomaly_fraction=0.25,
+    # The trainer holds out stretches of (node, seq) by hash; the recording has no freezing, so the synthetic part
+    # must be long enough that some of its stretches are held out: with 1,500 readings (35 stretches) none was
+    # for 2.5% of node ids, the validation rows held one class and the gate could not judge the model.
+    synthetic = pa.concat_tables(list(kd.generate_gait(4000, node_id, seed=7, anomaly_fraction=0.25,
                                                        start_seq=100_000, end=end)))
+    both = pa.concat_tables([real, synthetic])
+    held = is_validation(both, 0.1, val_block_rows(both.num_rows, 0.1))
+    assert 0 < int(pa.compute.sum(both.column("is_anomaly").filter(pa.array(held))).as_py()) < int(held.sum()), (
+        f"node id {node_id}: the held-out stretches hold one class; the closed loop below cannot be judged")
     kd.write_drop_table(real, tmp_path / "drop", "S06R02E0.csv")
     kd.write_drop_table(synthetic, tmp_path / "drop", "gait-2.parquet")
     loop = run_loop(store, contract, tmp_path / "drop", tmp_path, node_id=node_id, batch_size=5000)

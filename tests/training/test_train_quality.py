@@ -205,6 +205,22 @@ def test_a_model_no_better_than_chance_registers_nothing_and_early_stopping_keep
 
 
 @pytest.mark.integration
+def test_a_validation_split_of_one_class_is_said_so_and_registers_nothing(store: ObjectStore) -> None:
+    """The held-out stretches of a version can miss its rare class (a node whose freezing readings all fell in
+    training stretches: the kinds e2e test, 2.5% of node ids). A constant guesser scores 1.0 on one class, so the
+    gate cannot judge: it says so, instead of 'learnt nothing usable', and registers nothing."""
+    t = kind_rows(GAIT, 800, seed=3, labels=np.arange(800) % 2, unusable_every=10_000)
+    held = is_validation(t, 0.25, val_block_rows(800, 0.25))
+    assert 0 < held.sum() < 800
+    t = _replace(t, "is_anomaly", pa.array(np.where(held, 0, np.arange(800) % 2), t.schema.field("is_anomaly").type))
+    uri = _write(store, GAIT, [t])
+    with pytest.raises(QualityGateFailed, match=r"validation rows hold one class only \(val_support_0\), so its "
+                                                "quality cannot be judged"):
+        train(_cfg(uri, GAIT, "oneclass", epochs=2), store)
+    assert registry.read_lineage(store, "m-oneclass", "oneclass") is None
+
+
+@pytest.mark.integration
 def test_a_validation_split_too_small_to_rank_epochs_keeps_the_last_epoch(store: ObjectStore) -> None:
     """Eight validation readings cannot rank epochs: early stopping on them once kept a barely trained first epoch
     (a 10% digits cell predicted one class). Below 5 validation rows per class every epoch counts as better, so
