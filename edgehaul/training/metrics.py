@@ -7,6 +7,7 @@ anomaly class (the rarest) is then 0, and its macro-F1 about 0.5.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +73,12 @@ def chance_macro_f1(support: np.ndarray, n_classes: int | None = None) -> float:
     top = float(share.max())
     commonest = 2 * top / (1 + top) / len(share)
     return max(uniform, commonest)
+
+
+def val_classes_present(row: dict[str, Any]) -> list[str]:
+    """The `val_support_<label>` keys of a history row with support: one alone means a constant guesser scores
+    1.0 on the validation rows, so no model can be judged against them."""
+    return [k for k in row if k.startswith("val_support_") and float(row[k] or 0) > 0]
 
 
 def chance_of(row: dict[str, float], label_values: tuple[int, ...] | list[int]) -> float:

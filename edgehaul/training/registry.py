@@ -164,7 +164,7 @@ def check_quality(lineage: dict[str, Any], margin: float = PUBLISH_MARGIN, min_v
     registered (best) epoch is at least a uniform-prior guesser's plus `margin`, and its val_acc at least
     `min_val_acc`. A model without validation (trained with val_fraction 0) has no measure and is refused.
     Returns the figures it judged; raises `QualityGateFailed` naming them."""
-    from edgehaul.training.metrics import chance_of
+    from edgehaul.training.metrics import chance_of, val_classes_present
 
     final = lineage.get("final", {}) or {}
     mid = lineage.get("model_id", "?")
@@ -177,7 +177,7 @@ def check_quality(lineage: dict[str, Any], margin: float = PUBLISH_MARGIN, min_v
     if not (math.isfinite(f1) and math.isfinite(chance)):
         raise QualityGateFailed(f"model {mid}: no validation macro-F1 to judge (trained without validation rows): "
                                 "below the publish gate")
-    present = [k for k in final if k.startswith("val_support_") and float(final[k] or 0) > 0]
+    present = val_classes_present(final)
     if len(present) == 1:  # one class: a constant guesser scores 1.0, so no model can be judged against it
         raise QualityGateFailed(f"model {mid}: its validation rows hold one class only ({present[0]}), so its "
                                 "quality cannot be judged: below the publish gate")

@@ -72,7 +72,7 @@ from edgehaul.training.data import (
     trainable,
     val_block_rows,
 )
-from edgehaul.training.metrics import chance_of, class_metrics, rare_labels
+from edgehaul.training.metrics import chance_of, class_metrics, rare_labels, val_classes_present
 from edgehaul.training.model import (
     arch_for,
     build_model,
@@ -667,14 +667,12 @@ class _Run:
         verdict = {"measured": measured, "val_macro_f1": f1 if measured else None,
                    "chance_macro_f1": chance if measured else None, "passed": measured and f1 > chance,
                    "epoch": self.best.epoch}
-        present = [k for k in row if k.startswith("val_support_") and float(row[k] or 0) > 0]
-        if self.cfg.quality_gate and measured and not f1 > chance and len(present) == 1:
-            # a constant guesser scores 1.0 on one class: the split cannot judge, the model may be fine
-            raise QualityGateFailed(
-                f"run {self.cfg.run_id}: its validation rows hold one class only ({present[0]}), so its quality "
-                "cannot be judged: nothing registered (the held-out stretches of this version missed every other "
-                "class)")
         if self.cfg.quality_gate and measured and not f1 > chance:
+            if len(present := val_classes_present(row)) == 1:  # the split cannot judge; the model may be fine
+                raise QualityGateFailed(
+                    f"run {self.cfg.run_id}: its validation rows hold one class only ({present[0]}), so its quality "
+                    "cannot be judged: nothing registered (the held-out stretches of this version missed every "
+                    "other class)")
             raise QualityGateFailed(
                 f"run {self.cfg.run_id}: best validation macro-F1 {f1:.3f} (epoch {self.best.epoch}) is not above "
                 f"a uniform-prior guesser's {chance:.3f}: the model learnt nothing usable, nothing registered")
