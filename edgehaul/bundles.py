@@ -162,6 +162,12 @@ def loads_bounded(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> typing.
     return json.loads(raw, parse_int=_bounded_number(int), parse_float=_bounded_number(float))
 
 
+def full_rows(table: pa.Table) -> np.ndarray:
+    """Which rows of a bundle-schema table are full rows (not summaries; a null is_summary is a full row): the rows
+    a thinning draws and a model scores."""
+    return ~np.asarray(pc.fill_null(table.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
+
+
 def bundle_key(node_id: str, bundle_id: str, capture_time_iso: str) -> str:
     return f"{node_id}/{capture_time_iso[:10]}/{bundle_id}.parquet"
 

@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 import torch
 
 from edgehaul.blocks import ObjectStore
+from edgehaul.bundles import full_rows
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.edge.scorer_registry import ScorerContext, build_scorer
 from edgehaul.edge.scoring import CannotScore, ContextualScorer, Scorer, scorer_cache_version
@@ -85,8 +86,7 @@ class ModelScorer:
         for name in needed:
             mask &= np.asarray(pc.is_valid(table.column(name)).to_numpy(zero_copy_only=False), dtype=bool)
         if "is_summary" in table.column_names:
-            mask &= ~np.asarray(pc.fill_null(table.column("is_summary"), False).to_numpy(zero_copy_only=False),
-                                dtype=bool)
+            mask &= full_rows(table)
         return mask
 
     def probabilities(self, table: pa.Table) -> np.ndarray:

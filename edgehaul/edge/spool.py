@@ -59,7 +59,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from edgehaul import events
-from edgehaul.bundles import BundleError, BundleManifest, read_bundle, write_bundle
+from edgehaul.bundles import BundleError, BundleManifest, full_rows, read_bundle, write_bundle
 from edgehaul.contracts import INCLUSION_P, contract_by_id, tier_rank
 from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
@@ -95,11 +95,6 @@ class ThinResult:
     rows_kept: int = 0
     rows_out: int = 0
 
-
-
-def _full_rows(t: pa.Table) -> np.ndarray:
-    """Which rows of a bundle are full rows (not summaries): the rows a thinning draws."""
-    return ~np.asarray(pc.fill_null(t.column("is_summary"), False).to_numpy(zero_copy_only=False), dtype=bool)
 
 
 def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float,
@@ -458,7 +453,7 @@ class Spool:
             if e.tier not in every or e.bundle_id in skip:
                 continue
             t = read_bundle(self.read(e.bundle_id), e.manifest)
-            full = _full_rows(t)
+            full = full_rows(t)
             row_keep = keep if e.tier in tiers else 1.0
             u = uniforms(t.column("sample_id"), salt)
             drawn = (u <= cut) if keep_rows is not None and e.tier in tiers else (u < row_keep)
@@ -512,7 +507,7 @@ class Spool:
     def _full_uniforms(self, e: SpoolEntry, salt: str) -> np.ndarray:
         """u(salt, sample id) of a waiting bundle's full rows (not its summaries)."""
         t = read_bundle(self.read(e.bundle_id), e.manifest)
-        full = _full_rows(t)
+        full = full_rows(t)
         return np.asarray(uniforms(t.column("sample_id"), salt))[full]
 
     def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
