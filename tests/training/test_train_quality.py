@@ -19,7 +19,15 @@ from edgehaul.training import registry
 from edgehaul.training.data import is_validation, val_block_rows
 from edgehaul.training.metrics import chance_macro_f1, class_metrics
 from edgehaul.training.model import build_model, inputs
-from edgehaul.training.trainer import NonFiniteLoss, QualityGateFailed, TrainConfig, _class_weights, train
+from edgehaul.training.trainer import (
+    NonFiniteLoss,
+    QualityGateFailed,
+    TrainConfig,
+    WeightAverage,
+    _class_weights,
+    _Run,
+    train,
+)
 from tests.train_support import kind_rows
 
 GAIT = load_contract("daphnet_gait")
@@ -111,6 +119,88 @@ def test_the_publish_gate_judges_macro_f1_against_chance_plus_its_floor() -> Non
     one = {"model_id": "o", "final": {"val_macro_f1": 1.0, "val_support_0": 57.0, "val_support_1": 0.0}}
     with pytest.raises(registry.QualityGateFailed, match=r"validation rows hold one class only \(val_support_0\)"):
         registry.check_quality(one)
+
+
+def _linear(values: list[float]) -> torch.nn.Linear:
+    m = torch.nn.Linear(len(values), 1, bias=False)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([values]))
+    return m
+
+
+@settings(deadline=None, max_examples=50)
+@given(st.lists(st.lists(st.floats(-10, 10), min_size=3, max_size=3), min_size=1, max_size=40),
+       st.floats(0.5, 0.999))
+def test_the_weight_average_is_the_warmed_up_moving_average_and_resumes_exactly(
+        steps: list[list[float]], decay: float) -> None:
+    src = _linear([0.0, 0.0, 0.0])
+    avg = WeightAverage(src, decay)
+    expected = np.zeros(3)
+    for t, values in enumerate(steps, start=1):
+        with torch.no_grad():
+            src.weight.copy_(torch.tensor([values]))
+        avg.update(src)
+        keep = min(decay, (1 + t) / (10 + t))
+        expected = keep * expected + (1 - keep) * np.asarray(values)
+    got = avg.model.weight.detach().numpy()[0]
+    assert np.allclose(got, expected, atol=1e-4)
+    # an average: never outside what the weights were
+    seen = np.asarray([[0.0, 0.0, 0.0], *steps])
+    assert (got >= seen.min(0) - 1e-4).all() and (got <= seen.max(0) + 1e-4).all()
+    assert not avg.model.training and not any(p.requires_grad for p in avg.model.parameters())
+    # a resumed average (its checkpointed state) goes on exactly as the uninterrupted one
+    again = WeightAverage(_linear([5.0, 5.0, 5.0]), decay)
+    again.load(avg.state())
+    for a in (avg, again):
+        a.update(src)
+    assert torch.equal(avg.model.weight, again.model.weight) and again.updates == len(steps) + 1
+
+
+def _ranking_run(patience: int) -> _Run:
+    """A run as far as early stopping needs it (no data, no store)."""
+    run = _Run(TrainConfig(run_id="r", dataset_uri="s3://b/t", dataset_version=0, contract_id=GAIT.id,
+                           patience=patience, emit_events=False), store=None, progress=None)  # type: ignore[arg-type]
+    run.raw_model, run.average, run.class_rows = build_model(run.arch), None, None
+    return run
+
+
+def _epochs(run: _Run, f1s: list[float]) -> int | None:
+    """Feeds epochs with these validation macro-F1s; the epoch the run stops at, or None."""
+    for epoch, f1 in enumerate(f1s):
+        row = {"epoch": epoch, "val_macro_f1": f1, "val_samples": 200.0, "val_rows_0": 180.0, "val_rows_1": 20.0}
+        run.history.append(row)
+        if run.keep_best(row):
+            return epoch
+    return None
+
+
+def test_one_lucky_epoch_does_not_stop_a_model_that_is_still_learning() -> None:
+    """Gait at 10%, FIFO's rows, seed 1: epoch 9's spike (0.70) stopped the run at epoch 24 of 72 while the curve
+    still rose; it scored 0.635 on the test set where the same rows scored 0.755-0.789 with seeds 0 and 2."""
+    rising = [0.5, 0.55, 0.70, 0.60, 0.62, 0.64, 0.66, 0.68, 0.69, 0.695, 0.70, 0.71]
+    run = _ranking_run(patience=3)
+    assert _epochs(run, rising) is None and run.best.epoch == 11
+    # the same spike followed by a flat or falling stretch stops, and keeps the spike's weights
+    run = _ranking_run(patience=3)
+    assert _epochs(run, [0.5, 0.55, 0.70, 0.60, 0.58, 0.56, 0.55, 0.55]) == 5 and run.best.epoch == 2
+    assert run.best.stopped_early
+
+
+@settings(deadline=None, max_examples=80)
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=30), st.integers(1, 6))
+def test_early_stopping_keeps_the_best_epoch_and_stops_by_twice_patience_after_it(
+        f1s: list[float], patience: int) -> None:
+    run = _ranking_run(patience)
+    stopped = _epochs(run, f1s)
+    seen = f1s if stopped is None else f1s[: stopped + 1]
+    assert run.best.epoch == int(np.argmax(seen)) and run.best.macro_f1 == max(seen)  # the first best kept
+    if stopped is not None:
+        assert stopped - run.best.epoch >= patience
+    # a curve that never beats its best again stops no later than 2 x patience after it (its trend cannot rise)
+    flat = [*seen[: run.best.epoch + 1], *[min(seen[run.best.epoch] - 0.01, 0.0)] * (3 * patience)]
+    run = _ranking_run(patience)
+    end = _epochs(run, flat)
+    assert end is not None and end <= run.best.epoch + 2 * patience
 
 
 # ---------------------------------------------------------------------------------------- real runs
