@@ -61,7 +61,8 @@ class TrainModelParams(BaseModel):
     width: int | None = Field(default=None, ge=4, le=512, description="None: the contract's.")
     val_fraction: float = Field(default=0.1, ge=0, lt=1)
     patience: int | None = Field(default=None, ge=0, le=10_000, description="Stop after this many epochs without a "
-                                 "better validation macro-F1; 0: never stop early; None: the trainer's default.")
+                                 "better validation macro-F1 whose mean is not above the mean of the as many before "
+                                 "(a rising trend goes on); 0: never stop early; None: the trainer's default.")
     checkpoint_every_steps: int | None = Field(default=None, ge=1, description="None: adapt to a 5% cost.")
     num_threads: int | None = Field(default=None, ge=1, le=256)
     allow_local: bool = Field(default=False, description="Allow a run outside any work pool (local call).")

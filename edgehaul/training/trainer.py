@@ -23,9 +23,10 @@ loss that does not hang on the few rows with the smallest p. Without balancing t
 
 The run, in phases (`train`): set up (model, optimiser, data, statistics, class weights), resume from
 the last checkpoint, epochs (shuffled batches, validation metrics per class, checkpoints) until the
-epochs are done or `patience` epochs bring no better validation macro-F1 and no rising trend, then the best epoch's decision
-rule is chosen on the validation rows (how much of the class balancing to undo at decision time:
-`_Run.calibrate`), and its weights are checked and registered. A run registers nothing when its loss is not
+epochs are done or `patience` epochs bring no better validation macro-F1 and no rising trend (`_Run.keep_best`;
+validation judges a moving average of the weights, `WeightAverage`), then the best epoch's decision rule is
+chosen on the validation rows (how much of the class balancing to undo at decision time: `_Run.calibrate`), and
+its weights are checked and registered. A run registers nothing when its loss is not
 finite (`NonFiniteLoss`) or when its best validation macro-F1 is not above a uniform-prior guesser's
 (`QualityGateFailed`). A row whose payload does not decode is skipped and named in the lineage
 (`skipped_samples`), never a failed run.
@@ -102,7 +103,7 @@ class QualityGateFailed(TrainingFailed):
     """The best validation macro-F1 is not above a uniform-prior guesser's."""
 
 
-DEFAULT_PATIENCE = 3  # epochs with no better validation macro-F1 before a run stops early
+DEFAULT_PATIENCE = 3  # epochs with no better validation macro-F1 (and no rising trend) before a run stops early
 
 
 class TrainConfig(BaseModel):
@@ -124,8 +125,9 @@ class TrainConfig(BaseModel):
     val_fraction: float = Field(default=0.1, ge=0, lt=1,
                                 description="Held-out share, by stretches of consecutive readings per node.")
     patience: int = Field(default=DEFAULT_PATIENCE, ge=0, le=10_000,
-                          description="Stop after this many epochs without a better validation macro-F1 (the best "
-                          "epoch's weights are registered); 0: never stop early.")
+                          description="Stop after this many epochs without a better validation macro-F1 whose mean "
+                          "is not above the mean of the as many before (the best epoch's weights are registered); 0: "
+                          "never stop early.")
     quality_gate: bool = Field(default=True, description="Register nothing when the best validation macro-F1 "
                                "is not above a uniform-prior guesser's (`metrics.chance_macro_f1`).")
     calibrate: bool = Field(default=True, description="After training, choose the decision rule on the validation "
