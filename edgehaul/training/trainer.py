@@ -802,7 +802,7 @@ class _Run:
     def finish(self) -> TrainResult:
         cfg, d, contract = self.cfg, self.d, self.contract
         # every rank calibrates the model rank 0 registers: the best epoch's (averaged) weights
-        best = d.broadcast(self.best.state) if d.world > 1 else self.best.state
+        best = d.broadcast(self.best.state)
         if best is not None:
             self.raw_model.load_state_dict(best)
         decision = self.calibrate()

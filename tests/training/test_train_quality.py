@@ -197,7 +197,7 @@ def test_early_stopping_keeps_the_best_epoch_and_stops_by_twice_patience_after_i
     if stopped is not None:
         assert stopped - run.best.epoch >= patience
     # a curve that never beats its best again stops no later than 2 x patience after it (its trend cannot rise)
-    flat = [*seen[: run.best.epoch + 1], *[min(seen[run.best.epoch] - 0.01, 0.0)] * (3 * patience)]
+    flat = [*seen[: run.best.epoch + 1], *[seen[run.best.epoch] - 0.01] * (3 * patience)]
     run = _ranking_run(patience)
     end = _epochs(run, flat)
     assert end is not None and end <= run.best.epoch + 2 * patience
