@@ -8,7 +8,7 @@ DEV := $(BIN)/python -m edgehaul_dev
 STACK_DIR ?= $(CURDIR)/.edgehaul-stack
 export EDGEHAUL_STACK_DIR := $(STACK_DIR)
 
-.PHONY: install demo down up health test lint typecheck unit bench bench-quick deploy drills verify verify-demo clean
+.PHONY: install demo down up health test lint typecheck unit bench bench-quick bench-value-full deploy drills verify verify-demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -56,6 +56,16 @@ bench: install
 # the short variants (CI): e.g. bench_passes' computed comparison only
 bench-quick: install
 	EDGEHAUL_BENCH_QUICK=1 $(BIN)/python -m benchmarks
+
+# The value benchmark at full scale, one process per kind (its training is single-threaded, so the kinds share
+# the cores), merged into docs/bench-value.{json,png}, docs/MEASURED.md and README's verdict (~45 min, 2 cores)
+VALUE_KINDS := landsat_patch daphnet_gait digits_png
+bench-value-full: install
+	@mkdir -p benchmarks/results
+	pids=""; for k in $(VALUE_KINDS); do \
+	  $(BIN)/python -m benchmarks value --kinds $$k > benchmarks/results/bench-value-$$k.log 2>&1 & pids="$$pids $$!"; \
+	done; for p in $$pids; do wait $$p || { echo "a shard failed: benchmarks/results/bench-value-*.log"; exit 1; }; done
+	$(BIN)/python -m benchmarks value --merge $$(for k in $(VALUE_KINDS); do printf 'benchmarks/results/bench-value-%s.json,' $$k; done | sed 's/,$$//')
 
 # Fault drills (two private SeaweedFS, not the stack): EDGEHAUL_DRILL_TRIALS per drill (default 50), 6-10 min
 # on 2 shared cores; fails on any lost/duplicated sample; writes docs/DRILLS.md. CI runs it after make test.

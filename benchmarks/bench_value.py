@@ -31,9 +31,11 @@ mean score of what is selected).
     python -m benchmarks value          # EDGEHAUL_BENCH_QUICK=1 (or --quick) for the CI variant
     python -m benchmarks value --quick --kinds daphnet_gait --budgets 0.1 --seeds 0,1,2 --tier coverage=0.8
         # an experiment: some kinds, budgets and seeds, tiered policies with a TieringPolicy field overridden
-Writes benchmarks/results/bench-value{,-quick}.{md,png,json}; the full run (or `--write-docs`) also
-docs/bench-value.{json,png}, docs/MEASURED.md's "Model quality per uplinked byte" section and README's
-verdict. Each cell: bytes, rows,
+    python -m benchmarks value --kinds digits_png   # a shard: one kind (`make bench-value-full` runs each
+    python -m benchmarks value --merge a.json,b.json,c.json   # kind in its own process, then merges them)
+Writes benchmarks/results/bench-value{,-quick}[-kind].{md,png,json}; the full run, merged shards that make it
+(or `--write-docs` on a quick run) also docs/bench-value.{json,png}, docs/MEASURED.md's "Model quality per
+uplinked byte" section and README's verdict. Each cell: bytes, rows,
 class mix landed and weighted by 1/inclusion_p against the stream's, macro-F1 and rare-class recall with
 90% bootstrap intervals over the test samples and the seeds.
 """
@@ -96,7 +98,7 @@ class Config:
     budgets: tuple[float, ...] = BUDGETS
     kinds: tuple[str, ...] = ("landsat_patch", "daphnet_gait", "digits_png")
     gait_stream: int = 20_000  # readings in the gait edge stream
-    gait_test: int = 6_000
+    gait_test: int = 24_000  # ~1,200 anomalies: test sampling alone moves anomaly recall by ~0.02 (90%)
     gait_anomaly: float = 0.05
     block: int = 4  # spatial block side, in patches
     test_share: float = 0.25
@@ -106,7 +108,7 @@ class Config:
 
 
 QUICK = Config(stream=2000, batch=500, bundle_rows=16, sample_passes=3_000, width=8, seeds=(0, 1, 2),
-               budgets=QUICK_BUDGETS, gait_stream=4_000, gait_test=2_000)
+               budgets=QUICK_BUDGETS, gait_stream=4_000, gait_test=8_000)
 FULL = Config(stream=12_000, batch=1000, bundle_rows=16, sample_passes=24_000, width=16, seeds=(0, 1, 2),
               min_steps=1_000)
 
@@ -411,21 +413,27 @@ def evaluate(store: ObjectStore, model_uri: str, test: Patches, contract: Contra
     return scores(test.labels, predict(store, model_uri, test, contract), rare)
 
 
-def interval(truth: np.ndarray, preds: list[np.ndarray], rare: list[int], key: str, n: int = BOOTSTRAP,
-             seed: int = 0, anomaly: int | None = None) -> tuple[float, float]:
-    """90% bootstrap interval of the seed-mean `key`, resampling the test samples and the seeds."""
+def intervals(truth: np.ndarray, preds: list[np.ndarray], rare: list[int], keys: list[str], n: int = BOOTSTRAP,
+              seed: int = 0, anomaly: int | None = None) -> dict[str, tuple[float, float]]:
+    """90% bootstrap interval of each seed-mean `key`, resampling the test samples and the seeds (one set of
+    resamples scores every key)."""
     if not preds:
-        return (math.nan, math.nan)
+        return {k: (math.nan, math.nan) for k in keys}
     rng = np.random.default_rng(seed)
-    vals = []
+    vals: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(n):
         idx = rng.integers(0, len(truth), len(truth))
         which = rng.integers(0, len(preds), len(preds))
         t = truth[idx]
         present = [c for c in rare if (t == c).any()]
-        vals.append(np.mean([scores(t, preds[w][idx], present or rare, anomaly)[key] for w in which]))
-    lo, hi = np.nanpercentile(vals, [5, 95])
-    return (float(lo), float(hi))
+        runs = [scores(t, preds[w][idx], present or rare, anomaly) for w in which]
+        for k in keys:
+            vals[k].append(float(np.mean([r[k] for r in runs])))
+    out = {}
+    for k in keys:
+        lo, hi = np.nanpercentile(vals[k], [5, 95])
+        out[k] = (float(lo), float(hi))
+    return out
 
 
 def scores(truth: np.ndarray, pred: np.ndarray, rare: list[int], anomaly: int | None = None) -> dict[str, float]:
@@ -598,7 +606,7 @@ def summarise_cells(cells: dict[tuple[str, float], Cell], preds: dict[tuple[str,
     for (pol, budget), cell in cells.items():
         cell.summarise()
         keys = ["macro_f1", "rare_recall", *(["anomaly_precision", "anomaly_recall"] if anomaly is not None else [])]
-        cell.ci = {k: interval(truth, preds.get((pol, budget), []), rare, k, anomaly=anomaly) for k in keys}
+        cell.ci = intervals(truth, preds.get((pol, budget), []), rare, keys, anomaly=anomaly)
         log(f"  {pol:13s} {budget:4.0%}: {cell.bytes:>10,} B, {cell.rows:5d} rows per draw -> macro-F1 "
             f"{cell.mean('macro_f1'):.3f} {cell.ci['macro_f1']} rare recall {cell.mean('rare_recall'):.3f}")
         for q in cell.quarantined:
@@ -1004,8 +1012,10 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
         "every policy, the same rows, agree. "
         + ("**Quick variant** (`EDGEHAUL_BENCH_QUICK=1`: budgets "
            f"{', '.join(f'{b:.0%}' for b in cfg['budgets'])}, seeds {list(cfg['seeds'])}, smaller streams); the full "
-           "run (budgets 1-100%, full streams) was not made for these figures. " if quick else "")
-        + f"{sum(r['seconds'] for r in results):.0f} s on 2 shared cores.",
+           "run (budgets 1-100%, full streams) was not made for these figures. " if quick else
+           f"**Full run** (budgets {', '.join(f'{b:.0%}' for b in cfg['budgets'])}, seeds {list(cfg['seeds'])}). ")
+        + f"{sum(r['seconds'] for r in results):.0f} s of kind runs on 2 shared cores (`make bench-value-full` runs "
+        "the kinds side by side).",
         "",
         "![Model quality per uplinked byte](bench-value.png)",
         "",
@@ -1125,7 +1135,16 @@ def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> N
         + f"\n\n![macro-F1 by budget](data:image/png;base64,{b64})\n", key="bench-value-chart")
 
 
+def experiment_flags() -> dict[str, Any]:
+    """The command line's departures from the benchmark (budgets, seeds, scorers, tier settings): a run with any
+    is an experiment and never writes docs, alone or merged."""
+    flags = {k: _argv_value(f"--{k}") for k in ("budgets", "seeds", "scorers")}
+    return {k: v for k, v in {**flags, "tier": tier_overrides()}.items() if v}
+
+
 def run(quick: bool) -> dict[str, Any]:
+    if merge := _argv_value("--merge"):
+        return publish(merge_shards([Path(x) for x in merge.split(",")]), quick_in_docs="--write-docs" in sys.argv)
     cfg = QUICK if quick else FULL
     if kinds := _argv_value("--kinds"):
         cfg = replace(cfg, kinds=tuple(k.strip() for k in kinds.split(",")))
@@ -1151,28 +1170,61 @@ def run(quick: bool) -> dict[str, Any]:
                                               setup=setup))
                 r = results[-1]
                 print("\n" + markdown(r) + "\n\n" + "\n".join(verdicts(r)) + "\n", flush=True)
+    shard = kinds is not None and set(cfg.kinds) != set((QUICK if quick else FULL).kinds)
+    return publish({"quick": quick, "experiment": experiment_flags(), "kinds": results}, shard=shard,
+                   quick_in_docs="--write-docs" in sys.argv)
+
+
+def publish(combined: dict[str, Any], *, shard: bool = False, quick_in_docs: bool = False) -> dict[str, Any]:
+    """benchmarks/results/bench-value[-quick][-kinds].{json,md,png}; for the benchmark itself (every kind, no
+    experiment flag: a full run, or a quick one with `--write-docs`) docs and README too; the Prefect artifacts."""
+    results, quick = combined["kinds"], bool(combined["quick"])
     lines = [f"{r['kind']}: {v}" for r in results for v in verdicts(r)]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"bench-value{'-quick' if quick else ''}"
-    combined = {"quick": quick, "kinds": results}
+    stem = RESULTS / ("bench-value" + ("-quick" if quick else "")
+                      + ("-" + "+".join(r["kind"] for r in results) if shard else ""))
     stem.with_suffix(".json").write_text(json.dumps(combined, indent=1))
     stem.with_suffix(".md").write_text(readme_section(results, quick))
     chart(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.{{json,md,png}}")
-    partial = (_argv_value("--kinds") or _argv_value("--budgets") or _argv_value("--seeds") or _argv_value("--scorers")
-               or tier_overrides())
-    if partial and (not quick or "--write-docs" in sys.argv):
-        print("not writing docs: --kinds/--budgets/--tier runs are experiments, not the benchmark")
-    elif not quick or "--write-docs" in sys.argv:
+    if combined.get("experiment") or shard:
+        print("not writing docs: a shard (--kinds; --merge the shards) or an experiment "
+              f"({combined.get('experiment') or {}}), not the whole benchmark")
+    elif not quick or quick_in_docs:
         write_docs(results, stem.with_suffix(".png"), quick)
         print("wrote docs/bench-value.{json,png}, docs/MEASURED.md's section and README's verdict")
     publish_artifacts(combined, lines, stem.with_suffix(".png").read_bytes())
     return combined
 
 
+def merge_shards(paths: list[Path]) -> dict[str, Any]:
+    """Per-kind runs (`--kinds K`, one process each: the benchmark's training is single-threaded, so shards in
+    parallel use the cores) -> one result, refused unless they are the benchmark: the same mode, no
+    experiment flag, the same configuration but for the kinds, and every kind exactly once."""
+    shards = [json.loads(p.read_text()) for p in paths]
+    problems = [f"{p}: an experiment {s['experiment']}" for p, s in zip(paths, shards, strict=True)
+                if s.get("experiment")]
+    modes = {bool(s["quick"]) for s in shards}
+    if len(modes) != 1:
+        problems.append("quick and full runs mixed")
+    quick = modes.pop() if len(modes) == 1 else False
+    want = (QUICK if quick else FULL).kinds
+    kinds = [k for s in shards for k in s["kinds"]]
+    names = [k["kind"] for k in kinds]
+    if sorted(names) != sorted(want):
+        problems.append(f"kinds {names}: the benchmark needs each of {list(want)} once")
+    configs = [{k: v for k, v in r["config"].items() if k != "kinds"} for r in kinds]
+    if any(c != configs[0] for c in configs):
+        problems.append("the shards ran different configurations (another budget, seed or scale)")
+    if problems:
+        raise SystemExit("cannot merge: " + "; ".join(problems))
+    print(f"merged {len(paths)} shards: {', '.join(names)} ({'quick' if quick else 'full'})", flush=True)
+    return {"quick": quick, "experiment": {}, "kinds": sorted(kinds, key=lambda r: want.index(r["kind"]))}
+
+
 def main() -> None:
     """`python -m benchmarks value [--quick] [--flow] [--kinds a,b] [--budgets 0.1,1] [--seeds 0,1,2]
-    [--tier field=value]`; `--flow` runs it as a Prefect flow (PREFECT_API_URL)
+    [--tier field=value] [--merge shard.json,...]`; `--flow` runs it as a Prefect flow (PREFECT_API_URL)
     whose artifacts are the table and the chart."""
     quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
     if "--flow" in sys.argv:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,62 @@ def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
     balanced["cells"][2] = _cell("tier-novelty", 0.10, (0.80, 0.83, 0.86), (0.6, 0.7, 0.8))
     balanced["cells"][-1] = _cell("tier-novelty", 0.02, (0.40, 0.45, 0.50), (0.1, 0.3, 0.5))
     assert "target (balanced kind): every tiered cell not below random's macro-F1: MET" in verdicts(balanced)
+
+
+def _shard(kind: str, *, quick: bool = False, experiment: dict[str, Any] | None = None,
+           **config: Any) -> dict[str, Any]:
+    from benchmarks.bench_value import FULL, QUICK
+
+    cfg = {**asdict(QUICK if quick else FULL), **config, "kinds": [kind]}
+    return {"quick": quick, "experiment": experiment or {}, "kinds": [{"kind": kind, "config": cfg, "cells": []}]}
+
+
+def test_shards_merge_only_when_together_they_are_the_benchmark(tmp_path: Path) -> None:
+    """Per-kind runs merge into one result in the benchmark's kind order; an experiment, a mix of quick and
+    full, a missing or doubled kind, or another configuration is refused, saying which."""
+    import json
+
+    from benchmarks.bench_value import FULL, merge_shards
+
+    def files(*shards: dict[str, Any]) -> list[Path]:
+        out = []
+        for i, s in enumerate(shards):
+            (f := tmp_path / f"s{i}-{len(list(tmp_path.iterdir()))}.json").write_text(json.dumps(s))
+            out.append(f)
+        return out
+
+    merged = merge_shards(files(*(_shard(k) for k in reversed(FULL.kinds))))
+    assert [r["kind"] for r in merged["kinds"]] == list(FULL.kinds)
+    assert merged["quick"] is False and merged["experiment"] == {}
+    rest = [_shard(k) for k in FULL.kinds[1:]]
+    refusals = [
+        ("an experiment", [_shard(FULL.kinds[0], experiment={"budgets": "0.1"}), *rest]),
+        ("quick and full runs mixed", [_shard(FULL.kinds[0], quick=True), *rest]),
+        ("needs each of", rest),
+        ("needs each of", [_shard(FULL.kinds[0]), _shard(FULL.kinds[0]), *rest]),
+        ("different configurations", [_shard(FULL.kinds[0], seeds=[0, 1]), *rest]),
+    ]
+    for why, shards in refusals:
+        with pytest.raises(SystemExit, match=why):
+            merge_shards(files(*shards))
+
+
+def test_intervals_bracket_the_mean_and_narrow_with_more_test_samples() -> None:
+    """One set of resamples gives every key's 90% interval; it holds the seed mean and shrinks as the test set
+    grows (what a larger held-out set buys)."""
+    from benchmarks.bench_value import intervals
+
+    rng = np.random.default_rng(3)
+    width = {}
+    for n in (2_000, 32_000):
+        truth = (rng.random(n) < 0.05).astype(np.int64)
+        preds = [np.where(rng.random(n) < 0.6, truth, 0) for _ in range(3)]  # recall ~0.6, no false alarm
+        ci = intervals(truth, preds, [1], ["macro_f1", "anomaly_recall"], n=200, anomaly=1)
+        mean = np.mean([scores(truth, p, [1], 1)["anomaly_recall"] for p in preds])
+        assert ci["anomaly_recall"][0] <= mean <= ci["anomaly_recall"][1]
+        assert ci["macro_f1"][0] < ci["macro_f1"][1]
+        width[n] = ci["anomaly_recall"][1] - ci["anomaly_recall"][0]
+    assert width[32_000] < 0.5 * width[2_000]
 
 
 @pytest.mark.parametrize("rows", [20, 192, 384, 2_000, 4_000, 20_000])
