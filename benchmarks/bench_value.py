@@ -205,23 +205,32 @@ class ConstantScorer:
         return np.full(table.num_rows, 0.5, dtype=np.float32)
 
 
-def _argv_value(flag: str) -> str | None:
-    """The value after `flag` on the command line (`--flag v` or `--flag=v`), or None."""
+def _argv_values(flag: str) -> list[str]:
+    """Every value given for `flag` on the command line (`--flag v` or `--flag=v`), in order."""
+    out = []
     for i, a in enumerate(sys.argv):
         if a == flag and i + 1 < len(sys.argv):
-            return sys.argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
+            out.append(sys.argv[i + 1])
+        elif a.startswith(flag + "="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
+def _argv_value(flag: str) -> str | None:
+    """The value after `flag` on the command line, or None (given twice, it is refused: one would be lost)."""
+    values = _argv_values(flag)
+    if len(values) > 1:
+        raise SystemExit(f"{flag} given {len(values)} times ({', '.join(values)}): give it once")
+    return values[0] if values else None
 
 
 def tier_overrides() -> dict[str, Any]:
-    """`--tier field=value[,field=value]`: TieringPolicy fields set on every tiered policy (JSON values)."""
-    raw = _argv_value("--tier")
-    if not raw:
-        return {}
+    """`--tier field=value[,field=value]` (repeatable): TieringPolicy fields set on every tiered policy (JSON
+    values)."""
     out: dict[str, Any] = {}
-    for item in raw.split(","):
+    for item in ",".join(_argv_values("--tier")).split(","):
+        if not item:
+            continue
         k, _, v = item.partition("=")
         try:
             out[k.strip()] = json.loads(v)
@@ -1144,7 +1153,7 @@ def experiment_flags() -> dict[str, Any]:
 
 def run(quick: bool) -> dict[str, Any]:
     if merge := _argv_value("--merge"):
-        return publish(merge_shards([Path(x) for x in merge.split(",")]), quick_in_docs="--write-docs" in sys.argv)
+        return write_results(merge_shards([Path(x) for x in merge.split(",")]), quick_in_docs="--write-docs" in sys.argv)
     cfg = QUICK if quick else FULL
     if kinds := _argv_value("--kinds"):
         cfg = replace(cfg, kinds=tuple(k.strip() for k in kinds.split(",")))
@@ -1171,11 +1180,11 @@ def run(quick: bool) -> dict[str, Any]:
                 r = results[-1]
                 print("\n" + markdown(r) + "\n\n" + "\n".join(verdicts(r)) + "\n", flush=True)
     shard = kinds is not None and set(cfg.kinds) != set((QUICK if quick else FULL).kinds)
-    return publish({"quick": quick, "experiment": experiment_flags(), "kinds": results}, shard=shard,
+    return write_results({"quick": quick, "experiment": experiment_flags(), "kinds": results}, shard=shard,
                    quick_in_docs="--write-docs" in sys.argv)
 
 
-def publish(combined: dict[str, Any], *, shard: bool = False, quick_in_docs: bool = False) -> dict[str, Any]:
+def write_results(combined: dict[str, Any], *, shard: bool = False, quick_in_docs: bool = False) -> dict[str, Any]:
     """benchmarks/results/bench-value[-quick][-kinds].{json,md,png}; for the benchmark itself (every kind, no
     experiment flag: a full run, or a quick one with `--write-docs`) docs and README too; the Prefect artifacts."""
     results, quick = combined["kinds"], bool(combined["quick"])

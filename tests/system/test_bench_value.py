@@ -211,6 +211,23 @@ def test_shards_merge_only_when_together_they_are_the_benchmark(tmp_path: Path) 
             merge_shards(files(*shards))
 
 
+def test_repeated_tier_flags_all_apply_and_other_flags_given_twice_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--tier a=1 --tier b=0` once kept only a=1, silently: an experiment ran another policy than it said."""
+    import sys
+
+    from benchmarks.bench_value import experiment_flags, tier_overrides
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--tier", "coverage=1", "--tier=urgent_max_share=0,summary_min_ratio=10"])
+    assert tier_overrides() == {"coverage": 1, "urgent_max_share": 0, "summary_min_ratio": 10}
+    assert experiment_flags() == {"tier": {"coverage": 1, "urgent_max_share": 0, "summary_min_ratio": 10}}
+    monkeypatch.setattr(sys, "argv", ["bench", "--budgets", "0.1", "--budgets", "0.2"])
+    with pytest.raises(SystemExit, match="--budgets given 2 times"):
+        experiment_flags()
+    monkeypatch.setattr(sys, "argv", ["bench"])
+    assert tier_overrides() == {} and experiment_flags() == {}
+
+
 def test_intervals_bracket_the_mean_and_narrow_with_more_test_samples() -> None:
     """One set of resamples gives every key's 90% interval; it holds the seed mean and shrinks as the test set
     grows (what a larger held-out set buys)."""
