@@ -168,6 +168,11 @@ def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
     assert ("target (balanced kind): every tiered cell not below random's macro-F1: NOT met, below it: "
             "tier-novelty@10% 0.787 < 0.825 (intervals overlap), tier-novelty@2% 0.243 < 0.437 (intervals apart)") in lines
     assert not any(v.startswith("small-budget") for v in lines)  # a balanced kind has no rare-recall target
+    balanced["stream_share"] = {0: 0.5, 1: 0.5}
+    for c, mix in ((balanced["cells"][-2], {0: 0.56, 1: 0.44}), (balanced["cells"][-1], {0: 0.47, 1: 0.53})):
+        c.update(weighted_mix=mix, draws=[{}])
+    assert ("weighted class mix more than 2 points off the stream's (points; random's at the same bytes): "
+            "tier-novelty@2% 3.0 (random 6.0)") in verdicts(balanced)
     balanced["cells"][2] = _cell("tier-novelty", 0.10, (0.80, 0.83, 0.86), (0.6, 0.7, 0.8))
     balanced["cells"][-1] = _cell("tier-novelty", 0.02, (0.40, 0.45, 0.50), (0.1, 0.3, 0.5))
     assert "target (balanced kind): every tiered cell not below random's macro-F1: MET" in verdicts(balanced)
@@ -226,6 +231,45 @@ def test_repeated_tier_flags_all_apply_and_other_flags_given_twice_are_refused(
         experiment_flags()
     monkeypatch.setattr(sys, "argv", ["bench"])
     assert tier_overrides() == {} and experiment_flags() == {}
+
+
+def test_budgets_whose_uniform_draw_lands_a_few_rows_per_class_take_more_draws(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Digits at 2% lands ~10 images for 10 classes: which classes a draw holds decides the model, so the budget
+    takes FEW_ROW_DRAWS draws; a budget of enough rows, or a command line that names its seeds, keeps its own."""
+    import sys
+
+    from benchmarks.bench_value import FEW_ROW_DRAWS, FEW_ROWS_PER_CLASS, Cell, few_row_draws
+
+    def cell(pol: str, budget: float, *rows: int) -> Cell:
+        return Cell(pol, budget, draws=[{"rows": r} for r in rows])
+
+    limit = FEW_ROWS_PER_CLASS * 10
+    cells = {(c.policy, c.budget): c for c in (
+        cell("random", 0.02, 9, 11, 10), cell("tier-novelty", 0.02, 9, 11, 10),
+        cell("random", 0.05, limit - 2, limit + 1, limit - 2),  # a mean just under the line
+        cell("random", 0.10, limit, limit + 3, limit - 1), cell("tier-novelty", 0.10, 1, 1, 1),  # random's rows count
+        Cell("random", 0.01))}  # nothing landed: no draw to add
+    monkeypatch.setattr(sys, "argv", ["bench"])
+    logged: list[str] = []
+    few, extra = few_row_draws(cells, 10, (0, 1, 2), logged.append)
+    assert few == [0.02, 0.05]
+    assert extra == tuple(range(3, FEW_ROW_DRAWS)) and len(logged) == 1
+    assert few_row_draws(cells, 1, (0, 1, 2), logged.append) == ([], ())  # one class: 9-11 rows are enough
+    monkeypatch.setattr(sys, "argv", ["bench", "--seeds", "0,1,2"])
+    assert few_row_draws(cells, 10, (0, 1, 2), logged.append) == ([], ())
+
+
+def test_a_tiered_edge_plans_the_links_bytes_in_its_policys_unit() -> None:
+    """The link carries a share of bundle bytes, budget_share is a share of full-row bytes: where a bundle row
+    costs more (gait's Parquet part) the plan is the link in full-row bytes, else the budget (the pass thins)."""
+    from benchmarks.bench_value import FULL, planned_per_budget, policy_for
+
+    assert planned_per_budget(262 * 10_000, 179 * 10_000) == pytest.approx(262 / 179)
+    assert planned_per_budget(1547 * 6_000, 1731 * 6_000) == 1.0
+    assert planned_per_budget(100, 0) == 1.0
+    assert policy_for("tier-novelty", FULL, 0.8 * 262 / 179).budget_share == 1.0  # a share is at most everything
+    assert policy_for("tier-novelty", FULL, 0.1 * 262 / 179).budget_share == pytest.approx(0.1 * 262 / 179)
 
 
 def test_intervals_bracket_the_mean_and_narrow_with_more_test_samples() -> None:
