@@ -15,7 +15,8 @@ mean score of what is selected).
    score, tier, bundles into a `Spool`), then the link carries `budget x raw bytes` of that round,
    where raw bytes = the bundles of every sample of the round sent in full. What is carried is a
    prefix of the spool's own drain order (`Spool.pending()`: tier, then value, then age); bundles
-   left over expire with the round.
+   left over expire with the round. A tiered edge plans for that link in its policy's unit
+   (`planned_per_budget`: budget_share is a share of full-row bytes, the link a share of bundle bytes).
 3. Policies, same bytes: FIFO (every sample normal tier, drained oldest first), random (the same
    over a shuffled copy of the round: a uniform sample), tiering with the novelty scorer, and
    tiering with the model scorer after one closed-loop round (round 1 as novelty; a model trained
@@ -37,7 +38,8 @@ Writes benchmarks/results/bench-value{,-quick}[-kind].{md,png,json}; the full ru
 (or `--write-docs` on a quick run) also docs/bench-value.{json,png}, docs/MEASURED.md's "Model quality per
 uplinked byte" section and README's verdict. Each cell: bytes, rows,
 class mix landed and weighted by 1/inclusion_p against the stream's, macro-F1 and rare-class recall with
-90% bootstrap intervals over the test samples and the seeds.
+90% bootstrap intervals over the test samples and the seeds (FEW_ROW_DRAWS seeds where a uniform draw lands a few
+rows per class: `few_row_draws`).
 """
 
 from __future__ import annotations
