@@ -666,9 +666,10 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     fifo_spools = {r: edge_round(rb, contract, policy_for("fifo", cfg), ConstantScorer(), work / f"fifo{r}",
                                  edge_reports.setdefault("fifo", [])) for r, rb in enumerate(rounds)}
     raw = [sum(e.manifest.nbytes for e in fifo_spools[r][1]) for r in (0, 1)]
+    fifo_report = TierReport.merge(edge_reports["fifo"])
     log(f"edge: FIFO x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}; bytes "
-        f"per row {TierReport.merge(edge_reports['fifo']).bytes_per_row()}")
-    plan_per_budget = planned_per_budget(sum(raw), TierReport.merge(edge_reports["fifo"]).full_row_bytes)
+        f"per row {fifo_report.bytes_per_row()}")
+    plan_per_budget = planned_per_budget(sum(raw), fifo_report.full_row_bytes)
     log(f"tiered edges plan {plan_per_budget:.3f} x the budget in full-row bytes (the link's bundle bytes in the "
         "policy's unit, where more: the pass thins what the link cannot carry)")
 
