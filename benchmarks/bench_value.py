@@ -15,8 +15,9 @@ mean score of what is selected).
    score, tier, bundles into a `Spool`), then the link carries `budget x raw bytes` of that round,
    where raw bytes = the bundles of every sample of the round sent in full. What is carried is a
    prefix of the spool's own drain order (`Spool.pending()`: tier, then value, then age); bundles
-   left over expire with the round. A tiered edge plans for that link in its policy's unit
-   (`planned_per_budget`: budget_share is a share of full-row bytes, the link a share of bundle bytes).
+   left over expire with the round. A tiered edge plans for that link in its policy's unit, with the
+   surplus a node with passes draws for its pass to thin (`planned_per_budget`: budget_share is a share of
+   full-row bytes, the link a share of bundle bytes; `pass_plan.draw_surplus`).
 3. Policies, same bytes: FIFO (every sample normal tier, drained oldest first), random (the same
    over a shuffled copy of the round: a uniform sample), tiering with the novelty scorer, and
    tiering with the model scorer after one closed-loop round (round 1 as novelty; a model trained
@@ -669,9 +670,9 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     fifo_report = TierReport.merge(edge_reports["fifo"])
     log(f"edge: FIFO x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}; bytes "
         f"per row {fifo_report.bytes_per_row()}")
-    plan_per_budget = planned_per_budget(sum(raw), fifo_report.full_row_bytes)
-    log(f"tiered edges plan {plan_per_budget:.3f} x the budget in full-row bytes (the link's bundle bytes in the "
-        "policy's unit, where more: the pass thins what the link cannot carry)")
+    plans = tier_plans(raw, fifo_report, cfg.budgets)
+    log("tiered edges plan " + ", ".join(f"{b:.0%}: {f:.3f}" for b, f in plans.items()) + " x the budget in "
+        "full-row bytes (the link's bundle bytes in the policy's unit, with the surplus a pass thins)")
 
     def scorer_for(name: str, policy: TieringPolicy, st: ObjectStore | None, where: Path) -> Any:
         where.mkdir(parents=True, exist_ok=True)
@@ -727,7 +728,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         """The tiered edge plans for its budget, so it runs once per budget (one edge: a scorer's state runs on
         across rounds); the seed is in the policy version, which salts every draw, and in the thinning's salt."""
         name = pol.removeprefix("tier-")
-        policy = policy_for("tier-novelty", cfg, budget * plan_per_budget).model_copy(
+        policy = policy_for("tier-novelty", cfg, budget * plans[budget]).model_copy(
             update={"scorer": name, "version": f"bench-{pol}-s{seed}"})
         where = work / f"{pol}-{round(budget * 100)}-s{seed}"
         scorer = scorer_for(name, policy, None, where / "state")
@@ -760,7 +761,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         except QualityGateFailed as e:
             cell.cold_starts += 1
             log(f"  tier-model {budget:4.0%} s{seed}: round-1 model not published ({e}); the fallback scores round 2")
-        policy = policy_for("tier-model", cfg, budget * plan_per_budget).model_copy(
+        policy = policy_for("tier-model", cfg, budget * plans[budget]).model_copy(
             update={"version": f"bench-tier-model-s{seed}"})
         where = work / f"model-{round(budget * 100)}-s{seed}"
         scorer = scorer_for("model", policy, st, where / "state")
@@ -832,15 +833,25 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     }
 
 
-def planned_per_budget(raw_bundle_bytes: int, full_row_bytes: int) -> float:
-    """What a tiered edge plans, per unit of budget, in `TieringPolicy.budget_share`'s unit. The link carries a share
-    of the round's bundle bytes; budget_share is a share of full-row bytes (uncompressed, before a bundle's Parquet).
-    Where a bundle row costs more than its full-row bytes (gait: 262 B as a 16-row bundle against 179 B, the
-    Parquet part) a plan of the budget itself leaves the link idle (11-29% of it at 10%: FIFO and random, thinned
-    from the whole round, filled it); so the plan is the link in the policy's unit. Where a bundle row costs less
-    (Landsat compresses: 0.89x) the plan stays at the budget and the pass's thinning takes off what the link
-    cannot carry (recorded, p updated): over is harmless, under wastes the pass."""
-    return max(1.0, raw_bundle_bytes / full_row_bytes) if full_row_bytes > 0 else 1.0
+def planned_per_budget(raw_bundle_bytes: int, full_row_bytes: int, rows_per_pass: float) -> float:
+    """What a tiered edge plans, per unit of budget, in `TieringPolicy.budget_share`'s unit, as a node with passes
+    plans (`pass_plan.planned_share`). The link carries a share of the round's bundle bytes; budget_share is a share
+    of full-row bytes (uncompressed, before a bundle's Parquet): gait's 16-row bundles carry a row in 262 B against
+    its 179 B, Landsat's compress to 0.89x. So the link in full-row bytes, times the surplus the pass thins
+    (`draw_surplus` of the rows a pass carries: a Poisson draw at exactly the link's bytes fell short half the time,
+    and the pass can take rows off, never add them; digits at 2% drew 9.2 rows where random's fixed-size draw
+    landed 10.3)."""
+    from edgehaul.uplink.pass_plan import draw_surplus
+
+    return (raw_bundle_bytes / full_row_bytes if full_row_bytes > 0 else 1.0) * draw_surplus(rows_per_pass)
+
+
+def tier_plans(raw: list[int], fifo: TierReport, budgets: tuple[float, ...]) -> dict[float, float]:
+    """`planned_per_budget` per budget: a round's link carries budget x its raw bytes, in rows of FIFO's mean
+    full-row bytes."""
+    row_bytes = fifo.full_row_bytes / max(fifo.full_rows, 1)
+    return {b: planned_per_budget(sum(raw), fifo.full_row_bytes, b * sum(raw) / len(raw) / row_bytes)
+            for b in budgets}
 
 
 def remove_draw(work: Path, pol: str, budget: float, seed: int) -> None:

@@ -32,8 +32,9 @@ alert is kept in order while the central API is out of reach.
 When a write would still not fit: `reject-new` refuses it; `drop-lowest-value` drops waiting
 bundles of lower value (tier first, then max_value, oldest first) if that frees enough, else refuses.
 Every refused, dropped, evicted or expired sample goes to the ledger.
-When the link cannot carry what waits, `thin_to` thins the waiting bundles at random (each full row kept
-with probability keep, its inclusion_p multiplied by it, the rest moved to the raw store): the order of
+When the link cannot carry what waits, `thin_to` thins the waiting bundles at random (a simple random sample of
+the full rows, of the size the capacity holds: each row's inclusion_p multiplied by k/n, the rest moved to the raw
+store): the order of
 `pending()` decides only what goes first, never which rows a short link leaves out.
 """
 
@@ -82,7 +83,7 @@ _SIDECAR = ".manifest.json"
 _TMP = ".tmp"
 
 
-FIT_ROUNDS = 8  # fixed-size draws after thin_to's Poisson rounds, each at least one row fewer
+FIT_ROUNDS = 8  # thin_to's further fixed-size draws while packing leaves it over, each a row fewer at least
 
 
 @dataclass
@@ -515,19 +516,25 @@ class Spool:
                 pack_rows: int | None = None) -> list[ThinResult]:
         """Thin the waiting bundles until they fit `capacity_bytes`: the normal tier while the urgent bundles take at
         most `urgent_share` of it (they are the latency path, as `TieringPolicy.urgent_max_share`), every tier
-        beyond it (urgent rows are then sampled with the rest, as the budgeted draw does). keep is solved so the
-        expected bytes after thinning meet the capacity: the rows that stay are packed into bundles of up to
-        `pack_rows` rows (`thin`), each paying a bundle's fixed Parquet part (measured once per contract) once;
-        again while chance leaves it over. Bundles in `skip` (part-sent, in the retry queue) stay whole."""
+        beyond it (urgent rows are then sampled with the rest, as the budgeted draw does). Each round is a draw of
+        fixed size (`thin` with `keep_rows`): k of the n full rows stay, k the expected-bytes solution (`_solve_keep`
+        x n, rounded) with the rows that stay packed into bundles of up to `pack_rows` rows, each paying a bundle's
+        fixed Parquet part (measured once per contract) once. Fixed, not Poisson: a Poisson thinning falls short of
+        the pass as often as it overruns, and what it leaves idle no later round can add (digits at 2%: about ten
+        rows a pass, so a draw one row short wasted a tenth of it). While a round's packing still leaves it over,
+        the next draws at least one row fewer, up to `max_rounds` + FIT_ROUNDS rounds. What fits once packed is
+        repacked with every row kept. Bundles in `skip` (part-sent, in the retry queue) stay whole."""
         done: list[ThinResult] = []
         overhead: dict[str, int] = {}
-        for r in range(max_rounds):
+        tiers: tuple[str, ...] = ()
+        for r in range(max_rounds + FIT_ROUNDS):
             pending = self.pending()
             total = sum(e.manifest.nbytes for e in pending)
             if total <= capacity_bytes or not pending:
                 break
-            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
-            tiers = ("normal",) if urgent <= urgent_share * capacity_bytes else ("high", "normal")
+            if not tiers:  # decided once: a packed bundle that holds an urgent row is urgent, normal rows and all
+                urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
+                tiers = ("normal",) if urgent <= urgent_share * capacity_bytes else ("high", "normal")
             if not any(e.tier in tiers and e.bundle_id not in skip for e in pending):
                 break
             # the urgent bundles are packed with the thinned rows either way (sampled or kept whole)
@@ -542,27 +549,17 @@ class Spool:
             room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned))
             whole = frozenset({"high"} - set(tiers))
             keep = _solve_keep(thinned, overhead, room, pack_rows, kept_whole=whole)
-            done.append(self.thin(keep, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
-                                  pack_with=tuple(whole), repack=True))
-            if not done[-1].bundles:
-                break
-        # Poisson rounds of few rows can stay over (a keep of 0.99 over five rows keeps all five; a packed bundle
-        # a few bytes over its estimate): then draws of fixed size, each one row fewer at least, until it fits,
-        # so the pass carries a sample rather than nothing.
-        for r in range(max_rounds, max_rounds + FIT_ROUNDS):
-            pending = self.pending()
-            total = sum(e.manifest.nbytes for e in pending)
-            if total <= capacity_bytes:
-                break
-            urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
-            tiers = ("normal",) if urgent <= urgent_share * capacity_bytes else ("high", "normal")
-            thinned = [e for e in pending if e.tier in ("high", "normal") and e.bundle_id not in skip]
+            if keep >= 1.0 and not done:  # over only for its footers: packed, every row fits
+                done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
+                                      pack_with=tuple(whole), repack=True))
+                if not done[-1].bundles:
+                    break
+                continue
             n = sum(len(self._full_uniforms(e, salt)) for e in thinned if e.tier in tiers)
             if not n:
                 break
-            room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned))
-            whole = frozenset({"high"} - set(tiers))
-            k = min(n - 1, math.floor(_solve_keep(thinned, overhead, room, pack_rows, kept_whole=whole) * n))
+            # the first draw meets the expected bytes; a later one (the packing left it over) is a row fewer at least
+            k = min(n, round(keep * n)) if not done else min(n - 1, math.floor(keep * n))
             done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
                                   pack_with=tuple(whole), repack=True, keep_rows=max(k, 0)))
         return done

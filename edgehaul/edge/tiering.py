@@ -178,8 +178,7 @@ def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
     """(full-row bytes, summary bytes or 0 where a left row sends none) per row, the same from `assign`'s
     preprocessed rows and the Batcher's scored ones. Under a budget, summaries that would take more than half
     of what the urgent rows leave are not sent at all: the budget buys rows first."""
-    wire = set(contract.bundle_schema.names)  # what a bundle carries: no derived feature
-    base = rows.select([c for c in rows.column_names if c not in _SCORED and c in wire])
+    base = _wire_columns(rows, contract)
     full = _row_bytes(base) + _SCORED_ROW_BYTES
     summ = summary_bytes(base, contract, full)
     summ = np.where(summary_earns(full, summ, policy, contract), summ, 0)
@@ -191,6 +190,17 @@ def plan_bytes(rows: pa.Table, values: np.ndarray, policy: TieringPolicy,
         if float(summ[rest].sum()) > _SUMMARY_MAX_SHARE * (budget - urgent):
             summ = np.zeros_like(summ)
     return full, summ
+
+
+def _wire_columns(rows: pa.Table, contract: Contract) -> pa.Table:
+    wire = set(contract.bundle_schema.names)  # what a bundle carries: no derived feature
+    return rows.select([c for c in rows.column_names if c not in _SCORED and c in wire])
+
+
+def full_row_bytes(rows: pa.Table, contract: Contract) -> np.ndarray:
+    """Each preprocessed row's full-row bytes as a bundle carries it (uncompressed, scored columns included): the
+    unit of `TieringPolicy.budget_share`."""
+    return _row_bytes(_wire_columns(rows, contract)) + _SCORED_ROW_BYTES
 
 
 def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contract: Contract) -> pa.Table:

@@ -75,9 +75,9 @@ class EdgeIngestParams(BaseModel):
     object_store: str | None = Field(default=None, description="ObjectStore block for the model scorer.")
     link_profile: str | None = Field(default=None, description="LinkProfile block of the node's uplink: a policy "
                                      "without its own budget_share gets the share the link plans to carry.")
-    observed_bytes_per_s: float | None = Field(default=None, gt=0, description="Bytes per second the node "
-                                               "observes (with link_profile); None: as the first batch's capture "
-                                               "times say.")
+    observed_bytes_per_s: float | None = Field(default=None, gt=0, description="Full-row bytes per second "
+                                               "the node observes (with link_profile; the rows as a bundle carries "
+                                               "them, uncompressed); None: as the first batch's capture times say.")
     contract: str = Field(default="landsat_patch.v1", description="Data contract id of the raw observations.")
     source: Literal["generate", "parquet", "drop"] = Field(
         default="generate", description="generate: Landsat demo patches; parquet: every Parquet file of a folder, "

@@ -40,11 +40,11 @@ from edgehaul import downlink
 from edgehaul.blocks import EdgeNode, LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.contracts import Contract, contract_by_id
 from edgehaul.edge.batch import ingest_batch as run_batch
-from edgehaul.edge.preprocess import CODE_VERSION, parse_times
+from edgehaul.edge.preprocess import CODE_VERSION, batch_key, preprocess
 from edgehaul.edge.scorer_registry import ScorerContext, build_scorer, scorer_state_dir
 from edgehaul.edge.scoring import ContextualScorer, NoveltyScorer, Scorer, scorer_cache_version
 from edgehaul.edge.spool import Spool, SpoolError
-from edgehaul.edge.tiering import TierReport
+from edgehaul.edge.tiering import TierReport, full_row_bytes
 from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
 from edgehaul.uplink.pass_plan import Pass, PassScheduleError, load_passes, planned_share
 
@@ -95,34 +95,52 @@ class EdgeBatch:
         return Path(self.receipt).is_file()
 
 
-def observed_bytes_per_s(raw: pa.Table, contract: Contract) -> float | None:
-    """What a raw batch says its node observes: the batch's bytes over the span of its capture times (read as
-    preprocessing reads them); None where it has no capture times or they span no time."""
-    if "capture_time" not in raw.column_names or raw.num_rows < 2:
-        return None
-    times, _ = parse_times(raw.column("capture_time").combine_chunks(), contract.raw.capture_time)
-    lo, hi = pc.min(times).as_py(), pc.max(times).as_py()
+@dataclass(frozen=True)
+class ObservedRate:
+    """What a node's first raw batch says it observes, in `budget_share`'s unit."""
+
+    bytes_per_s: float | None  # full-row bytes per second; None where its capture times span no time
+    row_bytes: float | None  # mean full-row bytes of its accepted rows; None where it has none
+
+
+def observed_rate(raw: pa.Table, contract: Contract, node_id: str | None = None) -> ObservedRate:
+    """A raw batch preprocessed as the edge path does (its bad rows rejected, nothing recorded): the full-row bytes
+    of its accepted rows (`tiering.full_row_bytes`, what a share of them buys) over the span of their capture
+    times. A raw row's Arrow bytes are another unit: gait's 95 B make a 179 B full row, and a share planned on
+    them drew 1.9 times what the link carries."""
+    key, hashes = batch_key(raw, contract.payload_column or "")
+    rows = preprocess(raw, contract, node_id=node_id, key=key, hashes=hashes).accepted
+    if not rows.num_rows:
+        return ObservedRate(None, None)
+    total = float(full_row_bytes(rows, contract).sum())
+    row_bytes = total / rows.num_rows
+    if rows.num_rows < 2:
+        return ObservedRate(None, row_bytes)
+    lo, hi = pc.min(rows.column("capture_time")).as_py(), pc.max(rows.column("capture_time")).as_py()
     span = (hi - lo).total_seconds() if lo is not None and hi is not None else 0.0
-    return raw.nbytes / span if span > 0 else None
+    return ObservedRate(total / span if span > 0 else None, row_bytes)
 
 
 def link_budget(policy: TieringPolicy, profile: LinkProfile, raw_bytes_per_s: float | None, *,
-                passes: Sequence[Pass] = (), now: datetime | None = None) -> TieringPolicy:
+                passes: Sequence[Pass] = (), now: datetime | None = None,
+                row_bytes: float | None = None) -> TieringPolicy:
     """The policy a node tiers with under its link. One that fixes `budget_share` keeps it; otherwise the share
-    of what the node observes that its link plans to carry (`pass_plan.planned_share`: the passes' or the
-    profile's bytes per second over the observed bytes per second), to two significant digits: the share is in
+    of what the node observes (full-row bytes per second) that its link plans to carry (`pass_plan.planned_share`:
+    the passes' or the profile's bytes per second over the observed bytes per second; with passes and `row_bytes`,
+    the surplus a pass thins), to two significant digits: the share is in
     the policy's fingerprint, which keys the batch cache, and a rate measured a little differently each run
     must not recompute every batch. Without a known rate, the policy as it is."""
     if policy.budget_share is not None or not raw_bytes_per_s or raw_bytes_per_s <= 0:
         return policy
-    share = planned_share(profile, raw_bytes_per_s=raw_bytes_per_s, passes=passes, now=now)
+    share = planned_share(profile, raw_bytes_per_s=raw_bytes_per_s, passes=passes, now=now, row_bytes=row_bytes)
     return policy.model_copy(update={"budget_share": min(1.0, float(f"{share:.2g}"))})
 
 
 def node_link_budget(policy: TieringPolicy, profile: LinkProfile, node: EdgeNode, raw: pa.Table, contract: Contract,
                      observed: float | None = None, log: Callable[..., Any] | None = None) -> TieringPolicy:
     """`link_budget` for a node: its pass schedule (none when unreadable, said in the log), and its rate as given
-    (`observed`), else as its first raw batch says (`observed_bytes_per_s`)."""
+    (`observed`, full-row bytes per second), else as its first raw batch says (`observed_rate`), which also gives
+    the full-row bytes a pass's rows are counted in."""
     passes: list[Pass] = []
     if node.pass_schedule:
         try:
@@ -131,12 +149,14 @@ def node_link_budget(policy: TieringPolicy, profile: LinkProfile, node: EdgeNode
             if log:
                 log("node %s: pass schedule %s unreadable (%s): planned from the link profile", node.node_id,
                     node.pass_schedule, e)
-    rate = observed or observed_bytes_per_s(raw, contract)
-    out = link_budget(policy, profile, rate, passes=passes)
+    first = observed_rate(raw, contract, node.node_id)
+    rate = observed or first.bytes_per_s
+    out = link_budget(policy, profile, rate, passes=passes, row_bytes=first.row_bytes)
     if log:
-        log("node %s: budget_share %s (%s; observed %s B/s, %d passes planned)", node.node_id, out.budget_share,
-            "the policy's own" if policy.budget_share is not None else "planned for the link" if rate else
-            "no observed rate: none", None if rate is None else round(rate), len(passes))
+        log("node %s: budget_share %s (%s; observed %s full-row B/s, %s B a row, %d passes planned)", node.node_id,
+            out.budget_share, "the policy's own" if policy.budget_share is not None else "planned for the link"
+            if rate else "no observed rate: none", None if rate is None else round(rate),
+            None if first.row_bytes is None else round(first.row_bytes), len(passes))
     return out
 
 

@@ -305,25 +305,47 @@ def capacity_until(passes: Sequence[Pass], now: datetime, until: datetime, cap_f
 
 MONTH_S = 30 * 86400.0
 PLAN_HEADROOM = 0.9  # plan a tenth under the link: retries, manifests and control traffic share it
+# A node with passes draws more than a pass carries, and the pass thins the surplus (`Spool.thin_to`: a recorded
+# draw of fixed size, p updated, the rest to the raw store): a pass can take rows off, never add the rows a draw
+# left out. The draw is Poisson, so at exactly the pass's bytes it falls short half the time, by about 1/sqrt(n) of
+# n rows (digits at 2%: ten rows a pass, a third short at one sd); DRAW_SURPLUS_Z sds cover it 19 times in 20.
+DRAW_SURPLUS_Z = 1.645
+# A budget_share is a share of full-row bytes (uncompressed); a bundle's zstd Parquet carries a row in fewer (gait
+# 0.87x, Landsat 0.89x in the bundles a budgeted edge packs), so a plan of the pass's bytes leaves a tenth of it idle.
+BUNDLE_WIRE_MARGIN = 1.15
+
+
+def draw_surplus(rows_per_pass: float) -> float:
+    """How many times a pass's bytes a node with passes plans to draw (>= 1): the margin for a bundle's
+    compression times 1 + z / sqrt(the rows a pass carries). Large for a pass of a few rows (ten rows: 1.75),
+    near the compression margin for thousands (1.19 at 1,500)."""
+    return BUNDLE_WIRE_MARGIN * (1.0 + DRAW_SURPLUS_Z / math.sqrt(max(rows_per_pass, 1.0)))
 
 
 def planned_share(
     profile: LinkProfile, *, raw_bytes_per_s: float, passes: Sequence[Pass] = (), now: datetime | None = None,
     horizon_s: float = 86400.0, measured_bytes_per_s: float | None = None, backup: LinkProfile | None = None,
+    row_bytes: float | None = None,
 ) -> float:
     """The share of what a node observes (its full-row bytes per second) that its links can carry: what a
     tiering policy's `budget_share` should be. The carry rate is the predicted passes' capacity over the horizon
     when a schedule is given, else the profile's rate cap (times its contact duty cycle), replaced by the measured
     data-plane rate when one is known, less its loss rate; a backup link adds its monthly budget spread over the
-    month. Planned with `PLAN_HEADROOM`, in (0, 1]."""
+    month. Planned with `PLAN_HEADROOM`, in (0, 1]. With passes and `row_bytes` (a full row's mean bytes), times
+    `draw_surplus` of the rows a pass carries: the pass thins the surplus (only a pass drain thins; a node without
+    passes plans the link itself, as what it draws over waits in the spool)."""
     if raw_bytes_per_s <= 0:
         raise ValueError(f"raw_bytes_per_s must be > 0, got {raw_bytes_per_s}")
+    surplus = 1.0
     if passes:
         start = now or datetime.now(UTC)
         end = start + timedelta(seconds=horizon_s)
-        carried = sum(p.capacity_bytes(profile.rate_cap_fraction, now=start) for p in passes if start < p.end
-                      and p.start < end)
+        carries = [p.capacity_bytes(profile.rate_cap_fraction, now=start) for p in passes if start < p.end
+                   and p.start < end]
+        carried = sum(carries)
         rate = carried / horizon_s
+        if row_bytes and carries:
+            surplus = draw_surplus(PLAN_HEADROOM * carried / len(carries) / row_bytes)
     else:
         rate = profile.rate_cap_bytes_per_s if measured_bytes_per_s is None else measured_bytes_per_s
         if profile.contact_period_s and profile.contact_duration_s:
@@ -331,7 +353,7 @@ def planned_share(
     rate *= 1.0 - profile.loss_rate
     if backup is not None and backup.monthly_budget_bytes:
         rate += backup.monthly_budget_bytes / MONTH_S
-    return float(min(1.0, max(1e-6, PLAN_HEADROOM * rate / raw_bytes_per_s)))
+    return float(min(1.0, max(1e-6, surplus * PLAN_HEADROOM * rate / raw_bytes_per_s)))
 
 
 def plan_pass(

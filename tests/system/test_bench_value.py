@@ -261,13 +261,16 @@ def test_budgets_whose_uniform_draw_lands_a_few_rows_per_class_take_more_draws(
 
 
 def test_a_tiered_edge_plans_the_links_bytes_in_its_policys_unit() -> None:
-    """The link carries a share of bundle bytes, budget_share is a share of full-row bytes: where a bundle row
-    costs more (gait's Parquet part) the plan is the link in full-row bytes, else the budget (the pass thins)."""
+    """The link carries a share of bundle bytes, budget_share is a share of full-row bytes: the plan is the link in
+    full-row bytes (more where a bundle row costs more: gait's Parquet part; less where it compresses: Landsat),
+    times the surplus a pass thins, as the product's node with passes plans it."""
     from benchmarks.bench_value import FULL, planned_per_budget, policy_for
+    from edgehaul.uplink.pass_plan import draw_surplus
 
-    assert planned_per_budget(262 * 10_000, 179 * 10_000) == pytest.approx(262 / 179)
-    assert planned_per_budget(1547 * 6_000, 1731 * 6_000) == 1.0
-    assert planned_per_budget(100, 0) == 1.0
+    assert planned_per_budget(262 * 10_000, 179 * 10_000, 1500) == pytest.approx(262 / 179 * draw_surplus(1500))
+    assert planned_per_budget(1547 * 6_000, 1731 * 6_000, 10) == pytest.approx(1547 / 1731 * draw_surplus(10))
+    assert planned_per_budget(1547 * 6_000, 1731 * 6_000, 10) > planned_per_budget(1547 * 6_000, 1731 * 6_000, 1e4) > 1
+    assert planned_per_budget(100, 0, 1e12) == pytest.approx(draw_surplus(1e12))
     assert policy_for("tier-novelty", FULL, 0.8 * 262 / 179).budget_share == 1.0  # a share is at most everything
     assert policy_for("tier-novelty", FULL, 0.1 * 262 / 179).budget_share == pytest.approx(0.1 * 262 / 179)
 

@@ -14,8 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgehaul.blocks import EdgeNode, LinkProfile, TieringPolicy
-from edgehaul.tasks.edge import link_budget, node_link_budget, observed_bytes_per_s
-from edgehaul.uplink.pass_plan import PLAN_HEADROOM, Pass, planned_share
+from edgehaul.edge.preprocess import preprocess
+from edgehaul.edge.tiering import full_row_bytes
+from edgehaul.tasks.edge import link_budget, node_link_budget, observed_rate
+from edgehaul.uplink.pass_plan import PLAN_HEADROOM, Pass, draw_surplus, planned_share
 from tests.gait_rows import GAIT, gait_raw
 
 LINK = LinkProfile(bandwidth_bps=8_000_000, rate_cap_fraction=0.5)  # 500 kB/s data plane
@@ -47,19 +49,49 @@ def test_the_planned_share_is_a_share_and_within_rounding_of_the_plan(rate: floa
     assert other is not None and abs(other - share) <= 10 ** (math.floor(math.log10(share)) - 1) * 1.0001
 
 
-def test_the_observed_rate_is_a_batch_bytes_over_its_capture_span() -> None:
+def test_the_observed_rate_is_in_full_row_bytes_over_the_capture_span() -> None:
+    """The share applies to full-row bytes, so the rate is in them: a gait reading's raw Arrow bytes are about half
+    its full row (a share planned on them drew about twice what the link carries)."""
     raw = gait_raw(200, anomaly_rate=0.05, seed=1)  # readings 15 ms apart
-    assert observed_bytes_per_s(raw, GAIT) == pytest.approx(raw.nbytes / (199 * 0.015))
-    assert observed_bytes_per_s(raw.slice(0, 1), GAIT) is None  # one reading spans no time
+    rows = preprocess(raw, GAIT).accepted
+    full = float(full_row_bytes(rows, GAIT).sum())
+    got = observed_rate(raw, GAIT)
+    assert got.bytes_per_s == pytest.approx(full / (199 * 0.015))
+    assert got.row_bytes == pytest.approx(full / 200)
+    assert got.bytes_per_s > 1.5 * raw.nbytes / (199 * 0.015)  # not the raw Arrow bytes
+    one = observed_rate(raw.slice(0, 1), GAIT)  # one reading spans no time, but has a row's bytes
+    assert one.bytes_per_s is None and one.row_bytes == pytest.approx(full_row_bytes(rows.slice(0, 1), GAIT)[0])
     same = raw.set_column(raw.schema.get_field_index("capture_time"), "capture_time",
                           pa.array([raw.column("capture_time")[0].as_py()] * 200, raw.schema.field("capture_time").type))
-    assert observed_bytes_per_s(same, GAIT) is None
-    assert observed_bytes_per_s(raw.drop_columns(["capture_time"]), GAIT) is None
+    assert observed_rate(same, GAIT).bytes_per_s is None
+    # a batch the edge rejects whole (no capture time: a required column) observes nothing
+    assert observed_rate(raw.drop_columns(["capture_time"]), GAIT) == observed_rate(raw.slice(0, 0), GAIT)
+    assert observed_rate(raw.slice(0, 0), GAIT).row_bytes is None
+
+
+def test_a_node_with_passes_draws_a_surplus_its_pass_thins() -> None:
+    """Over a pass schedule the plan is the passes' bytes times `draw_surplus` of the rows a pass carries: large for
+    a pass of a few rows (a Poisson draw of ten falls short by a third at one sd), small for thousands; without a
+    row size, or without passes (nothing thins), the link itself."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    passes = [Pass(now + timedelta(hours=h), 600.0, 8_000_000) for h in (1, 13)]
+    per_pass = 600.0 * 1e6 * LINK.rate_cap_fraction
+    bare = planned_share(LINK, raw_bytes_per_s=1e6, passes=passes, now=now)
+    for row in (per_pass / 10, per_pass / 1500, 100.0):
+        got = planned_share(LINK, raw_bytes_per_s=1e6, passes=passes, now=now, row_bytes=row)
+        assert got == pytest.approx(min(1.0, bare * draw_surplus(PLAN_HEADROOM * per_pass / row)))
+    assert draw_surplus(10) > 1.7 > 1.2 > draw_surplus(1500) > draw_surplus(1e9) > 1.1
+    assert planned_share(LINK, raw_bytes_per_s=1e6, row_bytes=100.0) == planned_share(LINK, raw_bytes_per_s=1e6)
+
+
+@given(rows=st.floats(min_value=0.0, max_value=1e9))
+def test_the_draw_surplus_shrinks_with_the_rows_a_pass_carries(rows: float) -> None:
+    assert 1.0 < draw_surplus(rows * 2 + 1) <= draw_surplus(rows) <= draw_surplus(0)
 
 
 def test_a_node_plans_by_its_schedule_its_given_rate_or_its_first_batch(tmp_path: Path) -> None:
     raw = gait_raw(200, anomaly_rate=0.05, seed=1)
-    rate = raw.nbytes / (199 * 0.015)
+    rate = observed_rate(raw, GAIT).bytes_per_s
     node = EdgeNode(node_id="node-a", spool_dir=str(tmp_path / "spool"))
     lines: list[str] = []
     log = lambda msg, *a: lines.append(msg % a)  # noqa: E731
@@ -73,7 +105,10 @@ def test_a_node_plans_by_its_schedule_its_given_rate_or_its_first_batch(tmp_path
     sched.write_text(yaml.safe_dump({"passes": [{"start": start.isoformat(), "duration_s": 60, "rate_bps": 8e6}]}))
     by_pass = node_link_budget(TieringPolicy(), LINK, node.model_copy(update={"pass_schedule": str(sched)}), raw,
                                GAIT, 1e5)
-    assert by_pass.budget_share == pytest.approx(PLAN_HEADROOM * 60 * 1e6 * 0.5 / 86400 / 1e5, rel=0.05)
+    # times the surplus its pass thins, counted in the first batch's full rows
+    rows_per_pass = PLAN_HEADROOM * 60 * 1e6 * 0.5 / observed_rate(raw, GAIT).row_bytes
+    assert by_pass.budget_share == pytest.approx(
+        PLAN_HEADROOM * 60 * 1e6 * 0.5 / 86400 / 1e5 * draw_surplus(rows_per_pass), rel=0.05)
     # an unreadable schedule is said, and the profile plans
     lines.clear()
     broken = node.model_copy(update={"pass_schedule": str(tmp_path / "missing.yaml")})
