@@ -263,6 +263,27 @@ def test_thinning_small_bundles_lands_close_to_capacity_and_packs_the_rows_kept(
     assert sent_ids.isdisjoint(raw_ids) and len(sent_ids) + len(raw_ids) == 3000
 
 
+@pytest.mark.parametrize("salt", [f"pass-fill-{i}" for i in range(6)])
+def test_a_thinned_pass_of_few_rows_is_filled_to_within_a_row(pump: Contract, tmp_path: Path, salt: str) -> None:
+    """A pass that carries about half of 48 waiting rows once they share one footer (digits at 2%: about ten rows a
+    pass): every draw, not only their mean, fills it to within a row's bytes (footer share included) and never
+    over. A Poisson thinning at the expected bytes lands 24 +- 4 rows, so about a third of its draws leave more
+    idle, and the pass cannot add it."""
+    policy = TieringPolicy(version="fill", flush_max_samples=8, low_threshold=0.0, high_threshold=1.0)
+    spool = run_edge(pump, policy, tmp_path, n=48, batch=48, seed=6)
+    pending = spool.pending()
+    assert len(pending) == 6 and sum(e.manifest.row_count for e in pending) == 48
+    total = sum(e.manifest.nbytes for e in pending)
+    capacity = total // 4  # six footers, four rows' bytes in each: one footer and about 24 rows
+    rounds = spool.thin_to(capacity, salt=salt, pack_rows=48)
+    after = spool.pending()
+    left = sum(e.manifest.nbytes for e in after)
+    kept = sum(e.manifest.row_count for e in after)
+    row = left / max(kept, 1)  # a packed bundle's bytes per row, its footer included
+    assert left <= capacity and capacity - left < row, (capacity, left, kept, [(r.keep, r.rows_kept) for r in rounds])
+    assert kept + sum(e.manifest.row_count for e in spool.raw_entries()) == 48  # every row sent or kept
+
+
 def test_thinning_urgent_and_normal_together_packs_their_rows_together_urgent_first(pump: Contract,
                                                                                     tmp_path: Path) -> None:
     """When the urgent bundles are thinned too (over half the capacity), their rows are packed with the normal
