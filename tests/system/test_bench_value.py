@@ -137,8 +137,8 @@ def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
         _cell("random", 0.02, (0.49, 0.518, 0.55), (0.016, 0.068, 0.138)),
         _cell("tier-anomaly", 0.02, (0.56, 0.589, 0.62), (0.169, 0.222, 0.279)),  # touches FIFO's bound
         _cell("fifo", 0.05, (0.50, 0.56, 0.62), (0.02, 0.11, 0.22)),
-        _cell("random", 0.05, (0.54, 0.58, 0.61), (0.21, 0.29, 0.36)),
-        _cell("tier-anomaly", 0.05, (0.55, 0.59, 0.63), (0.37, 0.45, 0.52)),  # apart from both, F1 not below
+        {**_cell("random", 0.05, (0.54, 0.58, 0.61), (0.21, 0.29, 0.36)), "runs": [{}] * 6},
+        {**_cell("tier-anomaly", 0.05, (0.55, 0.59, 0.63), (0.37, 0.45, 0.52)), "runs": [{}] * 6},  # apart, F1 ok
         _cell("fifo", 0.10, (0.57, 0.591, 0.62), (0.4, 0.6, 0.7)),
         _cell("random", 0.10, (0.53, 0.555, 0.58), (0.1, 0.3, 0.5)),
         _cell("tier-anomaly", 0.10, (0.58, 0.609, 0.63), (0.4, 0.58, 0.66)),
@@ -150,6 +150,11 @@ def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
     assert "(apart)" in small[1] and "(not below)" in small[1] and small[1].endswith("MET")
     assert any(v.startswith("target at 10%") and v.endswith(": MET") for v in lines)  # 0.609 >= 0.95 x 0.641
     assert "the rare-recall target at 2% not met, 5% met" in plain_verdict([skewed])
+    # the same cells over three draws: apart, but a recall line is called on six or more (gait: twice luck)
+    skewed["cells"][5] = {**skewed["cells"][5], "runs": [{}] * 3}
+    three = next(v for v in verdicts(skewed) if v.startswith("small-budget target at 5%"))
+    assert "(apart)" in three and "3 draws, a recall line is called on 6 or more" in three and three.endswith("NOT met")
+    assert "the rare-recall target at 2% not met, 5% not met" in plain_verdict([skewed])
     skewed["cells"][5] = _cell("tier-anomaly", 0.05, (0.50, 0.57, 0.63), (0.37, 0.45, 0.52))  # F1 below random's
     assert next(v for v in verdicts(skewed) if v.startswith("small-budget target at 5%")).endswith("(below): NOT met")
 
