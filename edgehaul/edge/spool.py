@@ -438,9 +438,16 @@ class Spool:
         pack_with = tuple(t for t in pack_with if t not in tiers)
         every = (*tiers, *pack_with)
         cut = 2.0  # u below or at it stays (a Poisson draw: u < keep)
+        hashed: dict[str, np.ndarray] = {}  # u per waiting bundle, hashed once for the cut and the draw (not the
+        # tables: what waits can be far larger than memory)
         if keep_rows is not None:
-            u_all = np.concatenate([np.zeros(0), *(self._full_uniforms(e, salt) for e in self.pending()
-                                                   if e.tier in tiers and e.bundle_id not in skip)])
+            full_u = []
+            for e in self.pending():
+                if e.tier in tiers and e.bundle_id not in skip:
+                    t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["sample_id", "is_summary"])
+                    hashed[e.bundle_id] = np.asarray(uniforms(t.column("sample_id"), salt))
+                    full_u.append(hashed[e.bundle_id][full_rows(t)])
+            u_all = np.concatenate([np.zeros(0), *full_u])
             if not 0 <= keep_rows <= len(u_all):
                 raise SpoolError(f"thinning keep_rows {keep_rows} is outside [0, {len(u_all)}] waiting rows")
             keep = keep_rows / len(u_all) if len(u_all) else 1.0
@@ -454,9 +461,9 @@ class Spool:
             if e.tier not in every or e.bundle_id in skip:
                 continue
             t = read_bundle(self.read(e.bundle_id), e.manifest)
+            u = hashed.pop(e.bundle_id) if e.bundle_id in hashed else np.asarray(uniforms(t.column("sample_id"), salt))
             full = full_rows(t)
             row_keep = keep if e.tier in tiers else 1.0
-            u = uniforms(t.column("sample_id"), salt)
             drawn = (u <= cut) if keep_rows is not None and e.tier in tiers else (u < row_keep)
             stay = ~full | drawn
             m = e.manifest
@@ -505,11 +512,9 @@ class Spool:
                      self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
         return out
 
-    def _full_uniforms(self, e: SpoolEntry, salt: str) -> np.ndarray:
-        """u(salt, sample id) of a waiting bundle's full rows (not its summaries)."""
-        t = read_bundle(self.read(e.bundle_id), e.manifest)
-        full = full_rows(t)
-        return np.asarray(uniforms(t.column("sample_id"), salt))[full]
+    def _full_count(self, e: SpoolEntry) -> int:
+        """How many full rows (not summaries) a waiting bundle holds: its is_summary column alone."""
+        return int(full_rows(read_bundle(self.read(e.bundle_id), e.manifest, columns=["is_summary"])).sum())
 
     def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
                 skip: frozenset[str] = frozenset(), urgent_share: float = 0.5,
@@ -555,7 +560,7 @@ class Spool:
                 if not done[-1].bundles:
                     break
                 continue
-            n = sum(len(self._full_uniforms(e, salt)) for e in thinned if e.tier in tiers)
+            n = sum(self._full_count(e) for e in thinned if e.tier in tiers)
             if not n:
                 break
             # the first draw meets the expected bytes; a later one (the packing left it over) is a row fewer at least

@@ -130,7 +130,7 @@ def test_bundle_parquet_settings_per_column(raw: pa.Table, tmp_path: Path) -> No
     key, hashes = batch_key(raw)
     spool = _spool(tmp_path)
     res = ingest_batch(raw, C, TieringPolicy(), spool, NoveltyScorer(C), key=key, hashes=hashes, node_id="node-a")
-    data = spool.read(res.bundles[0]["bundle_id"])
+    data = max((spool.read(b["bundle_id"]) for b in res.bundles), key=len)  # statistics: STATS_MIN_BYTES and up
     spool.close()
     meta = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
     cols = {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
@@ -144,3 +144,22 @@ def test_bundle_parquet_settings_per_column(raw: pa.Table, tmp_path: Path) -> No
     t = pq.read_table(io.BytesIO(data))
     assert np.array_equal(np.asarray(t.column("content_sha256").to_pylist()),
                           [hashlib.sha256(b).hexdigest() for b in t.column("pixels").to_pylist()])
+
+
+def test_a_small_bundle_carries_no_statistics_and_reads_back_the_same(raw: pa.Table, tmp_path: Path) -> None:
+    """Below STATS_MIN_BYTES a bundle is read whole anyway: its footer carries no min/max, and the rows read back
+    the same."""
+    from edgehaul.bundles import STATS_MIN_BYTES, read_bundle, write_bundle
+
+    key, hashes = batch_key(raw)
+    spool = _spool(tmp_path)
+    res = ingest_batch(raw, C, TieringPolicy(), spool, NoveltyScorer(C), key=key, hashes=hashes, node_id="node-a")
+    rows = read_bundle(max((spool.read(b["bundle_id"]) for b in res.bundles), key=len))
+    spool.close()
+    small = rows.slice(0, 3)
+    assert small.nbytes < STATS_MIN_BYTES <= rows.nbytes
+    data, manifest = write_bundle(small, C, tier="normal")
+    meta = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
+    assert all(meta.column(i).statistics is None for i in range(meta.num_columns))
+    back = read_bundle(data, manifest)
+    assert back.equals(small)
