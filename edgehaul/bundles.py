@@ -46,6 +46,9 @@ _STATS_COLUMNS = ("sample_id", "node_id", "capture_time", "seq", "label", "value
 # the statistics (each written twice, page header and footer) were ~480 B of a digits bundle's 2.15 KB fixed
 # part: 4 rows' bytes at a 2% link that carries 11.
 STATS_MIN_BYTES = 64 * 1024
+# Float columns (readings, features, value, inclusion_p) are BYTE_STREAM_SPLIT encoded: a value's bytes go to four
+# streams, and zstd finds the shared exponents there. Gait bundles 3.5-4.8% smaller (12-20k rows), digits 1.6%,
+# Landsat 0.3%, and a 20k-row gait bundle writes faster (12-13 ms against 14-18).
 _HEX_COLUMNS = ("content_sha256",)
 _HEX_ZSTD_LEVEL = 1
 
@@ -223,6 +226,7 @@ def write_bundle(
         compression_level={n: min(zstd_level, _HEX_ZSTD_LEVEL) if n in _HEX_COLUMNS else zstd_level for n in names},
         use_dictionary=[n for n in names if n in _DICT_COLUMNS],
         write_statistics=[n for n in names if n in _STATS_COLUMNS] if table.nbytes >= STATS_MIN_BYTES else False,
+        column_encoding={f.name: "BYTE_STREAM_SPLIT" for f in table.schema if pa.types.is_floating(f.type)} or None,
     ) as writer:
         writer.write_table(table, row_group_size=row_group_rows)
         writer.add_key_value_metadata({k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()})

@@ -102,8 +102,8 @@ def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float
                 pack_rows: int | None = None, kept_whole: frozenset[str] = frozenset()) -> float:
     """keep in [0, 1] with E[bytes after `Spool.thin`] = room: per contract (`thin_to` packs every tier of a
     contract together), the rows' bytes times keep plus one fixed part per
-    packed bundle (the rows kept / the group's largest bundle's rows, rounded up; `pack_rows` or the largest
-    original bundle's rows per bundle). The bundles of `kept_whole` tiers are packed with the others but keep
+    packed bundle (the rows kept / the rows a packed bundle holds, rounded up: `pack_rows`, else the largest
+    original bundle's rows). The bundles of `kept_whole` tiers are packed with the others but keep
     every row. Summary rows are counted as rows (a budgeted edge sends few)."""
     if room <= 0:
         return 0.0
@@ -117,7 +117,7 @@ def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float
             rows1, body1 = rows1 + m.row_count, body1 + max(m.nbytes - o, 0.0)
         else:
             rows, body = rows + m.row_count, body + max(m.nbytes - o, 0.0)
-        groups[g] = (rows, body, rows1, body1, o, max(size, m.row_count))
+        groups[g] = (rows, body, rows1, body1, o, size if pack_rows else max(size, m.row_count))
 
     def expected(k: float) -> float:
         return sum(k * body + body1 + math.ceil((k * rows + rows1) / size - 1e-9) * o
@@ -418,8 +418,8 @@ class Spool:
         thinned out move to the raw store with their payload (kept on the node, as rows never drawn). Summary
         rows stay. Never a cut by drain order: that would land only the top of the value ranking.
 
-        The rows that stay are packed into as few bundles as `pack_rows` rows per bundle allow (default: the
-        originals' largest row count), per tier and writer: a bundle's fixed Parquet part (footer) costs as much
+        The rows that stay are packed into as few bundles as `pack_rows` rows per bundle allow (at most that many;
+        default: the originals' largest row count), per tier and writer: a bundle's fixed Parquet part (footer) costs as much
         as a dozen small rows, and thinning twenty bundles to two rows each would spend the link on footers.
         Thinning urgent and normal bundles together (`tiers` both: the urgent ones are then sampled with the rest)
         packs their rows together too, urgent rows first, a packed bundle urgent when it holds an urgent row: a
@@ -490,7 +490,9 @@ class Spool:
             scorer = ",".join(sorted({e.manifest.scorer_version for e, _ in parts}))
             stays = [k for _, k in parts if k.num_rows]
             rows = pa.concat_tables(stays) if stays else pa.table({})
-            size = max(pack_rows or 0, *(e.manifest.row_count for e, _ in parts))
+            # at most pack_rows a bundle, as the policy flushes them (an urgent bundle flushed by bytes can hold
+            # more: packing to its size gave the tiered edge fewer footers than a random one at the same rows)
+            size = pack_rows or max(e.manifest.row_count for e, _ in parts)
             for a in range(0, rows.num_rows, size):
                 chunk = rows.slice(a, size)
                 if merged:  # the most urgent packed tier among its rows (a sampled low row rides as normal)

@@ -296,11 +296,16 @@ def test_thinning_urgent_and_normal_together_packs_their_rows_together_urgent_fi
     urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
     capacity = urgent  # under twice the urgent bytes: urgent bundles are thinned with the rest
     assert any(e.tier == "normal" for e in pending) and total > capacity
-    spool.thin_to(capacity, salt="pass-pack", pack_rows=policy.flush_max_samples)
+    # pack_rows caps a packed bundle, below the originals' rows too (an urgent bundle flushes by bytes and can hold
+    # more than a normal one: packing up to it gave a tiered edge fewer footers than a random one at the same rows)
+    pack = 12
+    assert max(e.manifest.row_count for e in pending) > pack
+    spool.thin_to(capacity, salt="pass-pack", pack_rows=pack)
     after = spool.pending()
     rows = [read_bundle(spool.read(e.bundle_id), e.manifest) for e in after]
     n = sum(t.num_rows for t in rows)
-    assert len(after) == math.ceil(n / policy.flush_max_samples)  # no part-empty bundle per tier
+    assert len(after) == math.ceil(n / pack)  # no part-empty bundle per tier
+    assert all(t.num_rows <= pack for t in rows)
     tiers = [t for tb in rows for t in tb.column("tier").to_pylist()]  # drain order; "low": a sampled low row
     urgent_rows = tiers.count("high")
     assert 0 < urgent_rows < len(tiers) and set(tiers[:urgent_rows]) == {"high"}
