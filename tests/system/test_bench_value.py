@@ -265,6 +265,26 @@ def test_budgets_whose_uniform_draw_lands_a_few_rows_per_class_take_more_draws(
     assert few_row_draws(cells, 10, (0, 1, 2), logged.append) == ([], ())
 
 
+def test_a_skewed_kind_that_can_rank_recall_takes_six_draws_at_the_small_budget_targets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gait's three draws at 2% were apart where six overlapped: a skewed kind with a held-out set large enough to
+    rank recall takes MIN_RECALL_DRAWS draws at 2% and 5%, so the full run can call the line; a balanced kind, a
+    small held-out set (Landsat's 169 patches) or a command line that names its seeds keeps its own."""
+    import sys
+
+    from benchmarks.bench_value import FULL, MIN_RECALL_DRAWS, RECALL_TEST_ROWS, recall_draws
+
+    monkeypatch.setattr(sys, "argv", ["bench"])
+    logged: list[str] = []
+    budgets, more = recall_draws(True, RECALL_TEST_ROWS, FULL, logged.append)
+    assert budgets == [0.02, 0.05] and len(FULL.seeds) + len(more) == MIN_RECALL_DRAWS
+    assert set(more).isdisjoint(FULL.seeds) and len(logged) == 1
+    assert recall_draws(False, RECALL_TEST_ROWS, FULL) == ([], ())
+    assert recall_draws(True, 169, FULL) == ([], ())
+    monkeypatch.setattr(sys, "argv", ["bench", "--seeds", "0,1,2"])
+    assert recall_draws(True, RECALL_TEST_ROWS, FULL) == ([], ())
+
+
 def test_a_tiered_edge_plans_the_links_bytes_in_its_policys_unit() -> None:
     """The link carries a share of bundle bytes, budget_share is a share of full-row bytes: the plan is the link in
     full-row bytes (more where a bundle row costs more: gait's Parquet part; less where it compresses: Landsat),
