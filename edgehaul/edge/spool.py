@@ -438,16 +438,9 @@ class Spool:
         pack_with = tuple(t for t in pack_with if t not in tiers)
         every = (*tiers, *pack_with)
         cut = 2.0  # u below or at it stays (a Poisson draw: u < keep)
-        hashed: dict[str, np.ndarray] = {}  # u per waiting bundle, hashed once for the cut and the draw (not the
-        # tables: what waits can be far larger than memory)
+        hashed: dict[str, np.ndarray] = {}  # u per waiting bundle, hashed once for the cut and the draw
         if keep_rows is not None:
-            full_u = []
-            for e in self.pending():
-                if e.tier in tiers and e.bundle_id not in skip:
-                    t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["sample_id", "is_summary"])
-                    hashed[e.bundle_id] = np.asarray(uniforms(t.column("sample_id"), salt))
-                    full_u.append(hashed[e.bundle_id][full_rows(t)])
-            u_all = np.concatenate([np.zeros(0), *full_u])
+            hashed, u_all = self._waiting_uniforms(tiers, skip, salt)
             if not 0 <= keep_rows <= len(u_all):
                 raise SpoolError(f"thinning keep_rows {keep_rows} is outside [0, {len(u_all)}] waiting rows")
             keep = keep_rows / len(u_all) if len(u_all) else 1.0
@@ -513,6 +506,18 @@ class Spool:
             log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store",
                      self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
         return out
+
+    def _waiting_uniforms(self, tiers: tuple[str, ...], skip: frozenset[str],
+                          salt: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """u(salt, sample id) of every row of the bundles waiting in `tiers` (per bundle id), and of their full rows
+        together. Ids and flags only: what waits can be far larger than memory."""
+        hashed, full_u = {}, []
+        for e in self.pending():
+            if e.tier in tiers and e.bundle_id not in skip:
+                t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["sample_id", "is_summary"])
+                hashed[e.bundle_id] = np.asarray(uniforms(t.column("sample_id"), salt))
+                full_u.append(hashed[e.bundle_id][full_rows(t)])
+        return hashed, np.concatenate([np.zeros(0), *full_u])
 
     def _full_count(self, e: SpoolEntry) -> int:
         """How many full rows (not summaries) a waiting bundle holds: its is_summary column alone."""
