@@ -90,8 +90,8 @@ BOOTSTRAP = 400  # resamples (test samples x seeds) per interval
 # (twelve draws: sd 0.06-0.10), while three draws' bootstrap saw 0.34-0.36 and called a 0.04 gap apart.
 FEW_ROWS_PER_CLASS = 8  # a budget whose uniform draw lands fewer rows per stream class than this...
 FEW_ROW_DRAWS = 12  # ...takes this many draws in all
-MIN_RECALL_DRAWS = 6  # a rare-recall line is called on this many draws or more (three gait draws were apart twice
-# where six overlapped)
+MIN_RECALL_DRAWS = 6  # a rare-recall line is called on this many draws or more: on gait a three-draw "apart" twice
+# became an overlap over six (random's anomaly recall at 2%: 0.301 over seeds 0-2, 0.416 over 0-5)
 RECALL_TEST_ROWS = 10_000  # a held-out set this large ranks recall (test sampling alone moves gait's ~0.02): a
 # skewed kind with one takes MIN_RECALL_DRAWS draws at the small-budget targets, so the full run can call them
 POLICIES = ("fifo", "random", "tier-novelty", "tier-model")
@@ -991,9 +991,6 @@ def verdicts(result: dict[str, Any]) -> list[str]:
                    + ", ".join(off))
     return out
 
-
-# A rare-recall line is called met only over this many draws: on gait at 2% and 5% a three-draw "apart" twice
-# became an overlap over six (random's anomaly recall at 2%: 0.301 over seeds 0-2, 0.416 over 0-5).
 
 
 def small_budget_targets(result: dict[str, Any], cells: dict[tuple[str, float], dict[str, Any]],
