@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -108,12 +109,21 @@ def test_failed_checkpoint_write_emits_event_and_is_retried(stack: localstack.St
     run = f"flaky-{uuid.uuid4().hex[:6]}"
     cs = CheckpointStore(flaky, run, attempts=5, backoff_s=0.4)
     s3 = store.client()
-    # The store is "down" for this bucket until a moment after the first attempt failed.
-    creator = threading.Timer(0.3, lambda: s3.create_bucket(Bucket=bucket))
+    # The store is "down" for this bucket until the first attempt has failed (not a timer: on a loaded
+    # machine the first attempt can start after any fixed delay, and then nothing fails).
+    stop = threading.Event()
+
+    def create_after_first_failure() -> None:
+        while not stop.is_set() and cs.failures < 1:
+            time.sleep(0.02)
+        if not stop.is_set():
+            s3.create_bucket(Bucket=bucket)
+
+    creator = threading.Thread(target=create_after_first_failure, daemon=True)
     creator.start()
     try:
         ck = cs.write({"w": torch.ones(3)}, 7, META)
-        creator.join()
+        creator.join(timeout=30)
         assert ck.step == 7 and cs.failures >= 1
         assert torch.equal(cs.load(ck)["w"], torch.ones(3))
         resource = f"edgehaul.training.run.{run}"
@@ -127,7 +137,7 @@ def test_failed_checkpoint_write_emits_event_and_is_retried(stack: localstack.St
         assert isinstance(payload, dict)
         assert payload["run_id"] == run and payload["step"] == 7 and "NoSuchBucket" in str(payload["error"])
     finally:
-        creator.cancel()
+        stop.set()
         for o in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
             s3.delete_object(Bucket=bucket, Key=o["Key"])
         s3.delete_bucket(Bucket=bucket)
