@@ -2,6 +2,7 @@
 
     python -m benchmarks            # all
     python -m benchmarks edge core  # only bench_edge.py and bench_core.py
+    python -m benchmarks value --help  # what a benchmark measures and its flags (runs nothing)
 Set EDGEHAUL_BENCH_QUICK=1 for the short variants.
 """
 
@@ -20,6 +21,16 @@ def main(argv: list[str]) -> int:
     names = sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))
     if argv:
         names = [n for n in names if n.removeprefix("bench_") in argv]
+    if "-h" in argv or "--help" in argv:
+        # A benchmark reads its flags itself and would start a run (an hour or more for some) on any other.
+        print(__doc__)
+        if names:
+            for name in names:
+                print(f"=== {name} ===\n{importlib.import_module(f'benchmarks.{name}').__doc__}")
+        else:
+            print("benchmarks:", " ".join(n.removeprefix("bench_") for n in sorted(
+                m.name for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))))
+        return 0
     failed = []
     for name in names:
         print(f"\n=== {name} ===", flush=True)

@@ -390,3 +390,14 @@ def test_run_as_a_flow_the_table_and_chart_are_artifacts_with_the_verdicts(stack
     assert "data:image/png;base64," in got["bench-value-chart"]["data"]
     table = got["bench-value"]["data"]
     assert "tier-novelty" in str(table) and "977 KiB" in str(table)  # bytes in units
+
+
+def test_help_prints_what_a_benchmark_measures_and_runs_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.__main__ import main
+
+    # `value --help` used to start the full value run (two hours): a benchmark reads its own flags
+    assert main(["value", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "=== bench_value ===" in out and "Model quality per uplinked byte" in out and "value benchmark" not in out
+    assert main(["--help"]) == 0
+    assert "benchmarks: cache core" in capsys.readouterr().out
