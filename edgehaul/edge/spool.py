@@ -132,6 +132,58 @@ def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float
     return lo
 
 
+def _times_keep(kept: pa.Table, full: np.ndarray, keep: float) -> pa.Table:
+    """The rows a thinning keeps, each full row's inclusion_p times `keep` (its chance of having stayed)."""
+    if not kept.num_rows:
+        return kept
+    p = kept.column(INCLUSION_P).to_numpy(zero_copy_only=False).astype(np.float64)
+    p = np.where(full, p * keep, p).astype(np.float32)
+    return kept.set_column(kept.schema.get_field_index(INCLUSION_P), kept.schema.field(INCLUSION_P),
+                           pa.array(p, pa.float32()))
+
+
+class _ThinnedOut:
+    """The rows a thinning leaves on the node, to the raw store in few bundles: one per thinned bundle filled the
+    raw store with small files (Landsat at 25%: hundreds a pass), and each put counts the spool's files. A thinned
+    bundle is released to packing only once the raw bundle holding its rows is written; refused (the ledger says
+    why), it stays whole."""
+
+    MAX_ROWS = 50_000
+    MAX_BYTES = 32 * 1024 * 1024
+
+    def __init__(self, spool: Spool, salt: str) -> None:
+        self.spool, self.salt = spool, salt
+        self.waiting: dict[tuple[str, str, str], list[tuple[SpoolEntry, pa.Table, pa.Table, int]]] = {}
+
+    def add(self, e: SpoolEntry, gone: pa.Table, kept: pa.Table,
+            rows_kept: int) -> list[tuple[SpoolEntry, pa.Table, int, int]]:
+        """(bundle, kept rows, rows out, full rows kept) of the bundles now released."""
+        if not gone.num_rows:
+            return [(e, kept, 0, rows_kept)]
+        m = e.manifest
+        key = (m.contract, m.policy_version, m.team)
+        parts = self.waiting.setdefault(key, [])
+        parts.append((e, gone, kept, rows_kept))
+        if sum(g.num_rows for _, g, _, _ in parts) >= self.MAX_ROWS or sum(
+                g.nbytes for _, g, _, _ in parts) >= self.MAX_BYTES:
+            return self._flush(key)
+        return []
+
+    def flush_all(self) -> list[tuple[SpoolEntry, pa.Table, int, int]]:
+        return [ready for key in list(self.waiting) for ready in self._flush(key)]
+
+    def _flush(self, key: tuple[str, str, str]) -> list[tuple[SpoolEntry, pa.Table, int, int]]:
+        parts = self.waiting.pop(key)
+        contract_id, version, team = key
+        data, man = write_bundle(pa.concat_tables([g for _, g, _, _ in parts]), contract_by_id(contract_id),
+                                 tier="low", policy_fingerprint=f"thinned-out|{self.salt}", policy_version=version,
+                                 scorer_version=",".join(sorted({e.manifest.scorer_version for e, _, _, _ in parts})),
+                                 team=team)
+        if self.spool.put(data, man) is None:
+            return []
+        return [(e, kept, g.num_rows, n) for e, g, kept, n in parts]
+
+
 class SpoolError(RuntimeError):
     """A spool operation cannot be done as asked (bad input, unknown bundle, checksum mismatch)."""
 
@@ -395,7 +447,8 @@ class Spool:
             if need > self.cap_bytes:
                 self._refuse(manifest, ledger.TOO_LARGE, f"{need} bytes > cap {self.cap_bytes}")
                 return None
-            if not self._make_room(need, manifest):
+            before = self._make_room(need, manifest)
+            if before is None:
                 used = self.usage().used_bytes
                 self._refuse(manifest, ledger.FULL_REJECTED,
                              f"policy {self.full_policy}: {need} bytes do not fit ({used}/{self.cap_bytes} used)")
@@ -405,7 +458,9 @@ class Spool:
             _atomic_write(path, data)
             _atomic_write(self._sidecar(path), side_bytes, mtime=now)
             entry = self._load(self._sidecar(path))
-            usage = self.usage()
+            # the lock is held since the count: what changed is these two files (a second scan per put made a
+            # pass's thinning quadratic in the files of a large raw store)
+            usage = SpoolUsage(before + need, self.cap_bytes, (before + need) / self.cap_bytes)
         self._check_alert(usage)
         return entry
 
@@ -415,8 +470,9 @@ class Spool:
         """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
         full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
         inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
-        thinned out move to the raw store with their payload (kept on the node, as rows never drawn). Summary
-        rows stay. Never a cut by drain order: that would land only the top of the value ranking.
+        thinned out move to the raw store with their payload (kept on the node, as rows never drawn), those of many
+        bundles together (`_ThinnedOut`). Summary rows stay. Never a cut by drain order: that would land only the top
+        of the value ranking.
 
         The rows that stay are packed into as few bundles as `pack_rows` rows per bundle allow (at most that many;
         default: the originals' largest row count), per tier and writer: a bundle's fixed Parquet part (footer) costs as much
@@ -450,35 +506,36 @@ class Spool:
             return out
         merged = len(set(every)) > 1
         groups: dict[tuple[str, ...], list[tuple[SpoolEntry, pa.Table]]] = {}
+        thinned_out = _ThinnedOut(self, salt)
+
+        def accept(e: SpoolEntry, kept: pa.Table, rows_out: int, rows_kept: int) -> None:
+            # scorer versions differ batch to batch; pending() is in drain order, so urgent rows come first
+            m = e.manifest
+            groups.setdefault((m.contract, "+".join(every) if merged else e.tier, m.policy_version, m.team),
+                              []).append((e, kept))
+            out.bundles += 1
+            out.rows_out += rows_out
+            out.rows_kept += rows_kept
+
+        order: list[str] = []  # drain order, which packing keeps (urgent rows first), whenever a bundle is released
+        released: dict[str, tuple[SpoolEntry, pa.Table, int, int]] = {}
         for e in self.pending():
             if e.tier not in every or e.bundle_id in skip:
                 continue
+            order.append(e.bundle_id)
             t = read_bundle(self.read(e.bundle_id), e.manifest)
             u = hashed.pop(e.bundle_id) if e.bundle_id in hashed else np.asarray(uniforms(t.column("sample_id"), salt))
             full = full_rows(t)
             row_keep = keep if e.tier in tiers else 1.0
             drawn = (u <= cut) if keep_rows is not None and e.tier in tiers else (u < row_keep)
             stay = ~full | drawn
-            m = e.manifest
-            gone = t.filter(pa.array(~stay))
-            if gone.num_rows:
-                data, man = write_bundle(gone, contract_by_id(m.contract), tier="low",
-                                         policy_fingerprint=f"thinned-out|{salt}", policy_version=m.policy_version,
-                                         scorer_version=m.scorer_version, team=m.team)
-                if self.put(data, man) is None:
-                    continue  # the raw store refused it (the ledger says why): leave this bundle whole
-            kept = t.filter(pa.array(stay))
-            if kept.num_rows:
-                p = kept.column(INCLUSION_P).to_numpy(zero_copy_only=False).astype(np.float64)
-                p = np.where(full[stay], p * row_keep, p).astype(np.float32)
-                kept = kept.set_column(kept.schema.get_field_index(INCLUSION_P), kept.schema.field(INCLUSION_P),
-                                       pa.array(p, pa.float32()))
-            # scorer versions differ batch to batch; pending() is in drain order, so urgent rows come first
-            key = (m.contract, "+".join(every) if merged else e.tier, m.policy_version, m.team)
-            groups.setdefault(key, []).append((e, kept))
-            out.bundles += 1
-            out.rows_out += gone.num_rows
-            out.rows_kept += int(full[stay].sum())
+            kept = _times_keep(t.filter(pa.array(stay)), full[stay], row_keep)
+            released.update((r[0].bundle_id, r) for r in thinned_out.add(e, t.filter(pa.array(~stay)), kept,
+                                                                       int(full[stay].sum())))
+        released.update((r[0].bundle_id, r) for r in thinned_out.flush_all())
+        for bundle_id in order:
+            if bundle_id in released:
+                accept(*released[bundle_id])
         for (contract_id, tier, version, team), parts in groups.items():
             scorer = ",".join(sorted({e.manifest.scorer_version for e, _ in parts}))
             stays = [k for _, k in parts if k.num_rows]
@@ -611,15 +668,17 @@ class Spool:
         self.ledger.record(e.manifest.sample_ids, stage=stage, reason=reason, bundle_id=e.bundle_id, detail=detail)
         self._remove(e)
 
-    def _make_room(self, need: int, incoming: BundleManifest) -> bool:
+    def _make_room(self, need: int, incoming: BundleManifest) -> int | None:
+        """Room for `need` bytes, by clean-up or displacing cheaper bundles; the bytes used once it is made (before
+        the incoming write), or None where there is none."""
         used = self.usage().used_bytes
         if used + need >= self.cleanup_watermark * self.cap_bytes:
             self._cleanup(int(self.cleanup_watermark * self.cap_bytes) - need)
             used = self.usage().used_bytes
         if used + need <= self.cap_bytes:
-            return True
+            return used
         if self.full_policy == "reject-new" or incoming.tier == "low":
-            return False
+            return None
         rank_in = (-tier_rank(incoming.tier), incoming.max_value)
         cheaper = [e for e in sorted(self._entries(self.bundles_dir), key=_value_key) if _value_key(e)[:2] < rank_in]
         plan, freed = [], 0
@@ -629,13 +688,13 @@ class Spool:
             plan.append(e)
             freed += e.nbytes
         if used + need - freed > self.cap_bytes:
-            return False
+            return None
         why = f"spool full: displaced by {incoming.tier} bundle {incoming.bundle_id} (max_value {incoming.max_value:.3f})"
         for e in plan:
             self._drop(e, ledger.STAGE_SPOOL, ledger.FULL_DROPPED, why)
         log.warning("spool %s full: dropped %d bundles (%d samples) for %s", self.node_id or self.root, len(plan),
                     sum(e.manifest.row_count for e in plan), incoming.bundle_id)
-        return True
+        return self.usage().used_bytes
 
     def _cleanup(self, target_bytes: int) -> None:
         """Expired entries and stale staging, then raw-store entries lowest value first."""

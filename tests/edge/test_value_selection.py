@@ -245,6 +245,7 @@ def test_thinning_small_bundles_lands_close_to_capacity_and_packs_the_rows_kept(
     total = sum(e.manifest.nbytes for e in pending)
     assert len(pending) >= 40 and before.num_rows / len(pending) < 10  # small bundles: the footers dominate
     capacity = total // 3
+    raw_before = {e.bundle_id for e in spool.raw_entries()}
     rounds = spool.thin_to(capacity, salt="pass-small", pack_rows=policy.flush_max_samples)
     after_entries = spool.pending()
     left = sum(e.manifest.nbytes for e in after_entries)
@@ -261,6 +262,10 @@ def test_thinning_small_bundles_lands_close_to_capacity_and_packs_the_rows_kept(
     raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
     sent_ids = set(after.column("sample_id").to_pylist())
     assert sent_ids.isdisjoint(raw_ids) and len(sent_ids) + len(raw_ids) == 3000
+    # the rows thinned out of dozens of bundles went to the raw store together: a bundle per draw, not one per
+    # bundle thinned (each a small file that every later put counted)
+    out = [e for e in spool.raw_entries() if e.bundle_id not in raw_before]
+    assert 1 <= len(out) <= len(rounds) < len(pending) // 4
 
 
 @pytest.mark.parametrize("salt", [f"pass-fill-{i}" for i in range(6)])
