@@ -251,9 +251,12 @@ def tier_overrides() -> dict[str, Any]:
     return out
 
 
-def policy_for(name: str, cfg: Config, budget: float | None = None) -> TieringPolicy:
+def policy_for(name: str, cfg: Config, budget: float | None = None, pass_rows: float | None = None) -> TieringPolicy:
     """The product's TieringPolicy with bundles of about `bundle_rows` rows (a patch of 1,536 B and
-    its columns is under 2 KiB uncompressed), so a 2% budget still spans several bundles."""
+    its columns is under 2 KiB uncompressed), so a 2% budget still spans several bundles. A tiered one plans
+    `budget` with the coverage a pass of `pass_rows` rows draws with, as a node's `link_budget` does."""
+    from edgehaul.edge.tiering import for_pass_rows
+
     cap = 16 * 1024 + cfg.bundle_rows * 2 * 1024
     base = TieringPolicy(version=f"bench-{name}", flush_max_samples=cfg.bundle_rows, flush_max_bytes=cap,
                          urgent_max_bytes=cap)
@@ -261,7 +264,7 @@ def policy_for(name: str, cfg: Config, budget: float | None = None) -> TieringPo
         return base.model_copy(update={"high_threshold": 1.0, "low_threshold": 0.0})
     # tiering knows its budget: every row gets a known inclusion_p, solved so the expected bytes meet it
     if budget is not None:
-        base = base.model_copy(update={"budget_share": min(1.0, budget)})
+        base = for_pass_rows(base, pass_rows).model_copy(update={"budget_share": min(1.0, budget)})
     base = base.model_copy(update=tier_overrides())
     if name == "tier-novelty":
         return base
@@ -675,8 +678,12 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     log(f"edge: FIFO x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}; bytes "
         f"per row {fifo_report.bytes_per_row()}")
     plans = tier_plans(raw, fifo_report, cfg.budgets)
+    pass_rows = round_rows(raw, fifo_report, cfg.budgets)
     log("tiered edges plan " + ", ".join(f"{b:.0%}: {f:.3f}" for b, f in plans.items()) + " x the budget in "
-        "full-row bytes (the link's bundle bytes in the policy's unit, with the surplus a pass thins)")
+        "full-row bytes (the link's bundle bytes in the policy's unit, with the surplus a pass thins); coverage, "
+        "urgent share " + ", ".join(f"{b:.0%}: {pol.coverage:.2f}, {pol.urgent_max_share:.2f} ({rows:.0f} rows a pass)"
+                                    for b, rows in pass_rows.items()
+                                    for pol in [policy_for("tier-novelty", cfg, 1.0, rows)]))
 
     def scorer_for(name: str, policy: TieringPolicy, st: ObjectStore | None, where: Path) -> Any:
         where.mkdir(parents=True, exist_ok=True)
@@ -732,7 +739,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         """The tiered edge plans for its budget, so it runs once per budget (one edge: a scorer's state runs on
         across rounds); the seed is in the policy version, which salts every draw, and in the thinning's salt."""
         name = pol.removeprefix("tier-")
-        policy = policy_for("tier-novelty", cfg, budget * plans[budget]).model_copy(
+        policy = policy_for("tier-novelty", cfg, budget * plans[budget], pass_rows[budget]).model_copy(
             update={"scorer": name, "version": f"bench-{pol}-s{seed}"})
         where = work / f"{pol}-{round(budget * 100)}-s{seed}"
         scorer = scorer_for(name, policy, None, where / "state")
@@ -765,7 +772,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         except QualityGateFailed as e:
             cell.cold_starts += 1
             log(f"  tier-model {budget:4.0%} s{seed}: round-1 model not published ({e}); the fallback scores round 2")
-        policy = policy_for("tier-model", cfg, budget * plans[budget]).model_copy(
+        policy = policy_for("tier-model", cfg, budget * plans[budget], pass_rows[budget]).model_copy(
             update={"version": f"bench-tier-model-s{seed}"})
         where = work / f"model-{round(budget * 100)}-s{seed}"
         scorer = scorer_for("model", policy, st, where / "state")
@@ -852,12 +859,16 @@ def planned_per_budget(raw_bundle_bytes: int, full_row_bytes: int, rows_per_pass
     return (raw_bundle_bytes / full_row_bytes if full_row_bytes > 0 else 1.0) * draw_surplus(rows_per_pass)
 
 
-def tier_plans(raw: list[int], fifo: TierReport, budgets: tuple[float, ...]) -> dict[float, float]:
-    """`planned_per_budget` per budget: a round's link carries budget x its raw bytes, in rows of FIFO's mean
-    full-row bytes."""
+def round_rows(raw: list[int], fifo: TierReport, budgets: tuple[float, ...]) -> dict[float, float]:
+    """The rows a round's link carries per budget (a pass: budget x its raw bytes), in FIFO's mean full-row bytes."""
     row_bytes = fifo.full_row_bytes / max(fifo.full_rows, 1)
-    return {b: planned_per_budget(sum(raw), fifo.full_row_bytes, b * sum(raw) / len(raw) / row_bytes)
-            for b in budgets}
+    return {b: b * sum(raw) / len(raw) / row_bytes for b in budgets}
+
+
+def tier_plans(raw: list[int], fifo: TierReport, budgets: tuple[float, ...]) -> dict[float, float]:
+    """`planned_per_budget` per budget, for the rows a round's link carries (`round_rows`)."""
+    return {b: planned_per_budget(sum(raw), fifo.full_row_bytes, rows)
+            for b, rows in round_rows(raw, fifo, budgets).items()}
 
 
 def remove_draw(work: Path, pol: str, budget: float, seed: int) -> None:

@@ -143,6 +143,21 @@ def inclusion_probabilities(values: np.ndarray, full_bytes: np.ndarray, summary_
     return p
 
 
+def for_pass_rows(policy: TieringPolicy, rows_per_pass: float | None) -> TieringPolicy:
+    """The policy a node draws with when a pass carries about `rows_per_pass` rows: as set from `tilt_full_rows`
+    rows up; below, the value tilt fades linearly as the rows fall to 0, `coverage` rising toward 1 and
+    `urgent_max_share` falling toward 0 (a uniform draw at the limit, urgent rows sampled with the rest by value).
+    Where a pass holds about a row per class, the spread of p and half the pass given to the top of the ranking
+    cost more than the tilt buys (bench_value, digits at 2%). To two significant digits: both are in the policy's
+    fingerprint, which keys the batch cache."""
+    if rows_per_pass is None or policy.tilt_full_rows == 0 or rows_per_pass >= policy.tilt_full_rows:
+        return policy
+    reach = max(rows_per_pass, 0.0) / policy.tilt_full_rows
+    return policy.model_copy(update={
+        "coverage": float(f"{1.0 - (1.0 - policy.coverage) * reach:.2g}"),
+        "urgent_max_share": float(f"{policy.urgent_max_share * reach:.2g}")})
+
+
 def inclusion_p(tiers: np.ndarray, policy: TieringPolicy) -> np.ndarray:
     """Probability that a row of each tier travels in full without a byte budget: 1 for high and normal,
     sample_rate for low."""

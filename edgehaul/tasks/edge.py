@@ -44,9 +44,9 @@ from edgehaul.edge.preprocess import CODE_VERSION, batch_key, preprocess
 from edgehaul.edge.scorer_registry import ScorerContext, build_scorer, scorer_state_dir
 from edgehaul.edge.scoring import ContextualScorer, NoveltyScorer, Scorer, scorer_cache_version
 from edgehaul.edge.spool import Spool, SpoolError
-from edgehaul.edge.tiering import TierReport, full_row_bytes
+from edgehaul.edge.tiering import TierReport, for_pass_rows, full_row_bytes
 from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
-from edgehaul.uplink.pass_plan import Pass, PassScheduleError, load_passes, planned_share
+from edgehaul.uplink.pass_plan import Pass, PassScheduleError, load_passes, planned_pass_rows, planned_share
 
 BATCH_CACHE_VERSION = "edge-batch-1"  # bump to invalidate every cached edge batch result
 LEGACY_NOVELTY_STATE = Path("scorer") / "novelty-state.json"  # before scorer state was kept per kind
@@ -127,13 +127,14 @@ def link_budget(policy: TieringPolicy, profile: LinkProfile, raw_bytes_per_s: fl
     """The policy a node tiers with under its link. One that fixes `budget_share` keeps it; otherwise the share
     of what the node observes (full-row bytes per second) that its link plans to carry (`pass_plan.planned_share`:
     the passes' or the profile's bytes per second over the observed bytes per second; with passes and `row_bytes`,
-    the surplus a pass thins), to two significant digits: the share is in
-    the policy's fingerprint, which keys the batch cache, and a rate measured a little differently each run
-    must not recompute every batch. Without a known rate, the policy as it is."""
+    the surplus a pass thins, and the tilt a pass of that many rows draws with: `tiering.for_pass_rows`), to two
+    significant digits: both are in the policy's fingerprint, which keys the batch cache, and a rate measured a
+    little differently each run must not recompute every batch. Without a known rate, the policy as it is."""
     if policy.budget_share is not None or not raw_bytes_per_s or raw_bytes_per_s <= 0:
         return policy
     share = planned_share(profile, raw_bytes_per_s=raw_bytes_per_s, passes=passes, now=now, row_bytes=row_bytes)
-    return policy.model_copy(update={"budget_share": min(1.0, float(f"{share:.2g}"))})
+    tilted = for_pass_rows(policy, planned_pass_rows(profile, passes, row_bytes, now=now))
+    return tilted.model_copy(update={"budget_share": min(1.0, float(f"{share:.2g}"))})
 
 
 def node_link_budget(policy: TieringPolicy, profile: LinkProfile, node: EdgeNode, raw: pa.Table, contract: Contract,
@@ -153,9 +154,10 @@ def node_link_budget(policy: TieringPolicy, profile: LinkProfile, node: EdgeNode
     rate = observed or first.bytes_per_s
     out = link_budget(policy, profile, rate, passes=passes, row_bytes=first.row_bytes)
     if log:
-        log("node %s: budget_share %s (%s; observed %s full-row B/s, %s B a row, %d passes planned)", node.node_id,
-            out.budget_share, "the policy's own" if policy.budget_share is not None else "planned for the link"
-            if rate else "no observed rate: none", None if rate is None else round(rate),
+        log("node %s: budget_share %s, coverage %s (%s; observed %s full-row B/s, %s B a row, %d passes planned)",
+            node.node_id, out.budget_share, out.coverage,
+            "the policy's own" if policy.budget_share is not None else "planned for the link" if rate
+            else "no observed rate: none", None if rate is None else round(rate),
             None if first.row_bytes is None else round(first.row_bytes), len(passes))
     return out
 

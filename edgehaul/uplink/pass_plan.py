@@ -322,6 +322,27 @@ def draw_surplus(rows_per_pass: float) -> float:
     return BUNDLE_WIRE_MARGIN * (1.0 + DRAW_SURPLUS_Z / math.sqrt(max(rows_per_pass, 1.0)))
 
 
+def pass_rows(carries: Sequence[int], row_bytes: float | None) -> float | None:
+    """The rows a planned pass carries on average (`PLAN_HEADROOM` of its bytes, in full rows of `row_bytes`);
+    None without passes or a row size."""
+    if not carries or not row_bytes:
+        return None
+    return PLAN_HEADROOM * sum(carries) / len(carries) / row_bytes
+
+
+def _carries(profile: LinkProfile, passes: Sequence[Pass], now: datetime | None, horizon_s: float) -> list[int]:
+    """Bytes each pass open within the horizon from now carries at the rate cap."""
+    start = now or datetime.now(UTC)
+    end = start + timedelta(seconds=horizon_s)
+    return [p.capacity_bytes(profile.rate_cap_fraction, now=start) for p in passes if start < p.end and p.start < end]
+
+
+def planned_pass_rows(profile: LinkProfile, passes: Sequence[Pass], row_bytes: float | None, *,
+                      now: datetime | None = None, horizon_s: float = 86400.0) -> float | None:
+    """`pass_rows` of the passes `planned_share` plans with."""
+    return pass_rows(_carries(profile, passes, now, horizon_s), row_bytes)
+
+
 def planned_share(
     profile: LinkProfile, *, raw_bytes_per_s: float, passes: Sequence[Pass] = (), now: datetime | None = None,
     horizon_s: float = 86400.0, measured_bytes_per_s: float | None = None, backup: LinkProfile | None = None,
@@ -338,14 +359,12 @@ def planned_share(
         raise ValueError(f"raw_bytes_per_s must be > 0, got {raw_bytes_per_s}")
     surplus = 1.0
     if passes:
-        start = now or datetime.now(UTC)
-        end = start + timedelta(seconds=horizon_s)
-        carries = [p.capacity_bytes(profile.rate_cap_fraction, now=start) for p in passes if start < p.end
-                   and p.start < end]
+        carries = _carries(profile, passes, now, horizon_s)
         carried = sum(carries)
         rate = carried / horizon_s
-        if row_bytes and carries:
-            surplus = draw_surplus(PLAN_HEADROOM * carried / len(carries) / row_bytes)
+        rows = pass_rows(carries, row_bytes)
+        if rows is not None:
+            surplus = draw_surplus(rows)
     else:
         rate = profile.rate_cap_bytes_per_s if measured_bytes_per_s is None else measured_bytes_per_s
         if profile.contact_period_s and profile.contact_duration_s:

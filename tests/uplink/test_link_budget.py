@@ -7,6 +7,7 @@ import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from edgehaul.blocks import EdgeNode, LinkProfile, TieringPolicy
 from edgehaul.edge.preprocess import preprocess
-from edgehaul.edge.tiering import full_row_bytes
+from edgehaul.edge.tiering import for_pass_rows, full_row_bytes, inclusion_probabilities
 from edgehaul.tasks.edge import link_budget, node_link_budget, observed_rate
 from edgehaul.uplink.pass_plan import PLAN_HEADROOM, Pass, draw_surplus, planned_share
 from tests.gait_rows import GAIT, gait_raw
@@ -115,3 +116,43 @@ def test_a_node_plans_by_its_schedule_its_given_rate_or_its_first_batch(tmp_path
     assert node_link_budget(TieringPolicy(), LINK, broken, raw, GAIT, 1e5, log).budget_share == \
         link_budget(TieringPolicy(), LINK, 1e5).budget_share
     assert "unreadable" in lines[0]
+
+
+@given(rows=st.floats(min_value=0.0, max_value=1e6), coverage=st.floats(min_value=0.0, max_value=1.0),
+       urgent=st.floats(min_value=0.0, max_value=1.0), full=st.integers(min_value=0, max_value=10_000))
+def test_a_pass_of_fewer_rows_draws_nearer_uniform(rows: float, coverage: float, urgent: float, full: int) -> None:
+    policy = TieringPolicy(coverage=coverage, urgent_max_share=urgent, tilt_full_rows=full)
+    got = for_pass_rows(policy, rows)
+    assert for_pass_rows(policy, None) == policy  # no pass: nothing to fade by
+    if full == 0 or rows >= full:
+        assert got == policy  # the policy as set
+        return
+    # between the policy's tilt and none (coverage 1, no urgent share), to the two digits of the cache key
+    assert coverage - 0.01 <= got.coverage <= 1.0 and 0.0 <= got.urgent_max_share <= urgent + 0.01
+    assert got.coverage == float(f"{got.coverage:.2g}") and got.urgent_max_share == float(f"{got.urgent_max_share:.2g}")
+    fewer = for_pass_rows(policy, rows / 2)  # fewer rows: never more tilt, beyond rounding
+    assert fewer.coverage >= got.coverage - 0.01 and fewer.urgent_max_share <= got.urgent_max_share + 0.01
+    assert got.model_copy(update={"coverage": coverage, "urgent_max_share": urgent}) == policy  # nothing else
+
+
+def test_a_node_whose_pass_carries_a_few_rows_plans_nearer_a_uniform_draw() -> None:
+    """Digits at 2% carry about nine rows a pass: the value tilt (coverage 0.8) trained below random there, so a
+    node planning such a pass draws with coverage near 1; a pass of thousands keeps the policy's 0.8."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    passes = [Pass(now + timedelta(hours=h), 600.0, 8_000_000) for h in (1, 13)]
+    per_pass = 600.0 * 1e6 * LINK.rate_cap_fraction
+    few = link_budget(TieringPolicy(), LINK, 1e6, passes=passes, now=now, row_bytes=PLAN_HEADROOM * per_pass / 9)
+    many = link_budget(TieringPolicy(), LINK, 1e6, passes=passes, now=now, row_bytes=PLAN_HEADROOM * per_pass / 5000)
+    assert few.coverage == pytest.approx(1 - 0.2 * 9 / 100, abs=0.005) and many.coverage == TieringPolicy().coverage
+    assert few.urgent_max_share == pytest.approx(0.5 * 9 / 100, abs=0.005)
+    assert many.urgent_max_share == TieringPolicy().urgent_max_share
+    # without passes (nothing bounds a draw's rows) or without a row size, the policy's coverage
+    assert link_budget(TieringPolicy(), LINK, 1e6, row_bytes=10.0).coverage == TieringPolicy().coverage
+    assert link_budget(TieringPolicy(), LINK, 1e6, passes=passes, now=now).coverage == TieringPolicy().coverage
+    # the coverage changes what a node draws: a flatter p over the same values
+    values = np.linspace(0.0, 0.79, 500)
+    full_b, summ = np.full(500, 100.0), np.zeros(500)
+    p_few = inclusion_probabilities(values, full_b, summ, few.model_copy(update={"budget_share": 0.1}))
+    p_many = inclusion_probabilities(values, full_b, summ, many.model_copy(update={"budget_share": 0.1}))
+    assert p_few.sum() == pytest.approx(p_many.sum()) == pytest.approx(50)
+    assert p_few.max() / p_few.min() < p_many.max() / p_many.min()
