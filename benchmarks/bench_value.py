@@ -1150,12 +1150,17 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
 
 
 def few_row_note(results: list[dict[str, Any]]) -> str:
-    """Which budgets took FEW_ROW_DRAWS draws (results written before the rule have none)."""
+    """Which budgets took more draws: FEW_ROW_DRAWS where a uniform draw holds a few rows per class, and
+    MIN_RECALL_DRAWS where a skewed kind's recall line is called (results written before the rules have none)."""
     few = [f"{r['kind']} {', '.join(f'{float(b):.0%}' for b in r['few_row_budgets'])}" for r in results
            if r.get("few_row_budgets")]
-    return (f" ({'; '.join(few)}: {FEW_ROW_DRAWS} draws, as a budget takes where a uniform draw lands under "
-            f"{FEW_ROWS_PER_CLASS} rows per class of the stream: which classes a draw happens to hold then decides "
-            "the model, and three draws cannot show that spread)") if few else ""
+    recall = [f"{r['kind']} {', '.join(f'{float(b):.0%}' for b in r['recall_budgets'])}" for r in results
+              if r.get("recall_budgets")]
+    return ((f" ({'; '.join(few)}: {FEW_ROW_DRAWS} draws, as a budget takes where a uniform draw lands under "
+             f"{FEW_ROWS_PER_CLASS} rows per class of the stream: which classes a draw happens to hold then decides "
+             "the model, and three draws cannot show that spread)") if few else "") + (
+        (f" ({'; '.join(recall)}: {MIN_RECALL_DRAWS} draws, as the small-budget targets take on a skewed kind whose "
+         f"held-out set can rank recall: {RECALL_TEST_ROWS:,} rows or more)") if recall else "")
 
 
 def plain_verdict(results: list[dict[str, Any]]) -> str:

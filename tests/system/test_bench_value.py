@@ -283,6 +283,13 @@ def test_a_skewed_kind_that_can_rank_recall_takes_six_draws_at_the_small_budget_
     assert recall_draws(True, 169, FULL) == ([], ())
     monkeypatch.setattr(sys, "argv", ["bench", "--seeds", "0,1,2"])
     assert recall_draws(True, RECALL_TEST_ROWS, FULL) == ([], ())
+    # the README's method line says which budgets took more draws, and why
+    from benchmarks.bench_value import few_row_note
+
+    note = few_row_note([{"kind": "daphnet_gait", "recall_budgets": {"0.02": [0, 1, 2, 3, 4, 5]}},
+                         {"kind": "digits_png", "few_row_budgets": [0.02]}])
+    assert "daphnet_gait 2%: 6 draws" in note and "digits_png 2%: 12 draws" in note
+    assert few_row_note([{"kind": "landsat_patch"}]) == ""
 
 
 def test_a_tiered_edge_plans_the_links_bytes_in_its_policys_unit() -> None:
@@ -298,6 +305,10 @@ def test_a_tiered_edge_plans_the_links_bytes_in_its_policys_unit() -> None:
     assert planned_per_budget(100, 0, 1e12) == pytest.approx(draw_surplus(1e12))
     assert policy_for("tier-novelty", FULL, 0.8 * 262 / 179).budget_share == 1.0  # a share is at most everything
     assert policy_for("tier-novelty", FULL, 0.1 * 262 / 179).budget_share == pytest.approx(0.1 * 262 / 179)
+    # as a node's link_budget does, a pass of few rows draws with the tilt faded (tiering.for_pass_rows)
+    few, many = policy_for("tier-novelty", FULL, 0.02, 9), policy_for("tier-novelty", FULL, 0.02, 1500)
+    assert few.coverage > many.coverage == 0.8 and few.urgent_max_share < many.urgent_max_share == 0.5
+    assert few.budget_share == many.budget_share == 0.02
 
 
 def test_intervals_bracket_the_mean_and_narrow_with_more_test_samples() -> None:
