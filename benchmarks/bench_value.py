@@ -974,8 +974,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         if not result.get("skewed", True):  # a balanced kind's target: tiering not below random at any budget
             tiered = [c for c in result["cells"] if c["policy"].startswith("tier-") and c["budget"] < 1.0
                       and ("random", c["budget"]) in cells and c.get("runs")]
-            below = [f"{c['policy']}@{c['budget']:.0%} {c['macro_f1_mean']:.3f} < "
-                     f"{cells['random', c['budget']]['macro_f1_mean']:.3f}"
+            below = [f"{c['policy']}@{c['budget']:.0%} " + " < ".join(
+                         distinct(c["macro_f1_mean"], cells["random", c["budget"]]["macro_f1_mean"]))
                      + (" (intervals apart)" if ci(c)[1] < ci(cells["random", c["budget"]])[0] else
                         " (intervals overlap)") for c in tiered
                      if c["macro_f1_mean"] < cells["random", c["budget"]]["macro_f1_mean"]]
@@ -1147,6 +1147,16 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
                    "written in a bundle" if per_row else "") + "):", "", markdown(r), "", "Verdict:", "",
                 *[f"- {v}" for v in verdicts(r)], ""]
     return "\n".join(out)
+
+
+def distinct(a: float, b: float) -> tuple[str, str]:
+    """Two scores to three decimals, or to as many more (up to six) as tell them apart: a verdict that says
+    0.383 < 0.383 says nothing."""
+    for digits in range(3, 7):
+        x, y = f"{a:.{digits}f}", f"{b:.{digits}f}"
+        if x != y:
+            return x, y
+    return x, y
 
 
 def few_row_note(results: list[dict[str, Any]]) -> str:

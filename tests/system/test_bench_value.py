@@ -412,3 +412,11 @@ def test_help_prints_what_a_benchmark_measures_and_runs_nothing(capsys: pytest.C
     assert "=== bench_value ===" in out and "Model quality per uplinked byte" in out and "value benchmark" not in out
     assert main(["--help"]) == 0
     assert "benchmarks: cache core" in capsys.readouterr().out
+
+
+def test_a_verdict_tells_two_close_scores_apart() -> None:
+    from benchmarks.bench_value import distinct
+
+    assert distinct(0.3826, 0.3834) == ("0.3826", "0.3834")  # equal at three decimals: one more
+    assert distinct(0.25, 0.5) == ("0.250", "0.500")
+    assert distinct(0.5, 0.5) == ("0.500000", "0.500000")
