@@ -15,7 +15,9 @@ spooled just before it and cut by the link at its end, so "sent" is measured. At
 per-bundle work (hashing, local requests on a loaded 2-core machine) no longer fits the compressed
 round trip and the drain falls 5-20% short of its plan: that is the bench's compression, not the node's.
 The baselines are computed only (same model of cuts as above).
-EDGEHAUL_BENCH_QUICK=1 (or --quick): the computed comparison only (about a second).
+A pass's thinning (`Spool.thin_to`) on a budgeted Landsat edge's spool, beside the I/O floor of the same
+reads and durable writes (6,000 rows; 1,000 quick).
+EDGEHAUL_BENCH_QUICK=1 (or --quick): the computed comparison and a small thinning only.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from edgehaul.blocks import LinkProfile, ObjectStore
+from edgehaul.blocks import LinkProfile, ObjectStore, TieringPolicy
 from edgehaul.bundles import BundleManifest
 from edgehaul.contracts import tier_rank
 from edgehaul.uplink.link import SimulatedLink
@@ -279,11 +281,64 @@ def _measured(store: ObjectStore, state: Path, ms: list[BundleManifest], passes:
           f"re-sends included; landed = bundles + manifests acked)")
 
 
+def thinning(rows: int, share: float = 0.25) -> None:
+    """A pass that carries `share` of what waits: `Spool.thin_to` on a budgeted Landsat edge's spool (16-row
+    bundles, novelty scorer), beside the I/O floor of the same work: every waiting bundle read and verified, and
+    as many bytes as the thinning wrote (what stays, packed; what it leaves, to the raw store) written durably in
+    as many files (write, fsync, rename, fsync the directory)."""
+    from edgehaul.contracts import load_contract
+    from edgehaul.edge import landsat
+    from edgehaul.edge.batch import ingest_batch
+    from edgehaul.edge.preprocess import batch_key
+    from edgehaul.edge.scorer_registry import ScorerContext, build_scorer
+    from edgehaul.edge.spool import Spool, _atomic_write
+    from edgehaul.platform.private_files import fsync_dir
+
+    contract = load_contract("landsat_patch")
+    policy = TieringPolicy(version="bench-thin", budget_share=share * 1.3, flush_max_samples=16,
+                           flush_max_bytes=48 * 1024, urgent_max_bytes=48 * 1024)
+    with tempfile.TemporaryDirectory(prefix="bench-thin-") as d:
+        root = Path(d)
+        spool = Spool(root / "spool", cap_bytes=1 << 40, node_id="node-a", emit=lambda *a, **k: False)
+        scorer = build_scorer("novelty", ScorerContext(contract, policy, None, root / "state"))
+        for raw in landsat.generate(rows, batch_size=1000, seed=1):
+            key, hashes = batch_key(raw)
+            ingest_batch(raw, contract, policy, spool, scorer, key=key, hashes=hashes, node_id="node-a",
+                         scorer_version=scorer.version)
+        waiting = spool.pending()
+        total = sum(e.manifest.nbytes for e in waiting)
+        raw_before = {e.bundle_id for e in spool.raw_entries()}
+        t0 = time.perf_counter()
+        for e in waiting:
+            hashlib.sha256(e.path.read_bytes()).digest()
+        read_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rounds = spool.thin_to(int(share * total), salt="bench-thin", pack_rows=16)
+        thin_s = time.perf_counter() - t0
+        left = sum(e.manifest.nbytes for e in spool.pending())
+        wrote = [e for e in spool.pending() if e.bundle_id not in {w.bundle_id for w in waiting}]
+        wrote += [e for e in spool.raw_entries() if e.bundle_id not in raw_before]
+        out = root / "floor"
+        out.mkdir()
+        t0 = time.perf_counter()
+        for i, e in enumerate(wrote):
+            _atomic_write(out / f"{i}.parquet", b"\0" * e.manifest.nbytes)
+            _atomic_write(out / f"{i}.json", e.manifest.to_json())
+        fsync_dir(out)
+        floor_s = read_s + time.perf_counter() - t0
+    print(f"pass thinning ({rows:,} Landsat rows, {len(waiting)} bundles, {total / 1e6:.1f} MB waiting, to "
+          f"{share:.0%}): thin_to {thin_s:.2f} s; I/O floor (read {len(waiting)}, write {len(wrote)} bundles and "
+          f"sidecars durably) {floor_s:.2f} s; ratio {thin_s / max(floor_s, 1e-9):.1f}x the floor; {len(rounds)} "
+          f"draws, {rounds[-1].rows_kept if rounds else 0} full rows kept, {left:,} B left for a "
+          f"{int(share * total):,} B pass (a summary row is never thinned)", flush=True)
+
+
 def main() -> None:
     quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
     ms, passes, ov = computed()
     if not quick:
         measured(ms, passes, ov, speedup=20.0)
+    thinning(1000 if quick else 6000)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import math
@@ -182,6 +183,12 @@ class _ThinnedOut:
         if self.spool.put(data, man) is None:
             return []
         return [(e, kept, g.num_rows, n) for e, g, kept, n in parts]
+
+
+def _draw_size(keep: float, first: bool, n: int) -> int:
+    """Rows a fixed-size thinning draw keeps of `n`: keep x n rounded for the first draw; a later one (the packing
+    left the pass over) at least one row fewer."""
+    return max(0, min(n, round(keep * n)) if first else min(n - 1, math.floor(keep * n)))
 
 
 class SpoolError(RuntimeError):
@@ -466,7 +473,8 @@ class Spool:
 
     def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",),
              skip: frozenset[str] = frozenset(), pack_rows: int | None = None,
-             pack_with: tuple[str, ...] = (), repack: bool = False, keep_rows: int | None = None) -> ThinResult:
+             pack_with: tuple[str, ...] = (), repack: bool = False,
+             keep_rows: int | Callable[[int], int] | None = None) -> ThinResult:
         """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
         full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
         inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
@@ -487,8 +495,9 @@ class Spool:
         in three). A packed bundle's scorer_version lists those of the bundles its rows come from.
 
         `keep_rows`: a draw of fixed size instead (`keep` is then ignored): exactly that many of the full rows in
-        `tiers` stay, those with the smallest u(salt, sample id), a simple random sample without replacement, so
-        each row's inclusion_p is multiplied by keep_rows / rows (its exact chance, given the rows that waited)."""
+        `tiers` stay (a function of how many wait: sized in the same read; nothing done where none waits), those
+        with the smallest u(salt, sample id), a simple random sample without replacement, so each row's inclusion_p
+        is multiplied by keep_rows / rows (its exact chance, given the rows that waited)."""
         if not 0.0 <= keep <= 1.0:
             raise SpoolError(f"thinning keep {keep} is outside [0, 1]")
         pack_with = tuple(t for t in pack_with if t not in tiers)
@@ -496,11 +505,10 @@ class Spool:
         cut = 2.0  # u below or at it stays (a Poisson draw: u < keep)
         hashed: dict[str, np.ndarray] = {}  # u per waiting bundle, hashed once for the cut and the draw
         if keep_rows is not None:
-            hashed, u_all = self._waiting_uniforms(tiers, skip, salt)
-            if not 0 <= keep_rows <= len(u_all):
-                raise SpoolError(f"thinning keep_rows {keep_rows} is outside [0, {len(u_all)}] waiting rows")
-            keep = keep_rows / len(u_all) if len(u_all) else 1.0
-            cut = float(np.sort(u_all)[keep_rows - 1]) if keep_rows else -1.0
+            fixed = self._fixed_size_cut(tiers, skip, salt, keep_rows)
+            if fixed is None:
+                return ThinResult(keep=1.0, salt=salt)
+            hashed, keep, cut = fixed
         out = ThinResult(keep=keep, salt=salt)
         if keep >= 1.0 and not repack:
             return out
@@ -564,6 +572,20 @@ class Spool:
                      self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
         return out
 
+    def _fixed_size_cut(self, tiers: tuple[str, ...], skip: frozenset[str], salt: str,
+                        keep_rows: int | Callable[[int], int]) -> tuple[dict[str, np.ndarray], float, float] | None:
+        """(u per waiting bundle, keep, the u at or under which a full row stays) of a draw of `keep_rows` rows (a
+        function of how many wait: sized in the same read); None where it is one and no full row waits."""
+        hashed, u_all = self._waiting_uniforms(tiers, skip, salt)
+        if callable(keep_rows):
+            if not len(u_all):
+                return None
+            keep_rows = keep_rows(len(u_all))
+        if not 0 <= keep_rows <= len(u_all):
+            raise SpoolError(f"thinning keep_rows {keep_rows} is outside [0, {len(u_all)}] waiting rows")
+        keep = keep_rows / len(u_all) if len(u_all) else 1.0
+        return hashed, keep, float(np.sort(u_all)[keep_rows - 1]) if keep_rows else -1.0
+
     def _waiting_uniforms(self, tiers: tuple[str, ...], skip: frozenset[str],
                           salt: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """u(salt, sample id) of every row of the bundles waiting in `tiers` (per bundle id), and of their full rows
@@ -575,10 +597,6 @@ class Spool:
                 hashed[e.bundle_id] = np.asarray(uniforms(t.column("sample_id"), salt))
                 full_u.append(hashed[e.bundle_id][full_rows(t)])
         return hashed, np.concatenate([np.zeros(0), *full_u])
-
-    def _full_count(self, e: SpoolEntry) -> int:
-        """How many full rows (not summaries) a waiting bundle holds: its is_summary column alone."""
-        return int(full_rows(read_bundle(self.read(e.bundle_id), e.manifest, columns=["is_summary"])).sum())
 
     def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
                 skip: frozenset[str] = frozenset(), urgent_share: float = 0.5,
@@ -624,13 +642,12 @@ class Spool:
                 if not done[-1].bundles:
                     break
                 continue
-            n = sum(self._full_count(e) for e in thinned if e.tier in tiers)
-            if not n:
-                break
             # the first draw meets the expected bytes; a later one (the packing left it over) is a row fewer at least
-            k = min(n, round(keep * n)) if not done else min(n - 1, math.floor(keep * n))
-            done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
-                                  pack_with=tuple(whole), repack=True, keep_rows=max(k, 0)))
+            res = self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
+                            pack_with=tuple(whole), repack=True, keep_rows=functools.partial(_draw_size, keep, not done))
+            if not res.bundles:  # no full row waits in the tiers thinned
+                break
+            done.append(res)
         return done
 
     def write_staging(self, name: str, data: bytes) -> Path:
