@@ -330,7 +330,7 @@ def thinning(rows: int, share: float = 0.25) -> None:
           f"{share:.0%}): thin_to {thin_s:.2f} s; I/O floor (read {len(waiting)}, write {len(wrote)} bundles and "
           f"sidecars durably) {floor_s:.2f} s; ratio {thin_s / max(floor_s, 1e-9):.1f}x the floor; {len(rounds)} "
           f"draws, {rounds[-1].rows_kept if rounds else 0} full rows kept, {left:,} B left for a "
-          f"{int(share * total):,} B pass (a summary row is never thinned)", flush=True)
+          f"{int(share * total):,} B pass", flush=True)
 
 
 def main() -> None:

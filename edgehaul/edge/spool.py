@@ -89,13 +89,15 @@ FIT_ROUNDS = 8  # thin_to's further fixed-size draws while packing leaves it ove
 
 @dataclass
 class ThinResult:
-    """One thinning: the keep probability, its salt, bundles rewritten and full rows kept / moved out."""
+    """One thinning: the keep probability, its salt, bundles rewritten, full rows kept / moved out, and summary rows
+    dropped (the rows they summarise wait in the raw store)."""
 
     keep: float
     salt: str
     bundles: int = 0
     rows_kept: int = 0
     rows_out: int = 0
+    summaries_out: int = 0
 
 
 
@@ -105,7 +107,7 @@ def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float
     contract together), the rows' bytes times keep plus one fixed part per
     packed bundle (the rows kept / the rows a packed bundle holds, rounded up: `pack_rows`, else the largest
     original bundle's rows). The bundles of `kept_whole` tiers are packed with the others but keep
-    every row. Summary rows are counted as rows (a budgeted edge sends few)."""
+    every row. Summary rows are thinned with the same keep (`Spool.thin`)."""
     if room <= 0:
         return 0.0
     groups: dict[str, tuple[float, float, float, float, float, int]] = {}
@@ -479,8 +481,9 @@ class Spool:
         full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
         inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
         thinned out move to the raw store with their payload (kept on the node, as rows never drawn), those of many
-        bundles together (`_ThinnedOut`). Summary rows stay. Never a cut by drain order: that would land only the top
-        of the value ranking.
+        bundles together (`_ThinnedOut`). A summary row stays with probability `keep` too (its inclusion_p, its row's
+        chance of travelling in full, unchanged); one thinned out is dropped, as the row it summarises waits in the
+        raw store. Never a cut by drain order: that would land only the top of the value ranking.
 
         The rows that stay are packed into as few bundles as `pack_rows` rows per bundle allow (at most that many;
         default: the originals' largest row count), per tier and writer: a bundle's fixed Parquet part (footer) costs as much
@@ -516,15 +519,6 @@ class Spool:
         groups: dict[tuple[str, ...], list[tuple[SpoolEntry, pa.Table]]] = {}
         thinned_out = _ThinnedOut(self, salt)
 
-        def accept(e: SpoolEntry, kept: pa.Table, rows_out: int, rows_kept: int) -> None:
-            # scorer versions differ batch to batch; pending() is in drain order, so urgent rows come first
-            m = e.manifest
-            groups.setdefault((m.contract, "+".join(every) if merged else e.tier, m.policy_version, m.team),
-                              []).append((e, kept))
-            out.bundles += 1
-            out.rows_out += rows_out
-            out.rows_kept += rows_kept
-
         order: list[str] = []  # drain order, which packing keeps (urgent rows first), whenever a bundle is released
         released: dict[str, tuple[SpoolEntry, pa.Table, int, int]] = {}
         for e in self.pending():
@@ -536,14 +530,20 @@ class Spool:
             full = full_rows(t)
             row_keep = keep if e.tier in tiers else 1.0
             drawn = (u <= cut) if keep_rows is not None and e.tier in tiers else (u < row_keep)
-            stay = ~full | drawn
+            # a summary stays with the same chance; one thinned out is dropped (the row it summarises is in the raw
+            # store): kept whole, summaries outweighed a tight pass and every full row was thinned away for them
+            stay = np.where(full, drawn, u < row_keep)
             kept = _times_keep(t.filter(pa.array(stay)), full[stay], row_keep)
-            released.update((r[0].bundle_id, r) for r in thinned_out.add(e, t.filter(pa.array(~stay)), kept,
+            released.update((r[0].bundle_id, r) for r in thinned_out.add(e, t.filter(pa.array(full & ~stay)), kept,
                                                                        int(full[stay].sum())))
         released.update((r[0].bundle_id, r) for r in thinned_out.flush_all())
-        for bundle_id in order:
-            if bundle_id in released:
-                accept(*released[bundle_id])
+        for bundle_id in (b for b in order if b in released):
+            e, kept, rows_out, rows_kept = released[bundle_id]
+            m = e.manifest  # scorer versions differ batch to batch; drain order puts urgent rows first
+            groups.setdefault((m.contract, "+".join(every) if merged else e.tier, m.policy_version, m.team),
+                              []).append((e, kept))
+            out.bundles, out.rows_out, out.rows_kept = out.bundles + 1, out.rows_out + rows_out, out.rows_kept + rows_kept
+            out.summaries_out += m.row_count - rows_out - kept.num_rows
         for (contract_id, tier, version, team), parts in groups.items():
             scorer = ",".join(sorted({e.manifest.scorer_version for e, _ in parts}))
             stays = [k for _, k in parts if k.num_rows]
@@ -568,8 +568,9 @@ class Spool:
                                        (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
                     self._remove(e)
         if out.bundles:
-            log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store",
-                     self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out)
+            log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store, %d summaries "
+                     "dropped", self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out,
+                     out.summaries_out)
         return out
 
     def _fixed_size_cut(self, tiers: tuple[str, ...], skip: frozenset[str], salt: str,

@@ -268,6 +268,40 @@ def test_thinning_small_bundles_lands_close_to_capacity_and_packs_the_rows_kept(
     assert 1 <= len(out) <= len(rounds) < len(pending) // 4
 
 
+def test_a_pass_tighter_than_the_summaries_thins_them_too_and_is_met(tmp_path: Path) -> None:
+    """Landsat's summaries (a row left on the node sends its features, 195 B against 1,731) were never thinned: a
+    pass that carried less than they weighed thinned every full row away and still overran (a quarter of 63
+    bundles: 32 full rows kept, 246,778 B left for 145,022 B). A summary now stays with the draw's keep, and one
+    thinned out is dropped, as the row it summarises waits in the raw store: the pass is met, with full rows."""
+    from edgehaul.edge import landsat
+
+    contract = load_contract("landsat_patch")
+    policy = TieringPolicy(version="tight", budget_share=0.325, flush_max_samples=16, flush_max_bytes=48 * 1024,
+                           urgent_max_bytes=48 * 1024)
+    spool = Spool(tmp_path / "spool", cap_bytes=2**34, node_id="node-a", emit=lambda *a, **k: True)
+    scorer = build_scorer("novelty", ScorerContext(contract, policy, None, tmp_path / "state"))
+    for raw in landsat.generate(1000, batch_size=500, seed=3):
+        key, hashes = batch_key(raw)
+        ingest_batch(raw, contract, policy, spool, scorer, key=key, hashes=hashes, node_id="node-a")
+    before = landed(spool)
+    summary_ids = set(before.filter(before.column("is_summary")).column("sample_id").to_pylist())
+    raw_ids = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
+    assert len(summary_ids) > before.num_rows / 2 and summary_ids <= raw_ids  # each summarised row waits on the node
+    capacity = sum(e.manifest.nbytes for e in spool.pending()) // 4
+    rounds = spool.thin_to(capacity, salt="tight", pack_rows=16)
+    assert sum(e.manifest.nbytes for e in spool.pending()) <= capacity
+    after = landed(spool)
+    is_summary = np.asarray(after.column("is_summary"))
+    full_before = before.num_rows - len(summary_ids)
+    assert int((~is_summary).sum()) > full_before / 5  # about the pass's share of the full rows, not a handful
+    assert 0 < int(is_summary.sum()) < len(summary_ids) and sum(r.summaries_out for r in rounds) == len(
+        summary_ids) - int(is_summary.sum())
+    # every sample is sent in full or kept on the node with its payload, never both
+    sent = set(after.filter(pc.invert(after.column("is_summary"))).column("sample_id").to_pylist())
+    kept = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
+    assert sent.isdisjoint(kept) and sent | kept == set(before.column("sample_id").to_pylist())
+
+
 @pytest.mark.parametrize("salt", [f"pass-fill-{i}" for i in range(6)])
 def test_a_thinned_pass_of_few_rows_is_filled_to_within_a_row(pump: Contract, tmp_path: Path, salt: str) -> None:
     """A pass that carries about half of 48 waiting rows once they share one footer (digits at 2%: about ten rows a
