@@ -18,9 +18,8 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     here = Path(__file__).parent
-    names = sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))
-    if argv:
-        names = [n for n in names if n.removeprefix("bench_") in argv]
+    every = sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))
+    names = [n for n in every if n.removeprefix("bench_") in argv] if argv else every
     if "-h" in argv or "--help" in argv:
         # A benchmark reads its flags itself and would start a run (an hour or more for some) on any other.
         print(__doc__)
@@ -28,8 +27,7 @@ def main(argv: list[str]) -> int:
             for name in names:
                 print(f"=== {name} ===\n{importlib.import_module(f'benchmarks.{name}').__doc__}")
         else:
-            print("benchmarks:", " ".join(n.removeprefix("bench_") for n in sorted(
-                m.name for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))))
+            print("benchmarks:", " ".join(n.removeprefix("bench_") for n in every))
         return 0
     failed = []
     for name in names:

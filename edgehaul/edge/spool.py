@@ -157,6 +157,7 @@ class _ThinnedOut:
     def __init__(self, spool: Spool, salt: str) -> None:
         self.spool, self.salt = spool, salt
         self.waiting: dict[tuple[str, str, str], list[tuple[SpoolEntry, pa.Table, pa.Table, int]]] = {}
+        self.size: dict[tuple[str, str, str], tuple[int, int]] = {}  # rows and bytes waiting per key
 
     def add(self, e: SpoolEntry, gone: pa.Table, kept: pa.Table,
             rows_kept: int) -> list[tuple[SpoolEntry, pa.Table, int, int]]:
@@ -165,10 +166,10 @@ class _ThinnedOut:
             return [(e, kept, 0, rows_kept)]
         m = e.manifest
         key = (m.contract, m.policy_version, m.team)
-        parts = self.waiting.setdefault(key, [])
-        parts.append((e, gone, kept, rows_kept))
-        if sum(g.num_rows for _, g, _, _ in parts) >= self.MAX_ROWS or sum(
-                g.nbytes for _, g, _, _ in parts) >= self.MAX_BYTES:
+        self.waiting.setdefault(key, []).append((e, gone, kept, rows_kept))
+        rows, nbytes = self.size.get(key, (0, 0))
+        self.size[key] = rows + gone.num_rows, nbytes + gone.nbytes
+        if self.size[key][0] >= self.MAX_ROWS or self.size[key][1] >= self.MAX_BYTES:
             return self._flush(key)
         return []
 
@@ -177,6 +178,7 @@ class _ThinnedOut:
 
     def _flush(self, key: tuple[str, str, str]) -> list[tuple[SpoolEntry, pa.Table, int, int]]:
         parts = self.waiting.pop(key)
+        self.size.pop(key, None)
         contract_id, version, team = key
         data, man = write_bundle(pa.concat_tables([g for _, g, _, _ in parts]), contract_by_id(contract_id),
                                  tier="low", policy_fingerprint=f"thinned-out|{self.salt}", policy_version=version,
