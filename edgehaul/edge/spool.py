@@ -148,8 +148,8 @@ def _times_keep(kept: pa.Table, full: np.ndarray, keep: float) -> pa.Table:
 class _ThinnedOut:
     """The rows a thinning leaves on the node, to the raw store in few bundles: one per thinned bundle filled the
     raw store with small files (Landsat at 25%: hundreds a pass), and each put counts the spool's files. A thinned
-    bundle is released to packing only once the raw bundle holding its rows is written; refused (the ledger says
-    why), it stays whole."""
+    bundle is released to packing only once the raw bundle holding its rows is written; refused (the log says
+    why; no ledger row, as no sample left), it stays whole."""
 
     MAX_ROWS = 50_000
     MAX_BYTES = 32 * 1024 * 1024
@@ -184,7 +184,8 @@ class _ThinnedOut:
                                  tier="low", policy_fingerprint=f"thinned-out|{self.salt}", policy_version=version,
                                  scorer_version=",".join(sorted({e.manifest.scorer_version for e, _, _, _ in parts})),
                                  team=team)
-        if self.spool.put(data, man) is None:
+        # refused, the rows stay in their bundles, which stay whole: nothing left the node's normal path
+        if self.spool.put(data, man, ledger_refusal=False) is None:
             return []
         return [(e, kept, g.num_rows, n) for e, g, kept, n in parts]
 
@@ -439,9 +440,13 @@ class Spool:
 
     # ---- writes -----------------------------------------------------------------------------
 
-    def put(self, data: bytes, manifest: BundleManifest) -> SpoolEntry | None:
+    def put(self, data: bytes, manifest: BundleManifest, *, ledger_refusal: bool = True,
+            replacing: int = 0) -> SpoolEntry | None:
         """Spool a bundle (tier low goes to the raw store). Idempotent on bundle_id; returns None
-        when refused (the ledger says why) or when that bundle was already acknowledged."""
+        when refused (the ledger says why, unless `ledger_refusal` is False: a caller that still holds the
+        samples elsewhere, whose refusal loses nothing) or when that bundle was already acknowledged.
+        `replacing`: bytes of waiting bundles this write replaces, removed once it is written (a thinning's
+        packing), counted as free: a full spool must still be able to thin, or its pass would send nothing."""
         if len(data) != manifest.nbytes or hashlib.sha256(data).hexdigest() != manifest.sha256:
             raise SpoolError(f"bundle {manifest.bundle_id}: bytes do not match the manifest "
                              f"({len(data)} bytes, manifest {manifest.nbytes})")
@@ -456,13 +461,14 @@ class Spool:
                 log.info("bundle %s already acknowledged; not spooled again", manifest.bundle_id)
                 return None
             if need > self.cap_bytes:
-                self._refuse(manifest, ledger.TOO_LARGE, f"{need} bytes > cap {self.cap_bytes}")
+                self._refuse(manifest, ledger.TOO_LARGE, f"{need} bytes > cap {self.cap_bytes}", ledger_refusal)
                 return None
-            before = self._make_room(need, manifest)
+            before = self._make_room(need - min(replacing, need), manifest)
             if before is None:
                 used = self.usage().used_bytes
                 self._refuse(manifest, ledger.FULL_REJECTED,
-                             f"policy {self.full_policy}: {need} bytes do not fit ({used}/{self.cap_bytes} used)")
+                             f"policy {self.full_policy}: {need} bytes do not fit ({used}/{self.cap_bytes} used)",
+                             ledger_refusal)
                 return None
             now = self.clock()
             path = d / f"{manifest.bundle_id}.parquet"
@@ -546,34 +552,48 @@ class Spool:
                               []).append((e, kept))
             out.bundles, out.rows_out, out.rows_kept = out.bundles + 1, out.rows_out + rows_out, out.rows_kept + rows_kept
             out.summaries_out += m.row_count - rows_out - kept.num_rows
-        for (contract_id, tier, version, team), parts in groups.items():
-            scorer = ",".join(sorted({e.manifest.scorer_version for e, _ in parts}))
-            stays = [k for _, k in parts if k.num_rows]
-            rows = pa.concat_tables(stays) if stays else pa.table({})
-            # at most pack_rows a bundle, as the policy flushes them (an urgent bundle flushed by bytes can hold
-            # more: packing to its size gave the tiered edge fewer footers than a random one at the same rows)
-            size = pack_rows or max(e.manifest.row_count for e, _ in parts)
-            for a in range(0, rows.num_rows, size):
-                chunk = rows.slice(a, size)
-                if merged:  # the most urgent packed tier among its rows (a sampled low row rides as normal)
-                    present = set(pc.unique(chunk.column("tier")).to_pylist()) & set(every)
-                    tier = min(present, key=tier_rank) if present else max(every, key=tier_rank)
-                data, man = write_bundle(chunk, contract_by_id(contract_id), tier=tier,
-                                         policy_fingerprint=f"thinned|{salt}", policy_version=version,
-                                         scorer_version=scorer, team=team)
-                if self.put(data, man) is None:
-                    raise SpoolError(f"spool {self.root}: no room for a thinned bundle of {len(parts)} bundles")
-            with self._locked():
-                for e, _ in parts:
-                    # Recorded like an acknowledgement: a rerun of the batch that built it never spools it again.
-                    self._acks.execute("INSERT OR REPLACE INTO acks VALUES (?,?,?,?)",
-                                       (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
-                    self._remove(e)
+        for key, parts in groups.items():
+            self._write_packs(key, parts, salt=salt, every=every, merged=merged, pack_rows=pack_rows)
         if out.bundles:
             log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store, %d summaries "
                      "dropped", self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out,
                      out.summaries_out)
         return out
+
+    def _write_packs(self, key: tuple[str, ...], parts: list[tuple[SpoolEntry, pa.Table]], *, salt: str,
+                     every: tuple[str, ...], merged: bool, pack_rows: int | None) -> None:
+        """The rows kept of one group's bundles, packed at most `pack_rows` a bundle, replace those bundles."""
+        contract_id, tier, version, team = key
+        scorer = ",".join(sorted({e.manifest.scorer_version for e, _ in parts}))
+        stays = [k for _, k in parts if k.num_rows]
+        rows = pa.concat_tables(stays) if stays else pa.table({})
+        # at most pack_rows a bundle, as the policy flushes them (an urgent bundle flushed by bytes can hold
+        # more: packing to its size gave the tiered edge fewer footers than a random one at the same rows)
+        size = pack_rows or max(e.manifest.row_count for e, _ in parts)
+        credit = sum(e.manifest.nbytes for e, _ in parts)  # the packs replace these bundles
+        written: list[SpoolEntry] = []
+        for a in range(0, rows.num_rows, size):
+            chunk = rows.slice(a, size)
+            if merged:  # the most urgent packed tier among its rows (a sampled low row rides as normal)
+                present = set(pc.unique(chunk.column("tier")).to_pylist()) & set(every)
+                tier = min(present, key=tier_rank) if present else max(every, key=tier_rank)
+            data, man = write_bundle(chunk, contract_by_id(contract_id), tier=tier,
+                                     policy_fingerprint=f"thinned|{salt}", policy_version=version,
+                                     scorer_version=scorer, team=team)
+            packed = self.put(data, man, ledger_refusal=False, replacing=credit)
+            if packed is None:  # the packs written hold copies of rows their bundles still hold
+                with self._locked():
+                    for w in written:
+                        self._remove(w)
+                raise SpoolError(f"spool {self.root}: no room for a thinned bundle of {len(parts)} bundles "
+                                 f"({len(data)} bytes); they stay whole")
+            credit, written = max(0, credit - len(data)), [*written, packed]
+        with self._locked():
+            for e, _ in parts:
+                # Recorded like an acknowledgement: a rerun of the batch that built it never spools it again.
+                self._acks.execute("INSERT OR REPLACE INTO acks VALUES (?,?,?,?)",
+                                   (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
+                self._remove(e)
 
     def _fixed_size_cut(self, tiers: tuple[str, ...], skip: frozenset[str], salt: str,
                         keep_rows: int | Callable[[int], int]) -> tuple[dict[str, np.ndarray], float, float] | None:
@@ -670,7 +690,11 @@ class Spool:
         self._check_alert(usage)
         return path
 
-    def _refuse(self, manifest: BundleManifest, reason: str, detail: str) -> None:
+    def _refuse(self, manifest: BundleManifest, reason: str, detail: str, record: bool = True) -> None:
+        if not record:  # the caller still holds these samples: a ledger row would count them twice
+            log.warning("spool %s: refused bundle %s (%d samples, still held elsewhere): %s: %s",
+                        self.node_id or self.root, manifest.bundle_id, manifest.row_count, reason, detail)
+            return
         stage = STAGE_RAW if manifest.tier == "low" else ledger.STAGE_SPOOL
         n = self.ledger.record(manifest.sample_ids, stage=stage, reason=reason, bundle_id=manifest.bundle_id, detail=detail)
         log.warning("spool %s: refused bundle %s (%d samples): %s", self.node_id or self.root, manifest.bundle_id, n, reason)

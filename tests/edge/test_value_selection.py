@@ -302,6 +302,31 @@ def test_a_pass_tighter_than_the_summaries_thins_them_too_and_is_met(tmp_path: P
     assert sent.isdisjoint(kept) and sent | kept == set(before.column("sample_id").to_pylist())
 
 
+def test_a_raw_store_with_no_room_for_the_thinned_rows_leaves_them_whole_and_ledgers_nothing(
+        pump: Contract, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A full node cannot keep the rows a pass would thin out: their bundles stay whole (the pass overruns; the
+    link carries the rest later) and the ledger records nothing, as no sample left the normal path (it once
+    recorded them all as refused while they still waited, counting each twice)."""
+    policy = TieringPolicy(version="full", budget_share=0.2, flush_max_samples=16, flush_max_bytes=64 * 1024)
+    run_edge(pump, policy, tmp_path, n=1000, batch=250, seed=8)
+    roomy = Spool(tmp_path / "spool", cap_bytes=2**34, node_id="node-a", emit=lambda *a, **k: True)
+    before = landed(roomy)
+    raw_bytes = sum(e.nbytes for e in roomy.raw_entries())
+    # reopened with room for what waits to be sent and little more: the clean-up evicts the raw store, and a raw
+    # bundle of thinned rows still cannot fit
+    spool = Spool(tmp_path / "spool", cap_bytes=roomy.usage().used_bytes - raw_bytes + 2048,
+                  full_policy="reject-new", node_id="node-a", emit=lambda *a, **k: True)
+    capacity = sum(e.manifest.nbytes for e in spool.pending()) // 3
+    with caplog.at_level(logging.WARNING, logger="edgehaul.edge.spool"):
+        spool.thin_to(capacity, salt="pass-full", pack_rows=policy.flush_max_samples)
+    assert "still held elsewhere" in caplog.text
+    after = landed(spool)
+    waiting = after.column("sample_id").to_pylist()
+    assert sorted(waiting) == sorted(before.column("sample_id").to_pylist())
+    assert spool.ledger.lookup(waiting) == {}
+    assert {reason for _, reason in spool.ledger.counts()} <= {"raw-evicted"}
+
+
 @pytest.mark.parametrize("salt", [f"pass-fill-{i}" for i in range(6)])
 def test_a_thinned_pass_of_few_rows_is_filled_to_within_a_row(pump: Contract, tmp_path: Path, salt: str) -> None:
     """A pass that carries about half of 48 waiting rows once they share one footer (digits at 2%: about ten rows a
