@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,26 +34,32 @@ class Loop:
     dataset: pa.Table
     rejected: dict[str, list[tuple[str, str]]]  # sample id -> [(stage, reason)] in the node's ledger
     blocks: dict[str, str]
+    drained: dict[str, Any] = field(default_factory=dict)  # uplink_drain's figures
+    waiting_bytes: int = 0  # the bundle bytes that waited when the drain began
     train: dict[str, Any] | None = None
     scores: list[float] = field(default_factory=list)
     scorer_version: str | None = None
 
 
-def blocks(store: ObjectStore, node_id: str, spool_dir: Path, tag: str) -> dict[str, str]:
+def blocks(store: ObjectStore, node_id: str, spool_dir: Path, tag: str,
+           policy: TieringPolicy | None = None) -> dict[str, str]:
     """The blocks a node and the core load, saved under fresh names."""
     names = {k: f"kd-{k}-{tag}" for k in ("store", "node", "link", "policy", "quota")}
     store.save(names["store"], overwrite=True)
     EdgeNode(node_id=node_id, spool_dir=str(spool_dir), spool_cap_bytes=512 * MiB).save(names["node"], overwrite=True)
     LinkProfile(bandwidth_bps=8 * 200 * MiB, chunk_bytes=256 * 1024).save(names["link"], overwrite=True)
-    # every row travels in full (no low tier): what the trainer gets is what the node observed
-    TieringPolicy(version=f"kd-{tag}", low_threshold=0.0).save(names["policy"], overwrite=True)
+    # by default every row travels in full (no low tier): what the trainer gets is what the node observed
+    (policy or TieringPolicy(version=f"kd-{tag}", low_threshold=0.0)).save(names["policy"], overwrite=True)
     TeamQuota(team="geo", accelerator_hours_per_month=100, storage_bytes=10**9).save(names["quota"], overwrite=True)
     return names
 
 
 def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path, *, node_id: str | None = None,
-             batch_size: int = 500) -> Loop:
-    """The node's drop folder to a dataset version: edge_ingest, uplink_drain, core_ingest."""
+             batch_size: int = 500, policy: TieringPolicy | None = None,
+             passes: Callable[[Path, float], Path] | None = None) -> Loop:
+    """The node's drop folder to a dataset version: edge_ingest, uplink_drain, core_ingest. With `passes` (the
+    node's spool folder and the link's rate cap -> a pass schedule, written once the edge has spooled), the
+    drain is by plan: it waits for the pass and thins what the pass cannot carry."""
     from edgehaul.core.datasets import read_version
     from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
     from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
@@ -61,12 +68,20 @@ def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path,
     tag = uuid.uuid4().hex[:8]
     node_id = node_id or f"kd-{tag}"
     spool_dir = tmp_path / f"spool-{tag}"
-    names = blocks(store, node_id, spool_dir, tag)
+    names = blocks(store, node_id, spool_dir, tag, policy)
     edge = edge_ingest(EdgeIngestParams(
         edge_node=names["node"], tiering_policy=names["policy"], contract=contract.id, source="drop",
         source_path=str(drop), done_path=str(tmp_path / f"done-{tag}"), settle_s=0, batch_size=batch_size))
+    spool = Spool.from_block(EdgeNode(node_id=node_id, spool_dir=str(spool_dir)))
+    try:
+        waiting = sum(e.manifest.nbytes for e in spool.pending())
+    finally:
+        spool.close()
+    schedule = str(passes(spool_dir, LinkProfile.load(names["link"]).rate_cap_fraction)) if passes else None
     drained = uplink_drain(UplinkDrainParams(edge_node=names["node"], link_profile=names["link"],
-                                             object_store=names["store"], max_seconds=120, max_active=2))
+                                             object_store=names["store"], max_seconds=120, max_active=2,
+                                             by_plan=schedule is not None, pass_schedule=schedule,
+                                             contact_wait_s=120 if schedule else 0.0))
     assert drained["bundles_failed"] == 0, drained
     landed = list(drained["landed_keys"])
     core = core_ingest(CoreIngestParams(store_block=names["store"], bundle_keys=landed))
@@ -77,7 +92,7 @@ def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path,
         rejected = spool.ledger.lookup(_ledger_ids(spool_dir))
     finally:
         spool.close()
-    return Loop(contract, node_id, spool_dir, edge, landed, core, version, dataset, rejected, names)
+    return Loop(contract, node_id, spool_dir, edge, landed, core, version, dataset, rejected, names, drained, waiting)
 
 
 def _ledger_ids(spool_dir: Path) -> list[str]:

@@ -23,6 +23,7 @@ from edgehaul.contracts import load_contract
 from edgehaul.edge.spool import Spool
 from edgehaul.flows.uplink_drain import UplinkDrainParams, uplink_drain
 from edgehaul.uplink.link import SimulatedLink
+from edgehaul.uplink.pass_drain import thin_for_the_wire
 from edgehaul.uplink.pass_plan import (
     Overhead,
     Pass,
@@ -226,6 +227,30 @@ def test_dp_is_optimal_on_small_instances(items: list[tuple[int, float]], capaci
     best = max(sum(v for _, v in c) for r in range(len(items) + 1) for c in combinations(items, r)
                if sum(n for n, _ in c) <= capacity)
     assert plan.value == pytest.approx(best, abs=1e-6)
+
+
+def test_a_pass_is_thinned_to_its_wire_bytes_manifests_and_round_trips_included(tmp_path: Path) -> None:
+    """The thinning before a pass counts what the plan counts: each bundle's manifest and its requests' round trips
+    besides its bytes. Thinned to the bundle bytes alone, what waits overran the pass, and the plan cut whole
+    bundles (one pack of every row kept: the pass left nearly empty)."""
+    spool = Spool(tmp_path / "spool", cap_bytes=2**32, node_id="node-w", emit=lambda *a, **k: True)
+    for i, n in enumerate((120, 150, 90, 200)):
+        assert spool.put(*bundle(n, "node-w", seed=40 + i, start_seq=1000 * i)) is not None
+    overhead = Overhead(rtt_s=0.2, concurrency=1)  # round trips: 120 KB a bundle at 200 KB/s
+
+    def waiting() -> list[Pending]:
+        return pending_from_spool(spool.pending(), None, multipart_threshold_bytes=16 * MiB, part_bytes=8 * MiB)
+
+    def wire(e: Pending) -> int:
+        return e.nbytes + overhead.bytes(e, 200_000)
+
+    room = sum(wire(e) for e in waiting()) // 3
+    pending = thin_for_the_wire(spool, room, waiting, wire, salt="pass-w", skip=frozenset())
+    assert 0.9 * room <= sum(wire(e) for e in pending) <= room
+    assert sum(e.nbytes for e in pending) < 0.9 * room  # room was left for the overhead, not filled with rows
+    # a pass of exactly that room at 200 KB/s takes every bundle the thinning left
+    plan, left = plan_pass(pending, Pass(T0, room / 200_000, 8 * 200_000), cap_fraction=1.0, overhead=overhead)
+    assert plan.capacity_bytes <= room and not left and len(plan.items) == len(pending)
 
 
 # -- one pass drained for real ------------------------------------------------------------------------
