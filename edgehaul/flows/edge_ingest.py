@@ -171,9 +171,11 @@ def edge_ingest(params: EdgeIngestParams | None = None) -> dict[str, Any]:
                   f"scorer's own value per uplinked byte {100 * report.gain:+.0f}% vs no tiering")
     report_node_run(node, summary, upkeep.ledger, to_outbox=p.route_events_to_outbox, problem=problem,
                     problems=drop.problems() if drop is not None and problem else None, files=files)
-    logger.info("node %s: %d samples in %d batches, %d rejected, %d bundles, tiers %s, value/MB %.1f vs %.1f baseline",
-                node.node_id, n_in, len(done), sum(rejects.values()), summary["bundles"], report.samples,
-                report.value_per_mb, report.baseline_value_per_mb)
+    # the low tier's draw sends part of it in full: counted apart, "low 2361" read as 79% kept on a node that kept 40%
+    logger.info("node %s: %d samples in %d batches, %d rejected, %d bundles, tiers %s (low drawn in full: %d), "
+                "value/MB %.1f vs %.1f baseline", node.node_id, n_in, len(done), sum(rejects.values()),
+                summary["bundles"], report.samples, report.sampled_low, report.value_per_mb,
+                report.baseline_value_per_mb)
     if problem:  # the run's state says which files were rejected and why (the UI's run list shows it)
         return Completed(message=problem[:2000], data=summary)  # type: ignore[return-value]
     return summary
