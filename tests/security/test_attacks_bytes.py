@@ -122,6 +122,52 @@ def test_manifest_parsing_is_bounded_before_python_builds_anything() -> None:
     assert BundleManifest.from_json(json.dumps(big).encode()).sample_ids == big["sample_ids"]
 
 
+@settings(max_examples=80, deadline=None)
+@given(ids=st.lists(st.text(min_size=0, max_size=40), min_size=0, max_size=60),
+       prefix=st.sampled_from(["", "node-a-", "kd-54fdb498-hive-"]))
+def test_a_manifest_round_trips_whatever_its_ids_and_packs_them_only_where_shorter(ids: list[str],
+                                                                                   prefix: str) -> None:
+    """Packed or plain (an id with a newline, or a list the packing does not shorten, stays a JSON list), a
+    manifest parses back to itself."""
+    _, m = bundle(3, "node-a", seed=1)
+    m2 = BundleManifest(**{**m.__dict__, "sample_ids": [prefix + i for i in ids], "row_count": len(ids)})
+    body = m2.to_json()
+    assert BundleManifest.from_json(body) == m2
+    plain = json.dumps({**json.loads(body), "sample_ids": m2.sample_ids}).encode()
+    assert len(body) <= len(plain) + 40  # never longer than the list, but for the packed field's name
+
+
+def test_packed_sample_ids_are_a_fraction_of_the_list_and_a_bomb_is_refused() -> None:
+    """A node's ids share a prefix and count up: packed, a 400-row manifest carries its ids in a few hundred bytes
+    (as JSON strings they were a third of a small-row kind's wire). Packed ids that claim or unpack past the
+    bound are refused before they are held, a frame that says its size and one that does not."""
+    import base64
+
+    import zstandard
+
+    from edgehaul.bundles import MAX_UNPACKED_IDS_BYTES, PACKED_IDS, BundleError
+
+    _, m = bundle(3, "node-a", seed=1)
+    ids = [f"node-a-{i}" for i in range(10_000, 10_400)]
+    packed = BundleManifest(**{**m.__dict__, "sample_ids": ids, "row_count": 400})
+    body = packed.to_json()
+    assert PACKED_IDS in json.loads(body) and len(body) < len(json.dumps(ids)) / 4
+    doc = json.loads(body)
+    for sized in (True, False):
+        frame = zstandard.ZstdCompressor(level=19, write_content_size=sized).compress(
+            b"node-a-1\n" * (MAX_UNPACKED_IDS_BYTES // 9 + 1000))
+        bomb = json.dumps({**doc, PACKED_IDS: base64.b64encode(frame).decode()}).encode()
+        assert len(bomb) < 100_000
+        with pytest.raises(BundleError, match="claims|unpacks past"):
+            BundleManifest.from_json(bomb)
+    for bad, said in (("not base64!", "not base64 zstd"), (base64.b64encode(b"junk").decode(), "not base64 zstd"),
+                      (123, "expected str")):
+        with pytest.raises(BundleError, match=said):
+            BundleManifest.from_json(json.dumps({**doc, PACKED_IDS: bad}))
+    with pytest.raises(BundleError, match="both"):
+        BundleManifest.from_json(json.dumps({**doc, "sample_ids": ids}))
+
+
 # ------------------------------------------------------------------------------------------ finding 3
 
 _PEAK = """
