@@ -158,7 +158,7 @@ def test_packed_sample_ids_are_a_fraction_of_the_list_and_a_bomb_is_refused() ->
             b"node-a-1\n" * (MAX_UNPACKED_IDS_BYTES // 9 + 1000))
         bomb = json.dumps({**doc, PACKED_IDS: base64.b64encode(frame).decode()}).encode()
         assert len(bomb) < 100_000
-        with pytest.raises(BundleError, match="claims|unpacks past"):
+        with pytest.raises(BundleError, match=r"claims|unpacks past"):
             BundleManifest.from_json(bomb)
     for bad, said in (("not base64!", "not base64 zstd"), (base64.b64encode(b"junk").decode(), "not base64 zstd"),
                       (123, "expected str")):
