@@ -56,9 +56,9 @@ def blocks(store: ObjectStore, node_id: str, spool_dir: Path, tag: str,
 
 def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path, *, node_id: str | None = None,
              batch_size: int = 500, policy: TieringPolicy | None = None,
-             passes: Callable[[Path, float], Path] | None = None) -> Loop:
+             passes: Callable[[int, float], Path] | None = None) -> Loop:
     """The node's drop folder to a dataset version: edge_ingest, uplink_drain, core_ingest. With `passes` (the
-    node's spool folder and the link's rate cap -> a pass schedule, written once the edge has spooled), the
+    bundle bytes spooled and the link's rate cap -> a pass schedule, written once the edge has spooled), the
     drain is by plan: it waits for the pass and thins what the pass cannot carry."""
     from edgehaul.core.datasets import read_version
     from edgehaul.flows.core_ingest import CoreIngestParams, core_ingest
@@ -77,7 +77,7 @@ def run_loop(store: ObjectStore, contract: Contract, drop: Path, tmp_path: Path,
         waiting = sum(e.manifest.nbytes for e in spool.pending())
     finally:
         spool.close()
-    schedule = str(passes(spool_dir, LinkProfile.load(names["link"]).rate_cap_fraction)) if passes else None
+    schedule = str(passes(waiting, LinkProfile.load(names["link"]).rate_cap_fraction)) if passes else None
     drained = uplink_drain(UplinkDrainParams(edge_node=names["node"], link_profile=names["link"],
                                              object_store=names["store"], max_seconds=120, max_active=2,
                                              by_plan=schedule is not None, pass_schedule=schedule,

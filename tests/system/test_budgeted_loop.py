@@ -48,14 +48,9 @@ def test_a_node_whose_pass_carries_a_part_gives_the_centre_a_model_of_the_whole_
     rows = _hive_csv(tmp_path / "drop" / "hive.csv", node_id, N, seed=3)
     swarm_share = np.mean([int(r["swarming"]) for r in rows.values()])
 
-    def one_pass(spool_dir: Path, cap_fraction: float) -> Path:
+    def one_pass(waiting: int, cap_fraction: float) -> Path:
         """One pass, opening once the drain has started, that carries a third of what waits: a link that
         carries less than the node planned for (no later pass before the bundles expire)."""
-        spool = Spool.from_block(EdgeNode(node_id=node_id, spool_dir=str(spool_dir)))
-        try:
-            waiting = sum(e.manifest.nbytes for e in spool.pending())
-        finally:
-            spool.close()
         duration = 10.0
         sched = tmp_path / "passes.yaml"
         sched.write_text(yaml.safe_dump({"passes": [{
