@@ -56,8 +56,8 @@ WIRE_FIT_ROUNDS = 3  # thinnings to fit the wire: the second mostly does (the ov
 def thin_for_the_wire(spool: ThinnableSource, room: int, waiting: Callable[[], list[Pending]],
                       wire_bytes: Callable[[Pending], int], *, salt: str, skip: frozenset[str]) -> list[Pending]:
     """Thin what waits until its wire bytes fit `room`, and return what waits then. `Spool.thin_to` counts bundle
-    bytes, and a pass also carries each bundle's manifest (its sample ids: as much again as a small row) and idles
-    through its requests' round trips; the plan counts both, and cuts whole bundles where they do not fit (584
+    bytes, and a pass also carries each bundle's manifest (with plain sample ids, as much again as a small row) and
+    idles through its requests' round trips; the plan counts both, and cuts whole bundles where they do not fit (584
     hive rows thinned into one 32 KB pack left a 34.6 KB pass 7% full). So the thinning's target is the room less
     the overhead measured on what the last thinning left, until it fits (each a recorded draw: p multiplied). The
     overhead shrinks with the rows (the manifests' ids), so the bundle bytes scale by room / wire bytes: taking the
