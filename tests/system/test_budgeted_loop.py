@@ -91,7 +91,10 @@ def test_a_node_whose_pass_carries_a_part_gives_the_centre_a_model_of_the_whole_
     w = 1.0 / p
     assert abs(w.sum() / accepted - 1) < 0.2, (w.sum(), accepted)
     swarm = full.column("swarming").to_numpy() == 1
-    assert abs(w[swarm].sum() / w.sum() - swarm_share) < 0.06, (w[swarm].sum() / w.sum(), swarm_share)
+    # the value draw sends the rare swarms ~2x as often (landed share 0.23-0.24 over the stream's in 21 simulated
+    # draws), and the weights bring the mix back (0.041 off at most in those draws; sd about 0.015)
+    assert swarm.mean() - swarm_share > 0.1, (swarm.mean(), swarm_share)
+    assert abs(w[swarm].sum() / w.sum() - swarm_share) < 0.07, (w[swarm].sum() / w.sum(), swarm_share)
 
     # the model the centre trains from that part learned the rule of the whole stream, and the node scores with it
     close_the_loop(loop, store, epochs=None, width=None)
