@@ -309,11 +309,14 @@ def shuffled(batches: list[pa.Table], seed: tuple[int, ...]) -> list[pa.Table]:
     return [t.slice(a, size) for a in range(0, t.num_rows, size)]
 
 
-def thinned(spool: Spool, capacity: float, salt: str, pack_rows: int | None = None) -> list[SpoolEntry]:
+def thinned(spool: Spool, capacity: float, salt: str) -> list[SpoolEntry]:
     """A tiered edge's answer to a link that carries less than waits: a recorded random thinning of the waiting
     bundles down to `capacity` bytes (`Spool.thin_to`, updating each row's inclusion_p), never a cut by drain
-    order; what then waits, in drain order."""
-    spool.thin_to(int(capacity), salt=salt, pack_rows=pack_rows)
+    order, the rows kept packed into bundles of up to the pass's bytes, as a node's pass drain packs them
+    (`pack_bytes_for` one pass); what then waits, in drain order."""
+    from edgehaul.uplink.pass_plan import pack_bytes_for
+
+    spool.thin_to(int(capacity), salt=salt, pack_bytes=pack_bytes_for([int(capacity)]))
     return spool.pending()
 
 
@@ -677,8 +680,10 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     fifo_report = TierReport.merge(edge_reports["fifo"])
     log(f"edge: FIFO x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}; bytes "
         f"per row {fifo_report.bytes_per_row()}")
-    plans = tier_plans(raw, fifo_report, cfg.budgets)
-    pass_rows = round_rows(raw, fifo_report, cfg.budgets)
+    fifo_bundles = [e for r in (0, 1) for e in fifo_spools[r][1]]
+    fixed = fifo_spools[0][0].fixed_part(fifo_bundles[0])  # a bundle's fixed Parquet part: one per pass once packed
+    pass_rows = round_rows(raw, fifo_report, cfg.budgets, len(fifo_bundles), fixed)
+    plans = tier_plans(pass_rows, fifo_report.full_rows / len(raw))
     log("tiered edges plan " + ", ".join(f"{b:.0%}: {f:.3f}" for b, f in plans.items()) + " x the budget in "
         "full-row bytes (the link's bundle bytes in the policy's unit, with the surplus a pass thins); coverage, "
         "urgent share " + ", ".join(f"{b:.0%}: {pol.coverage:.2f}, {pol.urgent_max_share:.2f} ({rows:.0f} rows a pass)"
@@ -747,7 +752,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         for r, rb in enumerate(rounds):
             sp, _ = edge_round(rb, contract, policy, scorer, where / f"round{r}",
                                edge_reports.setdefault(f"{pol}@{budget:.0%}", []) if seed == cfg.seeds[0] else None)
-            out[r] = sp, thinned(sp, budget * raw[r], f"bench-{pol}-{r}-s{seed}", policy.flush_max_samples)
+            out[r] = sp, thinned(sp, budget * raw[r], f"bench-{pol}-{r}-s{seed}")
         return out
 
     def closed_loop(budget: float, seed: int, novelty: dict[int, tuple[Spool, list[SpoolEntry]]]) -> None:
@@ -777,7 +782,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         where = work / f"model-{round(budget * 100)}-s{seed}"
         scorer = scorer_for("model", policy, st, where / "state")
         sp2, _ = edge_round(rounds[1], contract, policy, scorer, where / "round1")
-        order2 = thinned(sp2, budget * raw[1], f"bench-model-1-s{seed}", policy.flush_max_samples)
+        order2 = thinned(sp2, budget * raw[1], f"bench-model-1-s{seed}")
         v2, sent2 = land(cell, st, sp2, order2, budget * raw[1])
         finish(cell, st, v2 if v2 is not None else v1, sent1 + sent2, seed)
         shutil.rmtree(where, ignore_errors=True)
@@ -790,7 +795,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         for r, rb in enumerate(rounds):
             sp, _ = edge_round(shuffled(rb, (seed, r)), contract, policy_for("random", cfg), ConstantScorer(),
                                work / f"random-{round(budget * 100)}-{r}-s{seed}")
-            out[r] = sp, thinned(sp, budget * raw[r], f"bench-random-{r}-s{seed}", cfg.bundle_rows)
+            out[r] = sp, thinned(sp, budget * raw[r], f"bench-random-{r}-s{seed}")
         return out
 
     def draw(seed: int, budget: float) -> None:
@@ -846,29 +851,30 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     }
 
 
-def planned_per_budget(raw_bundle_bytes: int, full_row_bytes: int, rows_per_pass: float) -> float:
-    """What a tiered edge plans, per unit of budget, in `TieringPolicy.budget_share`'s unit, as a node with passes
-    plans (`pass_plan.planned_share`). The link carries a share of the round's bundle bytes; budget_share is a share
-    of full-row bytes (uncompressed, before a bundle's Parquet): gait's 16-row bundles carry a row in 262 B against
-    its 179 B, Landsat's compress to 0.89x. So the link in full-row bytes, times the surplus the pass thins
-    (`draw_surplus` of the rows a pass carries: a Poisson draw at exactly the link's bytes fell short half the time,
-    and the pass can take rows off, never add them; digits at 2% drew 9.2 rows where random's fixed-size draw
-    landed 10.3)."""
+def planned_per_budget(rows_per_pass: float, rows_per_round: float, budget: float) -> float:
+    """What a tiered edge plans, per unit of budget, in `TieringPolicy.budget_share`'s unit (a share of the round's
+    full-row bytes: drawn uniformly, the same share of its rows), as a node with passes plans
+    (`pass_plan.planned_share`): the rows a pass carries once packed (measured: no compression margin), times the
+    surplus the pass thins (`draw_surplus`:
+    a Poisson draw at exactly the pass's rows fell short half the time, and the pass can take rows off, never add
+    them; digits at 2% drew 9.2 rows where random's fixed-size draw landed 10.3)."""
     from edgehaul.uplink.pass_plan import draw_surplus
 
-    return (raw_bundle_bytes / full_row_bytes if full_row_bytes > 0 else 1.0) * draw_surplus(rows_per_pass)
+    return rows_per_pass * draw_surplus(rows_per_pass, 1.0) / max(rows_per_round, 1.0) / budget
 
 
-def round_rows(raw: list[int], fifo: TierReport, budgets: tuple[float, ...]) -> dict[float, float]:
-    """The rows a round's link carries per budget (a pass: budget x its raw bytes), in FIFO's mean full-row bytes."""
-    row_bytes = fifo.full_row_bytes / max(fifo.full_rows, 1)
-    return {b: b * sum(raw) / len(raw) / row_bytes for b in budgets}
+def round_rows(raw: list[int], fifo: TierReport, budgets: tuple[float, ...], bundles: int,
+               fixed: int) -> dict[float, float]:
+    """The rows a round's link carries per budget once packed into one bundle (`thinned`): the link (budget x the
+    round's raw bytes) less one bundle's fixed part, over a row's bytes in a bundle less the fixed parts of the
+    FIFO bundles it was measured in (digits: 235 B a row in 16-row bundles, 132 B packed)."""
+    row_bytes = max(sum(raw) - bundles * fixed, 1) / max(fifo.full_rows, 1)
+    return {b: max(b * sum(raw) / len(raw) - fixed, 0.0) / row_bytes for b in budgets}
 
 
-def tier_plans(raw: list[int], fifo: TierReport, budgets: tuple[float, ...]) -> dict[float, float]:
+def tier_plans(pass_rows: dict[float, float], rows_per_round: float) -> dict[float, float]:
     """`planned_per_budget` per budget, for the rows a round's link carries (`round_rows`)."""
-    return {b: planned_per_budget(sum(raw), fifo.full_row_bytes, rows)
-            for b, rows in round_rows(raw, fifo, budgets).items()}
+    return {b: planned_per_budget(rows, rows_per_round, b) for b, rows in pass_rows.items()}
 
 
 def remove_draw(work: Path, pol: str, budget: float, seed: int) -> None:

@@ -44,6 +44,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -66,7 +67,7 @@ from edgehaul.contracts import INCLUSION_P, contract_by_id, tier_rank
 from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
 from edgehaul.edge.outbox import PRIO_ALERT_L2, Outbox, node_outbox
-from edgehaul.edge.tiering import uniforms
+from edgehaul.edge.tiering import bundle_cuts, uniforms
 from edgehaul.platform.private_files import fsync_dir
 
 if TYPE_CHECKING:
@@ -101,13 +102,22 @@ class ThinResult:
 
 
 
+def _pack_limit(pack_bytes: int | None, largest: int, pack_rows: int | None) -> float:
+    """A packed bundle's byte limit: `pack_bytes` (what one pass carries in a few bundles), never under the largest
+    bundle it replaces (a node already sends bundles that size); none where only `pack_rows` is set."""
+    if pack_bytes is None and pack_rows:
+        return math.inf
+    return max(pack_bytes or 0, largest)
+
+
 def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float,
-                pack_rows: int | None = None, kept_whole: frozenset[str] = frozenset()) -> float:
+                pack_rows: int | None = None, drawn_rows: dict[str, int] | None = None,
+                pack_bytes: int | None = None) -> float:
     """keep in [0, 1] with E[bytes after `Spool.thin`] = room: per contract (`thin_to` packs every tier of a
-    contract together), the rows' bytes times keep plus one fixed part per
-    packed bundle (the rows kept / the rows a packed bundle holds, rounded up: `pack_rows`, else the largest
-    original bundle's rows). The bundles of `kept_whole` tiers are packed with the others but keep
-    every row. Summary rows are thinned with the same keep (`Spool.thin`)."""
+    contract together), the rows' bytes times keep plus one fixed part per packed bundle (as many as the rows
+    kept need at `pack_rows` a bundle, or their bytes at `_pack_limit` a bundle, whichever is more). Of each
+    bundle, `drawn_rows` of its rows are drawn from (default: all), the others packed whole (an urgent bundle's, or
+    a pack's urgent rows), its bytes apportioned by rows. Summary rows are thinned with the same keep (`Spool.thin`)."""
     if room <= 0:
         return 0.0
     groups: dict[str, tuple[float, float, float, float, float, int]] = {}
@@ -115,16 +125,20 @@ def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float
         m = e.manifest
         o = float(overhead.get(m.contract, 0))
         g = m.contract
-        rows, body, rows1, body1, _, size = groups.get(g, (0.0, 0.0, 0.0, 0.0, o, pack_rows or 1))
-        if e.tier in kept_whole:
-            rows1, body1 = rows1 + m.row_count, body1 + max(m.nbytes - o, 0.0)
-        else:
-            rows, body = rows + m.row_count, body + max(m.nbytes - o, 0.0)
-        groups[g] = (rows, body, rows1, body1, o, size if pack_rows else max(size, m.row_count))
+        rows, body, rows1, body1, _, largest = groups.get(g, (0.0, 0.0, 0.0, 0.0, o, 0))
+        drawn = m.row_count if drawn_rows is None else drawn_rows.get(e.bundle_id, m.row_count)
+        per_row = max(m.nbytes - o, 0.0) / max(m.row_count, 1)
+        rows, body = rows + drawn, body + drawn * per_row
+        rows1, body1 = rows1 + m.row_count - drawn, body1 + (m.row_count - drawn) * per_row
+        groups[g] = (rows, body, rows1, body1, o, max(largest, m.nbytes))
+
+    def packs(rows: float, body: float, o: float, largest: int) -> int:
+        by_bytes = math.ceil(body / max(_pack_limit(pack_bytes, largest, pack_rows) - o, 1.0) - 1e-9)
+        return max(by_bytes, math.ceil(rows / pack_rows - 1e-9) if pack_rows else 1 if rows > 0 else 0)
 
     def expected(k: float) -> float:
-        return sum(k * body + body1 + math.ceil((k * rows + rows1) / size - 1e-9) * o
-                   for rows, body, rows1, body1, o, size in groups.values())
+        return sum(k * body + body1 + packs(k * rows + rows1, k * body + body1, o, largest) * o
+                   for rows, body, rows1, body1, o, largest in groups.values())
 
     if expected(1.0) <= room:
         return 1.0
@@ -135,8 +149,19 @@ def _solve_keep(entries: list[SpoolEntry], overhead: dict[str, int], room: float
     return lo
 
 
+def _thinnable(t: pa.Table, bundle_tier: str, tiers: tuple[str, ...]) -> np.ndarray:
+    """The rows of a waiting bundle that a thinning of `tiers` draws from, by each row's own tier (a sampled low row
+    rides as normal): a pack of urgent and normal rows is an urgent bundle, and its normal rows must still be
+    thinned while its urgent rows are kept whole (a 5% digits pass packed into one urgent bundle 131 B over the link
+    had nothing left to thin, and sent nothing)."""
+    if bundle_tier != "high":
+        return np.full(t.num_rows, bundle_tier in tiers)
+    urgent = pc.fill_null(pc.equal(t.column("tier"), "high"), True).to_numpy(zero_copy_only=False)
+    return np.where(urgent, "high" in tiers, "normal" in tiers)
+
+
 def _times_keep(kept: pa.Table, full: np.ndarray, keep: float) -> pa.Table:
-    """The rows a thinning keeps, each full row's inclusion_p times `keep` (its chance of having stayed)."""
+    """The rows a thinning keeps, each `full` row's inclusion_p times `keep` (its chance of having stayed)."""
     if not kept.num_rows:
         return kept
     p = kept.column(INCLUSION_P).to_numpy(zero_copy_only=False).astype(np.float64)
@@ -273,6 +298,7 @@ class Spool:
         self.staging_ttl_seconds = float(staging_ttl_seconds)
         self.node_id = node_id
         self.clock = clock
+        self._fixed_parts: dict[str, int] = {}  # per contract: `fixed_part`
         # How alerts leave: edgehaul.events.emit (Prefect events) unless a test passes a recorder.
         self._emit = emit or events.emit
         self.outbox = outbox
@@ -484,7 +510,7 @@ class Spool:
     def thin(self, keep: float, *, salt: str, tiers: tuple[str, ...] = ("normal",),
              skip: frozenset[str] = frozenset(), pack_rows: int | None = None,
              pack_with: tuple[str, ...] = (), repack: bool = False,
-             keep_rows: int | Callable[[int], int] | None = None) -> ThinResult:
+             keep_rows: int | Callable[[int], int] | None = None, pack_bytes: int | None = None) -> ThinResult:
         """Random thinning of the bundles waiting in `tiers`, for a link that cannot carry what was planned: each
         full row stays with probability `keep` (u(salt, sample id) < keep, independent of the tier draw) and its
         inclusion_p is multiplied by `keep`, so the rows that land still know their chance of landing; the rows
@@ -493,9 +519,13 @@ class Spool:
         chance of travelling in full, unchanged); one thinned out is dropped, as the row it summarises waits in the
         raw store. Never a cut by drain order: that would land only the top of the value ranking.
 
-        The rows that stay are packed into as few bundles as `pack_rows` rows per bundle allow (at most that many;
-        default: the originals' largest row count), per tier and writer: a bundle's fixed Parquet part (footer) costs as much
-        as a dozen small rows, and thinning twenty bundles to two rows each would spend the link on footers.
+        The rows that stay are packed into as few bundles as their bytes allow, per tier and writer: each at most
+        `pack_bytes` (never under the largest bundle it replaces; with only `pack_rows` set, no byte bound) and, where
+        set, `pack_rows` rows. Rows are drawn by their own tier: an urgent pack's normal rows are thinned while its
+        urgent rows are kept whole (`_thinnable`). A bundle's fixed
+        Parquet part (footer, page headers) costs as much as a dozen small rows: thinning twenty bundles to two rows
+        each would spend the link on footers, and so did packing by the originals' row count (a 5% digits pass of 18
+        rows went as 16 + 2, the second bundle 1.7 KB for two rows of 130 B).
         Thinning urgent and normal bundles together (`tiers` both: the urgent ones are then sampled with the rest)
         packs their rows together too, urgent rows first, a packed bundle urgent when it holds an urgent row: a
         bundle of one to four urgent rows per batch paid a whole footer (at a 2% budget, most of its bytes). The
@@ -516,7 +546,7 @@ class Spool:
         cut = 2.0  # u below or at it stays (a Poisson draw: u < keep)
         hashed: dict[str, np.ndarray] = {}  # u per waiting bundle, hashed once for the cut and the draw
         if keep_rows is not None:
-            fixed = self._fixed_size_cut(tiers, skip, salt, keep_rows)
+            fixed = self._fixed_size_cut(tiers, every, skip, salt, keep_rows)
             if fixed is None:
                 return ThinResult(keep=1.0, salt=salt)
             hashed, keep, cut = fixed
@@ -536,12 +566,13 @@ class Spool:
             t = read_bundle(self.read(e.bundle_id), e.manifest)
             u = hashed.pop(e.bundle_id) if e.bundle_id in hashed else np.asarray(uniforms(t.column("sample_id"), salt))
             full = full_rows(t)
-            row_keep = keep if e.tier in tiers else 1.0
-            drawn = (u <= cut) if keep_rows is not None and e.tier in tiers else (u < row_keep)
+            drawn_from = _thinnable(t, e.tier, tiers)
+            row_keep = np.where(drawn_from, keep, 1.0)
+            drawn = ~drawn_from | ((u <= cut) if keep_rows is not None else (u < keep))
             # a summary stays with the same chance; one thinned out is dropped (the row it summarises is in the raw
             # store): kept whole, summaries outweighed a tight pass and every full row was thinned away for them
             stay = np.where(full, drawn, u < row_keep)
-            kept = _times_keep(t.filter(pa.array(stay)), full[stay], row_keep)
+            kept = _times_keep(t.filter(pa.array(stay)), (full & drawn_from)[stay], keep)
             released.update((r[0].bundle_id, r) for r in thinned_out.add(e, t.filter(pa.array(full & ~stay)), kept,
                                                                        int(full[stay].sum())))
         released.update((r[0].bundle_id, r) for r in thinned_out.flush_all())
@@ -553,7 +584,8 @@ class Spool:
             out.bundles, out.rows_out, out.rows_kept = out.bundles + 1, out.rows_out + rows_out, out.rows_kept + rows_kept
             out.summaries_out += m.row_count - rows_out - kept.num_rows
         for key, parts in groups.items():
-            self._write_packs(key, parts, salt=salt, every=every, merged=merged, pack_rows=pack_rows)
+            self._write_packs(key, parts, salt=salt, every=every, merged=merged, pack_rows=pack_rows,
+                              pack_bytes=pack_bytes)
         if out.bundles:
             log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store, %d summaries "
                      "dropped", self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out,
@@ -561,19 +593,27 @@ class Spool:
         return out
 
     def _write_packs(self, key: tuple[str, ...], parts: list[tuple[SpoolEntry, pa.Table]], *, salt: str,
-                     every: tuple[str, ...], merged: bool, pack_rows: int | None) -> None:
-        """The rows kept of one group's bundles, packed at most `pack_rows` a bundle, replace those bundles."""
+                     every: tuple[str, ...], merged: bool, pack_rows: int | None,
+                     pack_bytes: int | None) -> None:
+        """The rows kept of one group's bundles, packed into bundles of at most `_pack_limit` bytes (each row
+        reckoned at its bundle's bytes per row, the fixed part aside) and `pack_rows` rows, replace those bundles."""
         contract_id, tier, version, team = key
         scorer = ",".join(sorted({e.manifest.scorer_version for e, _ in parts}))
-        stays = [k for _, k in parts if k.num_rows]
-        rows = pa.concat_tables(stays) if stays else pa.table({})
-        # at most pack_rows a bundle, as the policy flushes them (an urgent bundle flushed by bytes can hold
-        # more: packing to its size gave the tiered edge fewer footers than a random one at the same rows)
-        size = pack_rows or max(e.manifest.row_count for e, _ in parts)
-        credit = sum(e.manifest.nbytes for e, _ in parts)  # the packs replace these bundles
+        stays = [(e, k) for e, k in parts if k.num_rows]
+        rows = pa.concat_tables([k for _, k in stays]) if stays else pa.table({})
+        fixed = self.fixed_part(parts[0][0])
+        # a row reckoned at its bundle's bytes per row (rounded down: a bundle's rows always fit one pack again)
+        row_bytes = np.concatenate([np.zeros(0, dtype=np.int64), *(
+            np.full(k.num_rows, max(e.manifest.nbytes - fixed, 0) // max(e.manifest.row_count, 1), dtype=np.int64)
+            for e, k in stays)])
+        limit = _pack_limit(pack_bytes, max(e.manifest.nbytes for e, _ in parts), pack_rows) - fixed
+        cuts = bundle_cuts(row_bytes, pack_rows or contract_by_id(contract_id).max_rows,
+                           int(min(max(limit, 1), 2**62)))
+        bounds = [0, *cuts, rows.num_rows] if rows.num_rows else [0]
+        credit = sum(self._bytes_on_disk(e) for e, _ in parts)  # the packs replace these bundles and sidecars
         written: list[SpoolEntry] = []
-        for a in range(0, rows.num_rows, size):
-            chunk = rows.slice(a, size)
+        for a, b in itertools.pairwise(bounds):
+            chunk = rows.slice(a, b - a)
             if merged:  # the most urgent packed tier among its rows (a sampled low row rides as normal)
                 present = set(pc.unique(chunk.column("tier")).to_pylist()) & set(every)
                 tier = min(present, key=tier_rank) if present else max(every, key=tier_rank)
@@ -587,7 +627,7 @@ class Spool:
                         self._remove(w)
                 raise SpoolError(f"spool {self.root}: no room for a thinned bundle of {len(parts)} bundles "
                                  f"({len(data)} bytes); they stay whole")
-            credit, written = max(0, credit - len(data)), [*written, packed]
+            credit, written = max(0, credit - len(data) - len(man.to_json())), [*written, packed]
         with self._locked():
             for e, _ in parts:
                 # Recorded like an acknowledgement: a rerun of the batch that built it never spools it again.
@@ -595,11 +635,12 @@ class Spool:
                                    (e.bundle_id, f"thinned:{salt}", e.manifest.sha256, self.clock()))
                 self._remove(e)
 
-    def _fixed_size_cut(self, tiers: tuple[str, ...], skip: frozenset[str], salt: str,
+    def _fixed_size_cut(self, tiers: tuple[str, ...], every: tuple[str, ...], skip: frozenset[str], salt: str,
                         keep_rows: int | Callable[[int], int]) -> tuple[dict[str, np.ndarray], float, float] | None:
-        """(u per waiting bundle, keep, the u at or under which a full row stays) of a draw of `keep_rows` rows (a
-        function of how many wait: sized in the same read); None where it is one and no full row waits."""
-        hashed, u_all = self._waiting_uniforms(tiers, skip, salt)
+        """(u per waiting bundle, keep, the u at or under which a full row stays) of a draw of `keep_rows` of the
+        full rows of `tiers` in the bundles of `every` (a function of how many wait: sized in the same read); None
+        where it is one and no such row waits."""
+        hashed, u_all = self._waiting_uniforms(tiers, every, skip, salt)
         if callable(keep_rows):
             if not len(u_all):
                 return None
@@ -609,27 +650,52 @@ class Spool:
         keep = keep_rows / len(u_all) if len(u_all) else 1.0
         return hashed, keep, float(np.sort(u_all)[keep_rows - 1]) if keep_rows else -1.0
 
-    def _waiting_uniforms(self, tiers: tuple[str, ...], skip: frozenset[str],
+    def _waiting_uniforms(self, tiers: tuple[str, ...], every: tuple[str, ...], skip: frozenset[str],
                           salt: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """u(salt, sample id) of every row of the bundles waiting in `tiers` (per bundle id), and of their full rows
-        together. Ids and flags only: what waits can be far larger than memory."""
+        """u(salt, sample id) of every row of the bundles waiting in `every` (per bundle id), and of their full rows
+        of `tiers` together (`_thinnable`). Ids, flags and tiers only: what waits can be far larger than memory."""
         hashed, full_u = {}, []
         for e in self.pending():
-            if e.tier in tiers and e.bundle_id not in skip:
-                t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["sample_id", "is_summary"])
+            if e.tier in every and e.bundle_id not in skip:
+                t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["sample_id", "is_summary", "tier"])
                 hashed[e.bundle_id] = np.asarray(uniforms(t.column("sample_id"), salt))
-                full_u.append(hashed[e.bundle_id][full_rows(t)])
+                full_u.append(hashed[e.bundle_id][full_rows(t) & _thinnable(t, e.tier, tiers)])
         return hashed, np.concatenate([np.zeros(0), *full_u])
+
+    def _bytes_on_disk(self, e: SpoolEntry) -> int:
+        """A waiting bundle's bytes and its sidecar's, as `usage` counts them."""
+        with contextlib.suppress(FileNotFoundError):
+            return e.manifest.nbytes + self._sidecar(e.path).stat().st_size
+        return e.manifest.nbytes
+
+    def _drawn_rows(self, e: SpoolEntry, tiers: tuple[str, ...]) -> int:
+        """How many of a waiting bundle's rows a thinning of `tiers` draws from (`_thinnable`): all or none but for
+        an urgent pack while only the normal tier is thinned, whose tiers are read."""
+        if e.tier != "high" or tiers == ("high", "normal") or tiers == ("normal", "high"):
+            return e.manifest.row_count if e.tier in tiers else 0
+        t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["tier"])
+        return int(_thinnable(t, e.tier, tiers).sum())
+
+    def fixed_part(self, e: SpoolEntry) -> int:
+        """Bytes of a bundle of e's contract that do not grow with its rows (Parquet footer, page headers): a one-row
+        bundle less its row, near enough. Measured once per contract."""
+        c = e.manifest.contract
+        if c not in self._fixed_parts:
+            one = read_bundle(self.read(e.bundle_id), e.manifest).slice(0, 1)
+            o1 = len(write_bundle(one, contract_by_id(c), tier=e.tier)[0])
+            self._fixed_parts[c] = max(0, o1 - (e.manifest.nbytes - o1) // max(e.manifest.row_count - 1, 1))
+        return self._fixed_parts[c]
 
     def thin_to(self, capacity_bytes: int, *, salt: str, max_rounds: int = 4,
                 skip: frozenset[str] = frozenset(), urgent_share: float = 0.5,
-                pack_rows: int | None = None) -> list[ThinResult]:
+                pack_rows: int | None = None, pack_bytes: int | None = None) -> list[ThinResult]:
         """Thin the waiting bundles until they fit `capacity_bytes`: the normal tier while the urgent bundles take at
         most `urgent_share` of it (they are the latency path, as `TieringPolicy.urgent_max_share`), every tier
         beyond it (urgent rows are then sampled with the rest, as the budgeted draw does). Each round is a draw of
         fixed size (`thin` with `keep_rows`): k of the n full rows stay, k the expected-bytes solution (`_solve_keep`
-        x n, rounded) with the rows that stay packed into bundles of up to `pack_rows` rows, each paying a bundle's
-        fixed Parquet part (measured once per contract) once. Fixed, not Poisson: a Poisson thinning falls short of
+        x n, rounded) with the rows that stay packed into bundles of up to `pack_bytes` bytes (never under the largest
+        bundle replaced) and `pack_rows` rows, each paying a bundle's fixed Parquet part (measured once per contract)
+        once. Fixed, not Poisson: a Poisson thinning falls short of
         the pass as often as it overruns, and what it leaves idle no later round can add (digits at 2%: about ten
         rows a pass, so a draw one row short wasted a tenth of it). While a round's packing still leaves it over,
         the next draws at least one row fewer, up to `max_rounds` + FIT_ROUNDS rounds. What fits once packed is
@@ -643,30 +709,27 @@ class Spool:
             if total <= capacity_bytes or not pending:
                 break
             if not tiers:  # decided once: a packed bundle that holds an urgent row is urgent, normal rows and all
-                urgent = sum(e.manifest.nbytes for e in pending if e.tier == "high")
+                urgent = sum(e.manifest.nbytes * self._drawn_rows(e, ("high",)) / max(e.manifest.row_count, 1)
+                             for e in pending if e.tier == "high")  # an urgent pack's normal rows are not urgent
                 tiers = ("normal",) if urgent <= urgent_share * capacity_bytes else ("high", "normal")
-            if not any(e.tier in tiers and e.bundle_id not in skip for e in pending):
-                break
+            if not any(e.tier in ("high", "normal") and e.bundle_id not in skip for e in pending):
+                break  # (an urgent pack may hold normal rows: `thin` draws by each row's tier)
             # the urgent bundles are packed with the thinned rows either way (sampled or kept whole)
             thinned = [e for e in pending if e.tier in ("high", "normal") and e.bundle_id not in skip]
             for e in thinned:
-                if e.manifest.contract not in overhead:  # a one-row bundle less its row, near enough
-                    one = read_bundle(self.read(e.bundle_id), e.manifest).slice(0, 1)
-                    c = contract_by_id(e.manifest.contract)
-                    o1 = len(write_bundle(one, c, tier=e.tier)[0])
-                    overhead[e.manifest.contract] = max(0, o1 - (e.manifest.nbytes - o1) // max(
-                        e.manifest.row_count - 1, 1))
+                overhead[e.manifest.contract] = self.fixed_part(e)
             room = capacity_bytes - (total - sum(e.manifest.nbytes for e in thinned))
             whole = frozenset({"high"} - set(tiers))
-            keep = _solve_keep(thinned, overhead, room, pack_rows, kept_whole=whole)
+            keep = _solve_keep(thinned, overhead, room, pack_rows, pack_bytes=pack_bytes,
+                               drawn_rows={e.bundle_id: self._drawn_rows(e, tiers) for e in thinned})
             if keep >= 1.0 and not done:  # over only for its footers: packed, every row fits
                 done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
-                                      pack_with=tuple(whole), repack=True))
+                                      pack_with=tuple(whole), repack=True, pack_bytes=pack_bytes))
                 if not done[-1].bundles:
                     break
                 continue
             # the first draw meets the expected bytes; a later one (the packing left it over) is a row fewer at least
-            res = self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
+            res = self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows, pack_bytes=pack_bytes,
                             pack_with=tuple(whole), repack=True, keep_rows=functools.partial(_draw_size, keep, not done))
             if not res.bundles:  # no full row waits in the tiers thinned
                 break

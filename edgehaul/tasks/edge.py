@@ -44,7 +44,7 @@ from edgehaul.edge.preprocess import CODE_VERSION, batch_key, preprocess
 from edgehaul.edge.scorer_registry import ScorerContext, build_scorer, scorer_state_dir
 from edgehaul.edge.scoring import ContextualScorer, NoveltyScorer, Scorer, scorer_cache_version
 from edgehaul.edge.spool import Spool, SpoolError
-from edgehaul.edge.tiering import TierReport, for_pass_rows, full_row_bytes
+from edgehaul.edge.tiering import TierReport, for_pass_rows, full_row_bytes, packed_row_bytes
 from edgehaul.platform.caching import RESULT_SERIALIZER, cache_key
 from edgehaul.uplink.pass_plan import Pass, PassScheduleError, load_passes, planned_pass_rows, planned_share
 
@@ -101,13 +101,16 @@ class ObservedRate:
 
     bytes_per_s: float | None  # full-row bytes per second; None where its capture times span no time
     row_bytes: float | None  # mean full-row bytes of its accepted rows; None where it has none
+    wire_row_bytes: float | None = None  # a row's bytes packed in a bundle (`tiering.packed_row_bytes`)
 
 
-def observed_rate(raw: pa.Table, contract: Contract, node_id: str | None = None) -> ObservedRate:
+def observed_rate(raw: pa.Table, contract: Contract, node_id: str | None = None,
+                  policy: TieringPolicy | None = None) -> ObservedRate:
     """A raw batch preprocessed as the edge path does (its bad rows rejected, nothing recorded): the full-row bytes
     of its accepted rows (`tiering.full_row_bytes`, what a share of them buys) over the span of their capture
-    times. A raw row's Arrow bytes are another unit: gait's 95 B make a 179 B full row, and a share planned on
-    them drew 1.9 times what the link carries."""
+    times, and a row's bytes once packed (`tiering.packed_row_bytes`, what a pass's bytes buy). A raw row's Arrow
+    bytes are another unit: gait's 95 B make a 179 B full row, and a share planned on them drew 1.9 times what the
+    link carries."""
     key, hashes = batch_key(raw, contract.payload_column or "")
     rows = preprocess(raw, contract, node_id=node_id, key=key, hashes=hashes).accepted
     if not rows.num_rows:
@@ -116,24 +119,28 @@ def observed_rate(raw: pa.Table, contract: Contract, node_id: str | None = None)
     row_bytes = total / rows.num_rows
     if rows.num_rows < 2:
         return ObservedRate(None, row_bytes)
+    wire = packed_row_bytes(rows, contract, policy or TieringPolicy())
     lo, hi = pc.min(rows.column("capture_time")).as_py(), pc.max(rows.column("capture_time")).as_py()
     span = (hi - lo).total_seconds() if lo is not None and hi is not None else 0.0
-    return ObservedRate(total / span if span > 0 else None, row_bytes)
+    return ObservedRate(total / span if span > 0 else None, row_bytes, wire)
 
 
 def link_budget(policy: TieringPolicy, profile: LinkProfile, raw_bytes_per_s: float | None, *,
                 passes: Sequence[Pass] = (), now: datetime | None = None,
-                row_bytes: float | None = None) -> TieringPolicy:
+                row_bytes: float | None = None, wire_row_bytes: float | None = None) -> TieringPolicy:
     """The policy a node tiers with under its link. One that fixes `budget_share` keeps it; otherwise the share
     of what the node observes (full-row bytes per second) that its link plans to carry (`pass_plan.planned_share`:
     the passes' or the profile's bytes per second over the observed bytes per second; with passes and `row_bytes`,
-    the surplus a pass thins, and the tilt a pass of that many rows draws with: `tiering.for_pass_rows`), to two
+    the surplus a pass thins, and the tilt a pass of that many rows draws with: `tiering.for_pass_rows`; rows
+    counted packed with `wire_row_bytes`), to two
     significant digits: both are in the policy's fingerprint, which keys the batch cache, and a rate measured a
     little differently each run must not recompute every batch. Without a known rate, the policy as it is."""
     if policy.budget_share is not None or not raw_bytes_per_s or raw_bytes_per_s <= 0:
         return policy
-    share = planned_share(profile, raw_bytes_per_s=raw_bytes_per_s, passes=passes, now=now, row_bytes=row_bytes)
-    tilted = for_pass_rows(policy, planned_pass_rows(profile, passes, row_bytes, now=now))
+    share = planned_share(profile, raw_bytes_per_s=raw_bytes_per_s, passes=passes, now=now, row_bytes=row_bytes,
+                          wire_row_bytes=wire_row_bytes)
+    tilted = for_pass_rows(policy, planned_pass_rows(profile, passes, row_bytes, now=now,
+                                                     wire_row_bytes=wire_row_bytes))
     return tilted.model_copy(update={"budget_share": min(1.0, float(f"{share:.2g}"))})
 
 
@@ -150,15 +157,17 @@ def node_link_budget(policy: TieringPolicy, profile: LinkProfile, node: EdgeNode
             if log:
                 log("node %s: pass schedule %s unreadable (%s): planned from the link profile", node.node_id,
                     node.pass_schedule, e)
-    first = observed_rate(raw, contract, node.node_id)
+    first = observed_rate(raw, contract, node.node_id, policy)
     rate = observed or first.bytes_per_s
-    out = link_budget(policy, profile, rate, passes=passes, row_bytes=first.row_bytes)
+    out = link_budget(policy, profile, rate, passes=passes, row_bytes=first.row_bytes,
+                      wire_row_bytes=first.wire_row_bytes)
     if log:
-        log("node %s: budget_share %s, coverage %s (%s; observed %s full-row B/s, %s B a row, %d passes planned)",
-            node.node_id, out.budget_share, out.coverage,
+        log("node %s: budget_share %s, coverage %s (%s; observed %s full-row B/s, %s B a row, %s packed, %d passes "
+            "planned)", node.node_id, out.budget_share, out.coverage,
             "the policy's own" if policy.budget_share is not None else "planned for the link" if rate
             else "no observed rate: none", None if rate is None else round(rate),
-            None if first.row_bytes is None else round(first.row_bytes), len(passes))
+            None if first.row_bytes is None else round(first.row_bytes),
+            None if first.wire_row_bytes is None else round(first.wire_row_bytes), len(passes))
     return out
 
 

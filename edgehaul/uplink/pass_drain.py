@@ -16,7 +16,8 @@ from edgehaul.uplink.pass_plan import (
     Pass,
     PassPlan,
     Pending,
-    capacity_until,
+    pack_bytes_for,
+    pass_capacities,
     pending_from_spool,
     plan_passes,
 )
@@ -29,7 +30,8 @@ class ThinnableSource(Protocol):
     """What planning a pass needs from a spool (edgehaul.edge.spool.Spool satisfies it)."""
 
     def pending(self) -> Sequence[Any]: ...
-    def thin_to(self, capacity_bytes: int, *, salt: str, skip: frozenset[str] = ...) -> Any: ...
+    def thin_to(self, capacity_bytes: int, *, salt: str, skip: frozenset[str] = ...,
+                pack_bytes: int | None = ...) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -54,17 +56,19 @@ WIRE_FIT_ROUNDS = 3  # thinnings to fit the wire: the second mostly does (the ov
 
 
 def thin_for_the_wire(spool: ThinnableSource, room: int, waiting: Callable[[], list[Pending]],
-                      wire_bytes: Callable[[Pending], int], *, salt: str, skip: frozenset[str]) -> list[Pending]:
+                      wire_bytes: Callable[[Pending], int], *, salt: str, skip: frozenset[str],
+                      pack_bytes: int | None = None) -> list[Pending]:
     """Thin what waits until its wire bytes fit `room`, and return what waits then. `Spool.thin_to` counts bundle
     bytes, and a pass also carries each bundle's manifest (with plain sample ids, as much again as a small row) and
     idles through its requests' round trips; the plan counts both, and cuts whole bundles where they do not fit (584
     hive rows thinned into one 32 KB pack left a 34.6 KB pass 7% full). So the thinning's target is the room less
     the overhead measured on what the last thinning left, until it fits (each a recorded draw: p multiplied). The
     overhead shrinks with the rows (the manifests' ids), so the bundle bytes scale by room / wire bytes: taking the
-    overshoot off them took the overhead off twice (a 35.7 KB hive pass 76% full)."""
+    overshoot off them took the overhead off twice (a 35.7 KB hive pass 76% full). The rows kept are packed into
+    bundles of up to `pack_bytes` (`pack_bytes_for` the passes)."""
     target, pending = room, []
     for i in range(WIRE_FIT_ROUNDS):
-        spool.thin_to(target, salt=salt if i == 0 else f"{salt}|wire-{i}", skip=skip)
+        spool.thin_to(target, salt=salt if i == 0 else f"{salt}|wire-{i}", skip=skip, pack_bytes=pack_bytes)
         pending = waiting()
         wire = sum(wire_bytes(e) for e in pending)
         if wire <= room or target <= 0:
@@ -80,7 +84,9 @@ def plan_pass_drain(spool: ThinnableSource, queue: RetryQueue, node: EdgeNode, p
     blocked = queue.blocked_ids()
     # What the passes cannot carry before the bundles expire is thinned at random (inclusion_p updated),
     # never left to be cut by the plan's order; part-sent and retrying bundles stay whole.
-    room = capacity_until(ahead, now, now + timedelta(seconds=node.bundle_ttl_seconds), profile.rate_cap_fraction)
+    capacities = pass_capacities(ahead, now, now + timedelta(seconds=node.bundle_ttl_seconds),
+                                 profile.rate_cap_fraction)
+    room = sum(capacities)
     keep_whole = {f.name.removesuffix(".mpu.json") for f in state_dir.glob("*.mpu.json")}
     keep_whole |= blocked | set(queue.due())
     overhead = Overhead(rtt_s=2 * profile.latency_ms / 1000, concurrency=max_active,
@@ -93,7 +99,8 @@ def plan_pass_drain(spool: ThinnableSource, queue: RetryQueue, node: EdgeNode, p
 
     cap_bps = ahead[0].rate_bps / 8 * profile.rate_cap_fraction
     pending = thin_for_the_wire(spool, room, waiting, lambda e: e.nbytes + overhead.bytes(e, cap_bps),
-                                salt=f"pass-{ahead[0].start.isoformat()}", skip=frozenset(keep_whole))
+                                salt=f"pass-{ahead[0].start.isoformat()}", skip=frozenset(keep_whole),
+                                pack_bytes=pack_bytes_for(capacities))
     full = plan_passes(pending, ahead, cap_fraction=profile.rate_cap_fraction, overhead=overhead, now=now)
     plan = full.passes[0]
     log.info("pass %s: %d of %d bundles planned, %d bytes of %d at the cap, value %.1f",

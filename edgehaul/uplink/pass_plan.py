@@ -292,15 +292,33 @@ def _select(items: list[tuple[Pending, int]], capacity: int, method: Method) -> 
     return max(dp, greedy, key=lambda ix: sum(items[i][0].value for i in ix))
 
 
-def capacity_until(passes: Sequence[Pass], now: datetime, until: datetime, cap_fraction: float) -> int:
-    """Bytes the passes carry between now and `until` at the rate cap (a pass open now: its rest; a pass
-    running past `until`: up to it). What waits beyond it must be thinned, not cut by drain order."""
-    total = 0
+def pass_capacities(passes: Sequence[Pass], now: datetime, until: datetime, cap_fraction: float) -> list[int]:
+    """Bytes each pass carries between now and `until` at the rate cap (a pass open now: its rest; a pass
+    running past `until`: up to it); the passes that carry none are left out."""
+    out = []
     for p in passes:
         a, b = max(p.start, now), min(p.end, until)
         if b > a:
-            total += int((b - a).total_seconds() * p.rate_bps / 8 * cap_fraction)
-    return total
+            out.append(int((b - a).total_seconds() * p.rate_bps / 8 * cap_fraction))
+    return out
+
+
+def capacity_until(passes: Sequence[Pass], now: datetime, until: datetime, cap_fraction: float) -> int:
+    """Bytes the passes carry between now and `until` at the rate cap. What waits beyond it must be thinned, not
+    cut by drain order."""
+    return sum(pass_capacities(passes, now, until, cap_fraction))
+
+
+PACKS_PER_PASS = 4  # with several passes ahead, a thinning's packs are at most a quarter of the smallest
+
+
+def pack_bytes_for(capacities: Sequence[int]) -> int | None:
+    """The largest bundle a thinning packs for these passes: one pass, its whole capacity (a pass of small rows
+    pays one bundle's fixed part, not one per 16 rows); several, a `PACKS_PER_PASS`th of the smallest, so the plan
+    can fill each with whole bundles. None where no pass is ahead."""
+    if not capacities:
+        return None
+    return capacities[0] if len(capacities) == 1 else max(1, min(capacities) // PACKS_PER_PASS)
 
 
 MONTH_S = 30 * 86400.0
@@ -310,16 +328,19 @@ PLAN_HEADROOM = 0.9  # plan a tenth under the link: retries, manifests and contr
 # left out. The draw is Poisson, so at exactly the pass's bytes it falls short half the time, by about 1/sqrt(n) of
 # n rows (digits at 2%: ten rows a pass, a third short at one sd); DRAW_SURPLUS_Z sds cover it 19 times in 20.
 DRAW_SURPLUS_Z = 1.645
-# A budget_share is a share of full-row bytes (uncompressed); a bundle's zstd Parquet carries a row in fewer (gait
-# 0.87x, Landsat 0.89x in the bundles a budgeted edge packs), so a plan of the pass's bytes leaves a tenth of it idle.
+# A budget_share is a share of full-row bytes (uncompressed); a bundle's zstd Parquet carries a row in fewer. Where
+# a node has not measured how many (`wire_ratio`), this margin (gait 0.87x, Landsat 0.89x in 16-row packs).
 BUNDLE_WIRE_MARGIN = 1.15
 
 
-def draw_surplus(rows_per_pass: float) -> float:
-    """How many times a pass's bytes a node with passes plans to draw (>= 1): the margin for a bundle's
-    compression times 1 + z / sqrt(the rows a pass carries). Large for a pass of a few rows (ten rows: 1.75),
-    near the compression margin for thousands (1.19 at 1,500)."""
-    return BUNDLE_WIRE_MARGIN * (1.0 + DRAW_SURPLUS_Z / math.sqrt(max(rows_per_pass, 1.0)))
+def draw_surplus(rows_per_pass: float, wire_ratio: float | None = None) -> float:
+    """How many times a pass's bytes, in full-row bytes, a node with passes plans to draw: the rows a pass's bytes
+    buy once packed (`wire_ratio`: a full row's bytes over a packed row's, measured by the node; else
+    `BUNDLE_WIRE_MARGIN`) times 1 + z / sqrt(the rows a pass carries). Large for a pass of a few rows (ten rows:
+    1.52x the ratio), near the ratio for thousands (1.04x at 1,500). Packed to the pass, a digits row costs 0.45x
+    its full row: a margin of 1.15 drew half of what the pass carries."""
+    ratio = BUNDLE_WIRE_MARGIN if wire_ratio is None else wire_ratio
+    return ratio * (1.0 + DRAW_SURPLUS_Z / math.sqrt(max(rows_per_pass, 1.0)))
 
 
 def pass_rows(carries: Sequence[int], row_bytes: float | None) -> float | None:
@@ -338,15 +359,16 @@ def _carries(profile: LinkProfile, passes: Sequence[Pass], now: datetime | None,
 
 
 def planned_pass_rows(profile: LinkProfile, passes: Sequence[Pass], row_bytes: float | None, *,
-                      now: datetime | None = None, horizon_s: float = 86400.0) -> float | None:
-    """`pass_rows` of the passes `planned_share` plans with."""
-    return pass_rows(_carries(profile, passes, now, horizon_s), row_bytes)
+                      now: datetime | None = None, horizon_s: float = 86400.0,
+                      wire_row_bytes: float | None = None) -> float | None:
+    """`pass_rows` of the passes `planned_share` plans with: in packed rows where the node measured one's bytes."""
+    return pass_rows(_carries(profile, passes, now, horizon_s), wire_row_bytes or row_bytes)
 
 
 def planned_share(
     profile: LinkProfile, *, raw_bytes_per_s: float, passes: Sequence[Pass] = (), now: datetime | None = None,
     horizon_s: float = 86400.0, measured_bytes_per_s: float | None = None, backup: LinkProfile | None = None,
-    row_bytes: float | None = None,
+    row_bytes: float | None = None, wire_row_bytes: float | None = None,
 ) -> float:
     """The share of what a node observes (its full-row bytes per second) that its links can carry: what a
     tiering policy's `budget_share` should be. The carry rate is the predicted passes' capacity over the horizon
@@ -354,7 +376,8 @@ def planned_share(
     data-plane rate when one is known, less its loss rate; a backup link adds its monthly budget spread over the
     month. Planned with `PLAN_HEADROOM`, in (0, 1]. With passes and `row_bytes` (a full row's mean bytes), times
     `draw_surplus` of the rows a pass carries: the pass thins the surplus (only a pass drain thins; a node without
-    passes plans the link itself, as what it draws over waits in the spool)."""
+    passes plans the link itself, as what it draws over waits in the spool); with `wire_row_bytes` too (a row's
+    bytes packed, measured: `tasks.edge.observed_rate`), the rows counted in those and the surplus at their ratio."""
     if raw_bytes_per_s <= 0:
         raise ValueError(f"raw_bytes_per_s must be > 0, got {raw_bytes_per_s}")
     surplus = 1.0
@@ -362,9 +385,9 @@ def planned_share(
         carries = _carries(profile, passes, now, horizon_s)
         carried = sum(carries)
         rate = carried / horizon_s
-        rows = pass_rows(carries, row_bytes)
+        rows = pass_rows(carries, wire_row_bytes or row_bytes)
         if rows is not None:
-            surplus = draw_surplus(rows)
+            surplus = draw_surplus(rows, row_bytes / wire_row_bytes if row_bytes and wire_row_bytes else None)
     else:
         rate = profile.rate_cap_bytes_per_s if measured_bytes_per_s is None else measured_bytes_per_s
         if profile.contact_period_s and profile.contact_duration_s:

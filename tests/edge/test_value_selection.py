@@ -455,6 +455,57 @@ def test_at_5_percent_the_default_scorer_lands_more_faults_than_random_and_train
     assert scores["tiered"] >= scores["random"] - 0.01, scores
 
 
+def test_a_pass_packed_to_its_bytes_pays_one_fixed_part_and_carries_more_rows(pump: Contract, tmp_path: Path) -> None:
+    """Packed by the originals' size, a pass of small rows paid one Parquet fixed part per 8 rows (digits at 5%: 18
+    rows went as 16 + 2, the second bundle 1.7 KB for two rows); packed to the pass's bytes (`pack_bytes`, as a
+    node's pass drain and the bench pack), the same capacity goes as one bundle and carries more rows, every row
+    sent or kept."""
+    policy = TieringPolicy(version="fill", flush_max_samples=8, low_threshold=0.0, high_threshold=1.0)
+    kept = {}
+    for how in ("originals", "pass"):
+        spool = run_edge(pump, policy, tmp_path / how, n=192, batch=96, seed=4)
+        total = sum(e.manifest.nbytes for e in spool.pending())
+        largest = max(e.manifest.nbytes for e in spool.pending())
+        capacity = total // 3
+        spool.thin_to(capacity, salt="pass-bytes", pack_bytes=capacity if how == "pass" else None)
+        after = spool.pending()
+        assert sum(e.manifest.nbytes for e in after) <= capacity
+        kept[how] = sum(e.manifest.row_count for e in after)
+        assert kept[how] + sum(e.manifest.row_count for e in spool.raw_entries()) == 192
+        if how == "pass":
+            assert len(after) == 1
+        else:
+            assert len(after) > 1 and max(e.manifest.nbytes for e in after) <= 1.05 * largest  # rows estimated
+    assert kept["pass"] > 1.3 * kept["originals"], kept
+
+
+def test_an_urgent_pack_over_the_pass_has_its_normal_rows_thinned_and_its_urgent_rows_kept(
+        pump: Contract, tmp_path: Path) -> None:
+    """A pack holding an urgent row is an urgent bundle. While only the normal tier is thinned, its normal rows are
+    still drawn from (by each row's own tier) and its urgent rows kept whole with p unchanged: a 5% digits pass
+    packed into one urgent bundle 131 B over the link once had nothing left to thin, and the pass sent nothing."""
+    policy = TieringPolicy(version="mixed", budget_share=0.3, flush_max_samples=16, flush_max_bytes=64 * 1024)
+    spool = run_edge(pump, policy, tmp_path, n=600, batch=200, seed=9)
+    spool.thin(1.0, salt="pack-all", tiers=("normal",), pack_with=("high",), repack=True, pack_bytes=2**30)
+    [pack] = spool.pending()
+    before = landed(spool)
+    tiers = before.column("tier").to_pylist()
+    urgent = {i for i, t in zip(before.column("sample_id").to_pylist(), tiers, strict=True) if t == "high"}
+    p_before = dict(zip(before.column("sample_id").to_pylist(), before.column("inclusion_p").to_pylist(), strict=True))
+    assert pack.tier == "high" and urgent and len(urgent) < pack.manifest.row_count
+    capacity = pack.manifest.nbytes * 2 // 3
+    raw_before = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
+    spool.thin_to(capacity, salt="over", urgent_share=1.0, pack_bytes=capacity)  # urgent rows fit their share
+    after = landed(spool)
+    assert sum(e.manifest.nbytes for e in spool.pending()) <= capacity
+    ids = after.column("sample_id").to_pylist()
+    assert urgent <= set(ids) and len(ids) < len(before)
+    for i, p in zip(ids, after.column("inclusion_p").to_pylist(), strict=True):
+        assert (p == p_before[i]) if i in urgent else (p < p_before[i])
+    raw = {i for e in spool.raw_entries() for i in e.manifest.sample_ids} - raw_before
+    assert raw.isdisjoint(ids) and len(raw) + len(ids) == len(before)
+
+
 def test_a_pass_that_fits_once_its_rows_share_footers_repacks_and_thins_nothing(pump: Contract,
                                                                                tmp_path: Path) -> None:
     """Bundles of two rows are mostly footer: what waits is over the capacity, the same rows packed 16 to a bundle

@@ -107,9 +107,11 @@ def test_a_node_plans_by_its_schedule_its_given_rate_or_its_first_batch(tmp_path
     by_pass = node_link_budget(TieringPolicy(), LINK, node.model_copy(update={"pass_schedule": str(sched)}), raw,
                                GAIT, 1e5)
     # times the surplus its pass thins, counted in the first batch's full rows
-    rows_per_pass = PLAN_HEADROOM * 60 * 1e6 * 0.5 / observed_rate(raw, GAIT).row_bytes
-    assert by_pass.budget_share == pytest.approx(
-        PLAN_HEADROOM * 60 * 1e6 * 0.5 / 86400 / 1e5 * draw_surplus(rows_per_pass), rel=0.05)
+    first = observed_rate(raw, GAIT)  # its rows counted packed, at the ratio it measured
+    assert first.row_bytes is not None and first.wire_row_bytes is not None
+    rows_per_pass = PLAN_HEADROOM * 60 * 1e6 * 0.5 / first.wire_row_bytes
+    assert by_pass.budget_share == pytest.approx(PLAN_HEADROOM * 60 * 1e6 * 0.5 / 86400 / 1e5 * draw_surplus(
+        rows_per_pass, first.row_bytes / first.wire_row_bytes), rel=0.05)
     # an unreadable schedule is said, and the profile plans
     lines.clear()
     broken = node.model_copy(update={"pass_schedule": str(tmp_path / "missing.yaml")})
@@ -156,3 +158,25 @@ def test_a_node_whose_pass_carries_a_few_rows_plans_nearer_a_uniform_draw() -> N
     p_many = inclusion_probabilities(values, full_b, summ, many.model_copy(update={"budget_share": 0.1}))
     assert p_few.sum() == pytest.approx(p_many.sum()) == pytest.approx(50)
     assert p_few.max() / p_few.min() < p_many.max() / p_many.min()
+
+
+def test_a_node_with_passes_counts_a_passs_rows_packed_as_it_measured_them() -> None:
+    """A pass's rows are packed into one bundle, where a gait row costs a third of its full row: the node measures a
+    packed row on its first batch (`tiering.packed_row_bytes`) and draws the rows a pass's bytes buy in those, not
+    the constant margin (which drew a third of what a gait pass carries)."""
+    raw = gait_raw(400, anomaly_rate=0.05, seed=2)
+    got = observed_rate(raw, GAIT)
+    assert got.row_bytes is not None and got.wire_row_bytes is not None
+    assert 0 < got.wire_row_bytes < 0.6 * got.row_bytes  # zstd Parquet of 400 readings
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    passes = [Pass(now + timedelta(hours=h), 60.0, 800_000) for h in (1, 13)]
+    per_pass = 60.0 * 1e5 * LINK.rate_cap_fraction
+    bare = planned_share(LINK, raw_bytes_per_s=1e6, passes=passes, now=now)
+    packed = planned_share(LINK, raw_bytes_per_s=1e6, passes=passes, now=now, row_bytes=got.row_bytes,
+                           wire_row_bytes=got.wire_row_bytes)
+    rows = PLAN_HEADROOM * per_pass / got.wire_row_bytes
+    assert packed == pytest.approx(bare * draw_surplus(rows, got.row_bytes / got.wire_row_bytes))
+    assert packed > 2 * planned_share(LINK, raw_bytes_per_s=1e6, passes=passes, now=now, row_bytes=got.row_bytes)
+    policy = link_budget(TieringPolicy(), LINK, 1e6, passes=passes, now=now, row_bytes=got.row_bytes,
+                         wire_row_bytes=got.wire_row_bytes)
+    assert policy.budget_share == pytest.approx(packed, rel=0.05)  # to two significant digits

@@ -412,3 +412,17 @@ def test_capacity_until_counts_the_passes_up_to_a_deadline_only() -> None:
     got = capacity_until(passes, now, now + timedelta(hours=1, minutes=5), 0.5)
     assert got == int(300 * 1000 * 0.5) + int(300 * 1000 * 0.5)
     assert capacity_until(passes, now, now, 0.5) == 0
+
+
+def test_a_thinning_packs_to_one_pass_or_to_a_quarter_of_the_smallest_of_several() -> None:
+    """One pass ahead: its rows go as one bundle (one fixed Parquet part, not one per 16 rows). Several: each pack a
+    quarter of the smallest pass at most, so the plan can fill every pass with whole bundles."""
+    from edgehaul.uplink.pass_plan import PACKS_PER_PASS, Pass, pack_bytes_for, pass_capacities
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    passes = [Pass(now - timedelta(seconds=100), 400.0, 8_000), Pass(now + timedelta(hours=1), 600.0, 8_000)]
+    caps = pass_capacities(passes, now, now + timedelta(hours=1, minutes=5), 0.5)
+    assert caps == [150_000, 150_000]
+    assert pack_bytes_for(caps) == 150_000 // PACKS_PER_PASS
+    assert pack_bytes_for(pass_capacities(passes, now, now + timedelta(minutes=30), 0.5)) == 150_000
+    assert pass_capacities(passes, now, now, 0.5) == [] and pack_bytes_for([]) is None
