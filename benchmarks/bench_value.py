@@ -18,8 +18,9 @@ mean score of what is selected).
    left over expire with the round. A tiered edge plans for that link in its policy's unit, with the
    surplus a node with passes draws for its pass to thin (`planned_per_budget`: budget_share is a share of
    full-row bytes, the link a share of bundle bytes; `pass_plan.draw_surplus`).
-3. Policies, same bytes: FIFO (every sample normal tier, drained oldest first), random (the same
-   over a shuffled copy of the round: a uniform sample), tiering with the novelty scorer, and
+3. Policies, same bytes and the same packing (each pass one bundle, as a node's pass drain packs it): FIFO (the
+   oldest rows that fit, `fifo_packed`), random (the round thinned to the pass at random: a uniform sample),
+   tiering with the novelty scorer, and
    tiering with the model scorer after one closed-loop round (round 1 as novelty; a model trained
    on round 1's dataset version is published to the edge when it passes the publish gate, as the
    publish_model flow does, and scores round 2; below the gate, the model scorer's fallback does).
@@ -318,6 +319,33 @@ def thinned(spool: Spool, capacity: float, salt: str) -> list[SpoolEntry]:
 
     spool.thin_to(int(capacity), salt=salt, pack_bytes=pack_bytes_for([int(capacity)]))
     return spool.pending()
+
+
+def fifo_packed(spool: Spool, entries: list[SpoolEntry], capacity: float, where: Path) -> tuple[Spool, list[SpoolEntry]]:
+    """FIFO at the packing a pass drain gives every policy: the longest arrival-order prefix of the round's rows that
+    fits `capacity` as one bundle, in a spool of its own. Left as flushed (16-row bundles, a 1.6 KB fixed part each),
+    FIFO landed a third of the rows random did at gait's 10%: a contest of footers, not of selection."""
+    from edgehaul.bundles import read_bundle, write_bundle
+    from edgehaul.contracts import contract_by_id
+    from edgehaul.edge.spool import Spool
+
+    out = Spool(where, cap_bytes=1 << 40, node_id=NODE, clock=_Ticker(), emit=lambda *a, **k: False)
+    if not entries:
+        return out, []
+    contract = contract_by_id(entries[0].manifest.contract)
+    rows = pa.concat_tables([read_bundle(spool.read(e.bundle_id), e.manifest) for e in entries])
+
+    def packed(n: int) -> tuple[bytes, Any]:
+        return write_bundle(rows.slice(0, n), contract, tier="normal", policy_fingerprint="fifo-packed",
+                            policy_version=entries[0].manifest.policy_version)
+
+    lo, hi = 0, rows.num_rows  # the largest n whose pack fits (a pack's bytes grow with its rows)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(packed(mid)[0]) <= capacity else (lo, mid - 1)
+    if lo:
+        out.put(*packed(lo))
+    return out, out.pending()
 
 
 def within(entries: list[SpoolEntry], budget: float) -> list[SpoolEntry]:
@@ -808,7 +836,9 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
             novelty_spools = None
             if pol == "fifo":
                 if budget not in fifo_landed:
-                    fifo_landed[budget] = land_rounds(cell, pol, fifo_spools, seed)
+                    fifo_landed[budget] = land_rounds(cell, pol, fifo_spools if budget >= 1.0 else {
+                        r: fifo_packed(*fifo_spools[r], budget * raw[r], work / f"fifo-{round(budget * 100)}-{r}")
+                        for r in (0, 1)}, seed)
                 st, version, sent = fifo_landed[budget]
             else:
                 spools = random_spools(budget, seed) if pol == "random" else tiered_spools(pol, budget, seed)

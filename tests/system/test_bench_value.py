@@ -381,6 +381,26 @@ def test_landed_dataset_version_holds_no_test_patch(split: Split, store: ObjectS
     assert set(rows.column("content_sha256").to_pylist()) <= pixel_hashes(stream_pixels(batches))
 
 
+
+def test_fifo_sends_the_oldest_rows_that_fit_one_pack(split: Split, tmp_path: Path) -> None:
+    """FIFO is packed as a pass drain packs every policy: the longest arrival-order prefix that fits the pass as one
+    bundle (one row more would not), not the flushed 16-row bundles, which spent most of a pass on fixed parts."""
+    from benchmarks.bench_value import fifo_packed
+
+    cfg = Config(stream=600, batch=300, bundle_rows=CFG_ROWS, sample_passes=1, width=4, seeds=(0,))
+    batches = edge_stream(split, cfg.stream, batch=cfg.batch, seed=0, contract=C)
+    spool, order = edge_round(batches, C, policy_for("fifo", cfg), ConstantScorer(), tmp_path / "spool")
+    capacity = 0.1 * sum(e.manifest.nbytes for e in order)
+    flushed = sum(e.manifest.row_count for e in within(order, capacity))
+    packed_spool, packed = fifo_packed(spool, order, capacity, tmp_path / "packed")
+    [pack] = packed
+    assert pack.manifest.nbytes <= capacity and pack.manifest.row_count > flushed
+    arrival = [i for e in order for i in e.manifest.sample_ids]
+    assert pack.manifest.sample_ids == arrival[:pack.manifest.row_count]
+    _, more = fifo_packed(spool, order, pack.manifest.nbytes + 1, tmp_path / "again")
+    assert more[0].manifest.row_count == pack.manifest.row_count  # the largest prefix that fits
+    assert fifo_packed(spool, order, 10, tmp_path / "none")[1] == []
+
 @pytest.mark.integration
 def test_run_as_a_flow_the_table_and_chart_are_artifacts_with_the_verdicts(stack: localstack.StackState) -> None:
     import uuid
