@@ -392,7 +392,7 @@ def test_fifo_sends_the_oldest_rows_that_fit_one_pack(split: Split, tmp_path: Pa
     spool, order = edge_round(batches, C, policy_for("fifo", cfg), ConstantScorer(), tmp_path / "spool")
     capacity = 0.1 * sum(e.manifest.nbytes for e in order)
     flushed = sum(e.manifest.row_count for e in within(order, capacity))
-    packed_spool, packed = fifo_packed(spool, order, capacity, tmp_path / "packed")
+    _, packed = fifo_packed(spool, order, capacity, tmp_path / "packed")
     [pack] = packed
     assert pack.manifest.nbytes <= capacity and pack.manifest.row_count > flushed
     arrival = [i for e in order for i in e.manifest.sample_ids]
