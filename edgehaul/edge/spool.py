@@ -608,9 +608,10 @@ class Spool:
         row_bytes = np.concatenate([np.zeros(0, dtype=np.int64), *(
             np.full(k.num_rows, max(e.manifest.nbytes - fixed, 0) // max(e.manifest.row_count, 1), dtype=np.int64)
             for e, k in stays)])
-        limit = _pack_limit(pack_bytes, max(e.manifest.nbytes for e, _ in parts), pack_rows) - fixed
-        cuts = bundle_cuts(row_bytes, pack_rows or contract_by_id(contract_id).max_rows,
-                           int(min(max(limit, 1), 2**62)))
+        contract = contract_by_id(contract_id)  # its caps: what a core accepts of a bundle
+        limit = min(_pack_limit(pack_bytes, max(e.manifest.nbytes for e, _ in parts), pack_rows),
+                    contract.max_bundle_bytes) - fixed
+        cuts = bundle_cuts(row_bytes, pack_rows or contract.max_rows, int(max(limit, 1)))
         bounds = [0, *cuts, rows.num_rows] if rows.num_rows else [0]
         credit = sum(self._bytes_on_disk(e) for e, _ in parts)  # the packs replace these bundles and sidecars
         written: list[SpoolEntry] = []
@@ -619,7 +620,7 @@ class Spool:
             if merged:  # the most urgent packed tier among its rows (a sampled low row rides as normal)
                 present = set(pc.unique(chunk.column("tier")).to_pylist()) & set(every)
                 tier = min(present, key=tier_rank) if present else max(every, key=tier_rank)
-            data, man = write_bundle(chunk, contract_by_id(contract_id), tier=tier,
+            data, man = write_bundle(chunk, contract, tier=tier,
                                      policy_fingerprint=f"thinned|{salt}", policy_version=version,
                                      scorer_version=scorer, team=team)
             packed = self.put(data, man, ledger_refusal=False, replacing=credit)

@@ -310,15 +310,16 @@ def capacity_until(passes: Sequence[Pass], now: datetime, until: datetime, cap_f
 
 
 PACKS_PER_PASS = 4  # with several passes ahead, a thinning's packs are at most a quarter of the smallest
+PACK_MAX_BYTES = 64 << 20  # and never larger: a pack is built in memory, and a core refuses what a contract caps
 
 
 def pack_bytes_for(capacities: Sequence[int]) -> int | None:
     """The largest bundle a thinning packs for these passes: one pass, its whole capacity (a pass of small rows
     pays one bundle's fixed part, not one per 16 rows); several, a `PACKS_PER_PASS`th of the smallest, so the plan
-    can fill each with whole bundles. None where no pass is ahead."""
+    can fill each with whole bundles; at most `PACK_MAX_BYTES`. None where no pass is ahead."""
     if not capacities:
         return None
-    return capacities[0] if len(capacities) == 1 else max(1, min(capacities) // PACKS_PER_PASS)
+    return min(PACK_MAX_BYTES, capacities[0] if len(capacities) == 1 else max(1, min(capacities) // PACKS_PER_PASS))
 
 
 MONTH_S = 30 * 86400.0

@@ -426,3 +426,6 @@ def test_a_thinning_packs_to_one_pass_or_to_a_quarter_of_the_smallest_of_several
     assert pack_bytes_for(caps) == 150_000 // PACKS_PER_PASS
     assert pack_bytes_for(pass_capacities(passes, now, now + timedelta(minutes=30), 0.5)) == 150_000
     assert pass_capacities(passes, now, now, 0.5) == [] and pack_bytes_for([]) is None
+    from edgehaul.uplink.pass_plan import PACK_MAX_BYTES
+
+    assert pack_bytes_for([10 * PACK_MAX_BYTES]) == PACK_MAX_BYTES  # a long fast pass: packs a core accepts
