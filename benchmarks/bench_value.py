@@ -708,9 +708,11 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     fifo_report = TierReport.merge(edge_reports["fifo"])
     log(f"edge: FIFO x 2 rounds in {time.perf_counter() - t0:.1f} s; raw bytes per round {raw}; bytes "
         f"per row {fifo_report.bytes_per_row()}")
-    fifo_bundles = [e for r in (0, 1) for e in fifo_spools[r][1]]
-    fixed = fifo_spools[0][0].fixed_part(fifo_bundles[0])  # a bundle's fixed Parquet part: one per pass once packed
-    pass_rows = round_rows(raw, fifo_report, cfg.budgets, len(fifo_bundles), fixed)
+    # FIFO's pass at each budget, packed as every policy's is; its rows are what a packed pass carries
+    fifo_packs = {b: {r: fifo_packed(*fifo_spools[r], b * raw[r], work / f"fifo-{round(b * 100)}-{r}") for r in (0, 1)}
+                  for b in cfg.budgets if b < 1.0}
+    pass_rows = {b: sum(e.manifest.row_count for r in (0, 1) for e in fifo_packs[b][r][1]) / 2 if b < 1.0
+                 else fifo_report.full_rows / len(raw) for b in cfg.budgets}
     plans = tier_plans(pass_rows, fifo_report.full_rows / len(raw))
     log("tiered edges plan " + ", ".join(f"{b:.0%}: {f:.3f}" for b, f in plans.items()) + " x the budget in "
         "full-row bytes (the link's bundle bytes in the policy's unit, with the surplus a pass thins); coverage, "
@@ -836,9 +838,8 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
             novelty_spools = None
             if pol == "fifo":
                 if budget not in fifo_landed:
-                    fifo_landed[budget] = land_rounds(cell, pol, fifo_spools if budget >= 1.0 else {
-                        r: fifo_packed(*fifo_spools[r], budget * raw[r], work / f"fifo-{round(budget * 100)}-{r}")
-                        for r in (0, 1)}, seed)
+                    fifo_landed[budget] = land_rounds(cell, pol, fifo_spools if budget >= 1.0 else fifo_packs[budget],
+                                                      seed)
                 st, version, sent = fifo_landed[budget]
             else:
                 spools = random_spools(budget, seed) if pol == "random" else tiered_spools(pol, budget, seed)
@@ -893,17 +894,10 @@ def planned_per_budget(rows_per_pass: float, rows_per_round: float, budget: floa
     return rows_per_pass * draw_surplus(rows_per_pass, 1.0) / max(rows_per_round, 1.0) / budget
 
 
-def round_rows(raw: list[int], fifo: TierReport, budgets: tuple[float, ...], bundles: int,
-               fixed: int) -> dict[float, float]:
-    """The rows a round's link carries per budget once packed into one bundle (`thinned`): the link (budget x the
-    round's raw bytes) less one bundle's fixed part, over a row's bytes in a bundle less the fixed parts of the
-    FIFO bundles it was measured in (digits: 235 B a row in 16-row bundles, 132 B packed)."""
-    row_bytes = max(sum(raw) - bundles * fixed, 1) / max(fifo.full_rows, 1)
-    return {b: max(b * sum(raw) / len(raw) - fixed, 0.0) / row_bytes for b in budgets}
-
-
 def tier_plans(pass_rows: dict[float, float], rows_per_round: float) -> dict[float, float]:
-    """`planned_per_budget` per budget, for the rows a round's link carries (`round_rows`)."""
+    """`planned_per_budget` per budget, for the rows a round's link carries packed (FIFO's packed pass: its rows
+    pack a little tighter than a sample's, which the surplus covers; priced at their 16-row bundles' bytes less the
+    fixed parts, a gait pass was planned at 40% of what it carries)."""
     return {b: planned_per_budget(rows, rows_per_round, b) for b, rows in pass_rows.items()}
 
 

@@ -293,24 +293,14 @@ def test_a_skewed_kind_that_can_rank_recall_takes_six_draws_at_the_small_budget_
 
 
 def test_a_tiered_edge_plans_the_rows_a_packed_pass_carries() -> None:
-    """A pass packs its rows into one bundle (`thinned`), so it carries the link less one bundle's fixed part over a
-    row's bytes less the FIFO bundles' fixed parts (digits: 235 B a row in 16-row bundles, 132 B packed); the edge
-    draws that many rows times the surplus a pass thins, as a share of the round's rows, per unit of budget."""
-    from benchmarks.bench_value import FULL, planned_per_budget, policy_for, round_rows, tier_plans
-    from edgehaul.edge.tiering import TierReport
+    """The edge draws the rows a packed pass carries (FIFO's pack at that budget) times the surplus a pass thins,
+    as a share of the round's rows, per unit of budget; a pass of few rows draws with a larger surplus."""
+    from benchmarks.bench_value import FULL, planned_per_budget, policy_for, tier_plans
     from edgehaul.uplink.pass_plan import draw_surplus
 
-    fifo = TierReport(full_rows=1_000)
-    raw = [140_000, 140_000]  # 2 x 37.5 bundles of 16 rows at 3,733 B, each with a 1,650 B fixed part
-    rows = round_rows(raw, fifo, (0.02, 0.05, 1.0), bundles=75, fixed=1_650)
-    row_bytes = (280_000 - 75 * 1_650) / 1_000
-    assert rows[0.05] == pytest.approx((0.05 * 140_000 - 1_650) / row_bytes)
-    assert rows[0.05] > 0.05 * 500 * 1.3  # packed, a 5% pass carries far more than 5% of the round's rows
-    assert rows[0.02] < rows[0.05] < rows[1.0]
-    assert round_rows(raw, fifo, (0.001,), bundles=75, fixed=1_650)[0.001] == 0.0  # under one fixed part: no row
-    plans = tier_plans(rows, 500)
-    assert plans[0.05] * 0.05 * 500 == pytest.approx(rows[0.05] * draw_surplus(rows[0.05], 1.0))  # rows packed
-    # a pass of few rows draws with a larger surplus
+    plans = tier_plans({0.02: 9.0, 0.05: 40.0, 1.0: 500.0}, 500)
+    assert plans[0.05] * 0.05 * 500 == pytest.approx(40 * draw_surplus(40, 1.0))  # rows measured packed: no margin
+    assert plans[0.02] * 0.02 * 500 == pytest.approx(9 * draw_surplus(9, 1.0))
     assert planned_per_budget(10, 500, 0.02) / (10 / 500 / 0.02) > planned_per_budget(1_000, 500, 0.02) / (
         1_000 / 500 / 0.02) > 1
     assert policy_for("tier-novelty", FULL, 0.8 * 262 / 179).budget_share == 1.0  # a share is at most everything
