@@ -692,7 +692,7 @@ class Spool:
     def _drawn_rows(self, e: SpoolEntry, tiers: tuple[str, ...]) -> int:
         """How many of a waiting bundle's rows a thinning of `tiers` draws from (`_thinnable`): all or none but for
         an urgent pack while only the normal tier is thinned, whose tiers are read."""
-        if e.tier != "high" or tiers == ("high", "normal") or tiers == ("normal", "high"):
+        if e.tier != "high" or ("high" in tiers) == ("normal" in tiers):  # every row or none
             return e.manifest.row_count if e.tier in tiers else 0
         t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["tier"])
         return int(_thinnable(t, e.tier, tiers).sum())
