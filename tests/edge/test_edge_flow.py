@@ -28,6 +28,7 @@ from edgehaul.contracts import load_contract
 from edgehaul.edge.landsat import generate
 from edgehaul.edge.preprocess import preprocess
 from edgehaul.edge.spool import Spool
+from edgehaul.edge.tiering import on_value_grid
 from edgehaul.flows.edge_ingest import EdgeIngestParams, edge_ingest
 from edgehaul.platform.caching import EDGE_RESULTS_DIR
 from edgehaul_dev import localstack
@@ -149,7 +150,9 @@ def test_edge_ingest_spools_bundles_and_caches_what_it_must(
 
 
 def _register_untrained(store: ObjectStore, model_id: str, seed: int) -> None:
-    """A real (untrained, seeded) land-cover model registered and published as the edge's latest."""
+    """A real (untrained, seeded) land-cover model registered and published as the edge's latest. Its head is
+    scaled up, so that it is as decisive as a trained one: at its initial scale every patch's normalised entropy is
+    0.9965 to four digits, one value on a node's 1/256 grid."""
     import torch
 
     from edgehaul.training import registry
@@ -157,7 +160,11 @@ def _register_untrained(store: ObjectStore, model_id: str, seed: int) -> None:
 
     torch.manual_seed(seed)
     arch = {"in_channels": 6, "n_classes": 7, "width": 8, "dropout": 0.0}
-    model_file = {"arch": arch, "state_dict": build_model(arch).state_dict(), "contract": "landsat_patch.v1",
+    model = build_model(arch)
+    with torch.no_grad():
+        model.head[1].weight.mul_(200.0)
+        model.head[1].bias.mul_(200.0)
+    model_file = {"arch": arch, "state_dict": model.state_dict(), "contract": "landsat_patch.v1",
                   "label_values": [1, 2, 3, 4, 5, 6, 7], "model_id": model_id, "model_name": "landcover"}
     registry.register_model(store, "landcover", model_id, model_file, {"team": "geo"})
     registry.publish(store, "landcover", model_id)
@@ -176,8 +183,8 @@ def test_edge_ingest_with_the_model_scorer_values_samples_by_model_uncertainty(
     store.save(f"edge-store-{tag}")
     # thresholds at quantiles of this model's values on this input, so all three tiers occur
     raw = pa.concat_tables(list(generate(1200, node_id, seed=5, batch_size=600)))
-    lo, hi = np.quantile(ModelScorer("latest", store).score(preprocess(raw, load_contract("landsat_patch")).accepted),
-                         [0.3, 0.8])
+    values = on_value_grid(ModelScorer("latest", store).score(preprocess(raw, load_contract("landsat_patch")).accepted))
+    lo, hi = np.quantile(values, [0.3, 0.8], method="nearest")
     TieringPolicy(version="m", scorer="model", model_uri="latest", low_threshold=float(lo),
                   high_threshold=float(hi)).save(f"edge-model-policy-{tag}")
     spool_dir = tmp_path / "spool"
@@ -197,8 +204,8 @@ def test_edge_ingest_with_the_model_scorer_values_samples_by_model_uncertainty(
     spool.close()
     rows = pa.concat_tables(full)
     assert rows.num_rows == 1200
-    want = np.clip(scorer.score(rows), 0, 1).astype(np.float32)
-    np.testing.assert_allclose(rows.column("value").to_numpy(), want, atol=1e-6)
+    want = on_value_grid(scorer.score(rows))  # the scorer's values, rounded as a node writes them
+    np.testing.assert_array_equal(rows.column("value").to_numpy(), want)
     v, tiers = rows.column("value").to_numpy(), np.asarray(rows.column("tier").to_pylist())
     v64 = v.astype(np.float64)  # the router compares the stored float32 values in float64
     assert (tiers == np.where(v64 >= hi, "high", np.where(v64 < lo, "low", "normal"))).all()

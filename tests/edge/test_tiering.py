@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +19,19 @@ from edgehaul.contracts import Contract, load_contract
 from edgehaul.edge.landsat import generate, table_sha256
 from edgehaul.edge.preprocess import preprocess
 from edgehaul.edge.scoring import NoveltyScorer
-from edgehaul.edge.tiering import Batcher, assign, drawn, route
+from edgehaul.edge.tiering import (
+    P_STEPS_PER_OCTAVE,
+    VALUE_LEVELS,
+    Batcher,
+    assign,
+    draw,
+    drawn,
+    inclusion_probabilities,
+    on_p_grid,
+    on_value_grid,
+    plan_bytes,
+    route,
+)
 
 C = load_contract("landsat_patch")
 
@@ -299,3 +313,50 @@ def test_a_summary_goes_only_where_the_contracts_ratio_says_it_earns_its_bytes(t
         else:
             with pytest.raises(ContractInvalid, match=r"limits\.summary_min_ratio.*>= 1"):
                 load_contract("daphnet_gait", 1, d)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0, 1, allow_subnormal=False), min_size=1, max_size=200))
+def test_values_and_probabilities_on_their_grids_stay_near_and_in_range(xs: list[float]) -> None:
+    x = np.asarray(xs)
+    v = on_value_grid(x)
+    assert v.dtype == np.float32 and ((v >= 0) & (v <= 1)).all()
+    assert np.abs(v - x).max() <= 0.5 / VALUE_LEVELS + 1e-7
+    assert np.array_equal(v * VALUE_LEVELS, np.round(v * VALUE_LEVELS))
+    q = on_p_grid(x)
+    assert q.dtype == np.float32 and ((q >= 0) & (q <= 1)).all()
+    assert np.array_equal(q == 0, x == 0) or (x[q == 0] < 1e-30).all()  # a chance of 0 stays 0; only one
+    pos = x > 1e-30  # that float32 cannot hold (under 1e-38) becomes 0, as it did in the column before the grid
+    step = 2.0 ** (0.5 / P_STEPS_PER_OCTAVE)  # half a step, in ratio
+    assert (q[pos] / x[pos] <= step * (1 + 1e-6)).all() and (x[pos] / q[pos] <= step * (1 + 1e-6)).all()
+    assert on_p_grid(np.array([1.0]))[0] == 1.0
+
+
+def test_a_budgeted_batch_records_the_p_it_was_drawn_with_in_a_byte_a_row(accepted: pa.Table) -> None:
+    """The p a row records is the p its draw used (rounded before the draw, so inclusion_p stays exact), within
+    1.1% of the solved one; and a bundle of such rows writes value and inclusion_p in about a byte a row each,
+    where free float32s took near four."""
+    policy = TieringPolicy(budget_share=0.2)
+    v = _values(accepted.num_rows, 3)
+    scored = assign(accepted, v, policy, C)
+    p = scored.column("inclusion_p").to_numpy()
+    vq = on_value_grid(v)
+    assert np.array_equal(scored.column("value").to_numpy(), vq)
+    solved = inclusion_probabilities(vq, *plan_bytes(accepted, vq, policy, C), policy)
+    assert np.array_equal(p, on_p_grid(solved))
+    assert len(np.unique(p)) <= 3 * P_STEPS_PER_OCTAVE * 8  # a few octaves of steps, not a float per row
+    sent = draw(scored.column("sample_id"), p, policy)
+    assert 0.8 * p.sum() < sent.sum() < 1.2 * p.sum()
+    from edgehaul.bundles import write_bundle
+
+    def col_bytes(t: pa.Table, name: str) -> int:
+        meta = pq.ParquetFile(io.BytesIO(write_bundle(t, C, tier="normal")[0])).metadata.row_group(0)
+        return next(meta.column(i).total_compressed_size for i in range(meta.num_columns)
+                    if meta.column(i).path_in_schema == name)
+
+    free = scored.set_column(scored.schema.get_field_index("inclusion_p"), "inclusion_p",
+                             pa.array(solved.astype(np.float32)))
+    free = free.set_column(free.schema.get_field_index("value"), "value", pa.array(v))
+    n = scored.num_rows
+    assert col_bytes(scored, "value") + col_bytes(scored, "inclusion_p") < 2.5 * n
+    assert col_bytes(free, "value") + col_bytes(free, "inclusion_p") > 5 * n
