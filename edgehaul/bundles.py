@@ -41,10 +41,13 @@ MANIFEST_VERSION = 1
 # compressed at zstd level 1: measured on 20k digests it is both smaller and 3x faster than level 3
 # (random hex has no matches for the higher levels to find); every other column, the pixels
 # included, uses the bundle's level.
+_DICT_COLUMNS = ("node_id", "tier")
 # A node's value and inclusion_p are on grids (`tiering.on_value_grid`, `tiering.on_p_grid`): a few hundred
-# distinct numbers, which a dictionary writes in a byte a row where BYTE_STREAM_SPLIT left ~7 B of the two (gait
-# packed to a pass: 50.3 B a row against 55.0, and 48.6 with both constant; digits 116.0 against 120.4).
-_DICT_COLUMNS = ("node_id", "tier", "value", "inclusion_p")
+# distinct numbers, which a dictionary writes in about a byte a row where BYTE_STREAM_SPLIT took near four (3,000
+# gait rows: 151.1 KB against 156.1, and 145.8 with both constant). Each dictionary page costs ~50 B of its own, so
+# only from GRID_DICT_MIN_ROWS rows: at 13 digits rows (a 2% pass) the dictionaries cost 103 B, near a row.
+_GRID_COLUMNS = ("value", "inclusion_p")
+GRID_DICT_MIN_ROWS = 160  # measured crossing: 150 rows still 7-15 B smaller without, 180 rows 30 B smaller with
 _STATS_COLUMNS = ("sample_id", "node_id", "capture_time", "seq", "label", "value", "tier", "is_summary",
                   "inclusion_p")
 # ... and only in a bundle of STATS_MIN_BYTES of rows or more. A reader skips a file by its footer's statistics
@@ -271,16 +274,17 @@ def write_bundle(
     # ~15% of a bundle's write time less than BufferOutputStream + to_pybytes, a copy of the whole file.
     sink = io.BytesIO()
     names = table.column_names
+    dict_columns = _DICT_COLUMNS + (_GRID_COLUMNS if table.num_rows >= GRID_DICT_MIN_ROWS else ())
     # No serialised Arrow schema in the footer (store_schema=False): the contract is the schema, and the Parquet
     # types read back as the same Arrow types (check_schema compares them). It was ~1.7 KB of every bundle: a
     # one-row urgent bundle cost 25 rows' bytes, and at a 2% budget that overhead was most of what a node sent.
     with pq.ParquetWriter(
         sink, table.schema, compression="zstd", store_schema=False,
         compression_level={n: min(zstd_level, _HEX_ZSTD_LEVEL) if n in _HEX_COLUMNS else zstd_level for n in names},
-        use_dictionary=[n for n in names if n in _DICT_COLUMNS],
+        use_dictionary=[n for n in names if n in dict_columns],
         write_statistics=[n for n in names if n in _STATS_COLUMNS] if table.nbytes >= STATS_MIN_BYTES else False,
         column_encoding={f.name: "BYTE_STREAM_SPLIT" for f in table.schema
-                         if pa.types.is_floating(f.type) and f.name not in _DICT_COLUMNS} or None,
+                         if pa.types.is_floating(f.type) and f.name not in dict_columns} or None,
     ) as writer:
         writer.write_table(table, row_group_size=row_group_rows)
         writer.add_key_value_metadata({k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()})

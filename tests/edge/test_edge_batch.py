@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgehaul.blocks import TieringPolicy
+from edgehaul.bundles import GRID_DICT_MIN_ROWS, read_bundle, write_bundle
 from edgehaul.contracts import load_contract
 from edgehaul.edge.batch import ingest_batch
 from edgehaul.edge.landsat import generate
@@ -143,6 +144,12 @@ def test_bundle_parquet_settings_per_column(raw: pa.Table, tmp_path: Path) -> No
     assert all(c.compression == "ZSTD" for c in cols.values())
     assert "BYTE_STREAM_SPLIT" in cols["mean_b1_blue"].encodings
     t = pq.read_table(io.BytesIO(data))
+    assert t.num_rows >= GRID_DICT_MIN_ROWS
+    # Under GRID_DICT_MIN_ROWS rows a dictionary page costs more than it saves: value is written as the features are
+    small, _ = write_bundle(read_bundle(data).slice(0, GRID_DICT_MIN_ROWS - 1), C, tier="normal")
+    meta = pq.ParquetFile(io.BytesIO(small)).metadata.row_group(0)
+    cols = {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
+    assert "BYTE_STREAM_SPLIT" in cols["value"].encodings and not any("DICT" in e for e in cols["value"].encodings)
     assert np.array_equal(np.asarray(t.column("content_sha256").to_pylist()),
                           [hashlib.sha256(b).hexdigest() for b in t.column("pixels").to_pylist()])
 
@@ -150,7 +157,7 @@ def test_bundle_parquet_settings_per_column(raw: pa.Table, tmp_path: Path) -> No
 def test_a_small_bundle_carries_no_statistics_and_reads_back_the_same(raw: pa.Table, tmp_path: Path) -> None:
     """Below STATS_MIN_BYTES a bundle is read whole anyway: its footer carries no min/max, and the rows read back
     the same."""
-    from edgehaul.bundles import STATS_MIN_BYTES, read_bundle, write_bundle
+    from edgehaul.bundles import STATS_MIN_BYTES
 
     key, hashes = batch_key(raw)
     spool = _spool(tmp_path)
