@@ -227,6 +227,10 @@ class SpoolError(RuntimeError):
     """A spool operation cannot be done as asked (bad input, unknown bundle, checksum mismatch)."""
 
 
+class CorruptBundle(SpoolError):
+    """A spooled bundle's bytes no longer match its manifest's SHA-256 (the disk changed them)."""
+
+
 @dataclass(frozen=True)
 class SpoolEntry:
     bundle_id: str
@@ -448,9 +452,23 @@ class Spool:
         data = e.path.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         if digest != e.manifest.sha256:
-            raise SpoolError(f"spool {self.root}: bundle {bundle_id} corrupt on disk (sha256 {digest[:12]}, "
-                             f"manifest {e.manifest.sha256[:12]})")
+            raise CorruptBundle(f"spool {self.root}: bundle {bundle_id} corrupt on disk (sha256 {digest[:12]}, "
+                                f"manifest {e.manifest.sha256[:12]})")
         return data
+
+    def _read_waiting(self, e: SpoolEntry, columns: list[str] | None = None) -> pa.Table | None:
+        """A waiting bundle's rows for a thinning; None where it is gone (sent meanwhile) or corrupt on disk. A
+        corrupt one is dropped, its samples in the ledger (`CORRUPT`) and an error logged: one bad file must not stop
+        a pass from thinning the rest (it raised, and the node's every pass planned nothing)."""
+        try:
+            return read_bundle(self.read(e.bundle_id), e.manifest, columns=columns)
+        except CorruptBundle as exc:
+            with self._locked():
+                self._drop(e, ledger.STAGE_SPOOL, ledger.CORRUPT, detail=str(exc))
+            log.error("%s: dropped, its %d samples ledgered as %s", exc, e.manifest.row_count, ledger.CORRUPT)
+            return None
+        except SpoolError:
+            return None
 
     def usage(self) -> SpoolUsage:
         used = 0
@@ -564,8 +582,10 @@ class Spool:
         for e in self.pending():
             if e.tier not in every or e.bundle_id in skip:
                 continue
+            t = self._read_waiting(e)
+            if t is None:
+                continue
             order.append(e.bundle_id)
-            t = read_bundle(self.read(e.bundle_id), e.manifest)
             u = hashed.pop(e.bundle_id) if e.bundle_id in hashed else np.asarray(uniforms(t.column("sample_id"), salt))
             full = full_rows(t)
             drawn_from = _thinnable(t, e.tier, tiers)
@@ -660,7 +680,9 @@ class Spool:
         hashed, full_u = {}, []
         for e in self.pending():
             if e.tier in every and e.bundle_id not in skip:
-                t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["sample_id", "is_summary", "tier"])
+                t = self._read_waiting(e, ["sample_id", "is_summary", "tier"])
+                if t is None:
+                    continue
                 hashed[e.bundle_id] = np.asarray(uniforms(t.column("sample_id"), salt))
                 full_u.append(hashed[e.bundle_id][full_rows(t) & _thinnable(t, e.tier, tiers)])
         return hashed, np.concatenate([np.zeros(0), *full_u])
@@ -681,7 +703,10 @@ class Spool:
             for e in (e for e in entries if e.manifest.contract == contract):
                 if n >= max(rows, 2) or nbytes >= PACKED_SCALE_BYTES:
                     break
-                parts.append(read_bundle(self.read(e.bundle_id), e.manifest))
+                t = self._read_waiting(e)
+                if t is None:
+                    continue
+                parts.append(t)
                 n, nbytes, body = n + e.manifest.row_count, nbytes + e.manifest.nbytes, body + max(e.manifest.nbytes - o, 0)
             if n < 2 or body <= 0 or len(parts) < 2:
                 continue  # one bundle: its rows are priced as packed already
@@ -694,15 +719,18 @@ class Spool:
         an urgent pack while only the normal tier is thinned, whose tiers are read."""
         if e.tier != "high" or ("high" in tiers) == ("normal" in tiers):  # every row or none
             return e.manifest.row_count if e.tier in tiers else 0
-        t = read_bundle(self.read(e.bundle_id), e.manifest, columns=["tier"])
-        return int(_thinnable(t, e.tier, tiers).sum())
+        t = self._read_waiting(e, ["tier"])
+        return 0 if t is None else int(_thinnable(t, e.tier, tiers).sum())
 
     def fixed_part(self, e: SpoolEntry) -> int:
         """Bytes of a bundle of e's contract that do not grow with its rows (Parquet footer, page headers): a one-row
         bundle less its row, near enough. Measured once per contract."""
         c = e.manifest.contract
         if c not in self._fixed_parts:
-            one = read_bundle(self.read(e.bundle_id), e.manifest).slice(0, 1)
+            t = self._read_waiting(e)
+            if t is None:  # gone or corrupt: priced as rows only this once
+                return 0
+            one = t.slice(0, 1)
             o1 = len(write_bundle(one, contract_by_id(c), tier=e.tier)[0])
             self._fixed_parts[c] = max(0, o1 - (e.manifest.nbytes - o1) // max(e.manifest.row_count - 1, 1))
         return self._fixed_parts[c]
@@ -745,12 +773,12 @@ class Spool:
             solve = functools.partial(_solve_keep, thinned, overhead, room, pack_rows, pack_bytes=pack_bytes,
                                       drawn_rows=drawn_rows)
             keep = solve()
-            if pack_bytes is not None and not done and keep < 1.0:
+            if (pack_bytes is not None or (pack_rows or 0) > 1) and not done and keep < 1.0:
                 # rows packed many to a bundle compress better than in the bundles they came from (gait: 56 B a row
                 # against 162 B less the fixed part): priced at the latter, a pass went 75% full
                 rows = keep * sum(drawn_rows.values()) + sum(e.manifest.row_count - drawn_rows[e.bundle_id]
                                                              for e in thinned)
-                keep = solve(row_scale=self._packed_scale(thinned, overhead, int(rows)))
+                keep = solve(row_scale=self._packed_scale(thinned, overhead, int(min(rows, pack_rows or rows))))
             if keep >= 1.0 and not done:  # over only for its footers: packed, every row fits
                 done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
                                       pack_with=tuple(whole), repack=True, pack_bytes=pack_bytes))

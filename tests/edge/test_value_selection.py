@@ -327,6 +327,35 @@ def test_a_raw_store_with_no_room_for_the_thinned_rows_leaves_them_whole_and_led
     assert {reason for _, reason in spool.ledger.counts()} <= {"raw-evicted"}
 
 
+@pytest.mark.parametrize("which", [0, -1])  # the first bundle (the fixed part is measured on it) or the last
+def test_a_bundle_corrupt_on_disk_is_ledgered_and_the_pass_thins_the_rest(
+        pump: Contract, tmp_path: Path, caplog: pytest.LogCaptureFixture, which: int) -> None:
+    """A bundle whose bytes the disk changed stopped a pass's thinning (SpoolError: every pass of the node planned
+    nothing). It is now dropped with its samples in the ledger as corrupt, an error says which, and the other
+    bundles are thinned to the pass as if it had not been there: every other sample sent or kept on the node."""
+    policy = TieringPolicy(version="rot", budget_share=0.2, flush_max_samples=16, flush_max_bytes=64 * 1024)
+    spool = run_edge(pump, policy, tmp_path, n=1500, batch=250, seed=12)
+    pending = spool.pending()
+    bad = pending[which]
+    bad_ids = list(bad.manifest.sample_ids)
+    raw = bytearray(bad.path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte: the size still matches, so only the digest tells
+    bad.path.write_bytes(bytes(raw))
+    others = [i for e in pending if e.bundle_id != bad.bundle_id for i in e.manifest.sample_ids]
+    raw_before = {i for e in spool.raw_entries() for i in e.manifest.sample_ids}
+    capacity = sum(e.manifest.nbytes for e in pending) // 3
+    with caplog.at_level(logging.ERROR, logger="edgehaul.edge.spool"):
+        rounds = spool.thin_to(capacity, salt="pass-rot", pack_rows=policy.flush_max_samples)
+    assert f"bundle {bad.bundle_id} corrupt on disk" in caplog.text and rounds
+    assert bad.bundle_id not in {e.bundle_id for e in spool.pending()}
+    assert sum(e.manifest.nbytes for e in spool.pending()) <= capacity
+    assert set(spool.ledger.lookup(bad_ids)) == set(bad_ids)
+    assert {r for _, r in spool.ledger.counts()} == {"corrupt-on-disk"}
+    sent = set(landed(spool).column("sample_id").to_pylist())
+    kept = {i for e in spool.raw_entries() for i in e.manifest.sample_ids} - raw_before
+    assert sent.isdisjoint(kept) and sent | kept == set(others) - raw_before
+
+
 @pytest.mark.parametrize("salt", [f"pass-fill-{i}" for i in range(6)])
 def test_a_thinned_pass_of_few_rows_is_filled_to_within_a_row(pump: Contract, tmp_path: Path, salt: str) -> None:
     """A pass that carries about half of 48 waiting rows once they share one footer (digits at 2%: about ten rows a
