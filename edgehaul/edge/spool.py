@@ -218,9 +218,10 @@ class _ThinnedOut:
 
 
 def _draw_size(keep: float, first: bool, n: int) -> int:
-    """Rows a fixed-size thinning draw keeps of `n`: keep x n rounded for the first draw; a later one (the packing
-    left the pass over) at least one row fewer."""
-    return max(0, min(n, round(keep * n)) if first else min(n - 1, math.floor(keep * n)))
+    """Rows a fixed-size thinning draw keeps of `n`: keep x n rounded, plus one, for the first draw; a later one (the
+    packing left the pass over) at least one row fewer. One over: a draw that overruns is cut a row at a time by
+    the next round, where one that falls short can add no row back (digits at 2%: a 12-row pack where 13 fit)."""
+    return max(0, min(n, round(keep * n) + 1) if first else min(n - 1, math.floor(keep * n)))
 
 
 class SpoolError(RuntimeError):
