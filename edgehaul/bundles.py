@@ -66,6 +66,12 @@ class BundleError(ValueError):
     """A bundle is corrupt, truncated, or does not match its manifest."""
 
 
+class BundleGone(LookupError):
+    """A source no longer holds a bundle it listed, and has accounted for its samples itself (sent, thinned into
+    another bundle, expired, or dropped as corrupt and ledgered). A drain must neither retry it nor queue it for a
+    retry: the retry queue would expire it later and ledger the same samples a second time, as retry-expired."""
+
+
 # Ids become parts of object keys (landing, quarantine, claims) and Delta txn ids: only characters that
 # are safe in every one of them, and never a path step ("..", "/"). Node ids as `EdgeNode.node_id`;
 # bundle ids are hex digests (see `bundle_id_for`), letters, digits, "-" and "_" also accepted.

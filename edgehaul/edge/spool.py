@@ -62,7 +62,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from edgehaul import events
-from edgehaul.bundles import BundleError, BundleManifest, full_rows, read_bundle, write_bundle
+from edgehaul.bundles import BundleError, BundleGone, BundleManifest, full_rows, read_bundle, write_bundle
 from edgehaul.contracts import INCLUSION_P, contract_by_id, tier_rank
 from edgehaul.edge import ledger
 from edgehaul.edge.ledger import Ledger
@@ -228,8 +228,13 @@ class SpoolError(RuntimeError):
     """A spool operation cannot be done as asked (bad input, unknown bundle, checksum mismatch)."""
 
 
-class CorruptBundle(SpoolError):
-    """A spooled bundle's bytes no longer match its manifest's SHA-256 (the disk changed them)."""
+class NoSuchBundle(SpoolError, BundleGone):
+    """The spool holds no bundle of that id (sent, thinned or dropped since it was listed)."""
+
+
+class CorruptBundle(SpoolError, BundleGone):
+    """A spooled bundle's bytes no longer match its manifest's SHA-256 (the disk changed them). Raised once the
+    spool has dropped it and ledgered its samples (`CORRUPT`): no copy is left to send."""
 
 
 @dataclass(frozen=True)
@@ -446,28 +451,34 @@ class Spool:
             return None
 
     def read(self, bundle_id: str) -> bytes:
-        """The bundle's bytes, checked against its manifest's SHA-256."""
+        """The bundle's bytes, checked against its manifest's SHA-256. A bundle corrupt on disk is dropped, its
+        samples ledgered (`CORRUPT`) and an error logged before CorruptBundle is raised: the node holds no other copy,
+        and one bad file must stop neither a pass's thinning nor its drain (it went to the retry queue, was read
+        corrupt again at every retry and expired as `retry-expired`, the cause lost)."""
         e = self.get(bundle_id)
         if e is None:
-            raise SpoolError(f"spool {self.root}: no bundle {bundle_id}")
-        data = e.path.read_bytes()
+            raise NoSuchBundle(f"spool {self.root}: no bundle {bundle_id}")
+        try:
+            data = e.path.read_bytes()
+        except FileNotFoundError as exc:  # sent or thinned between the listing and the read
+            raise NoSuchBundle(f"spool {self.root}: bundle {bundle_id} is gone") from exc
         digest = hashlib.sha256(data).hexdigest()
         if digest != e.manifest.sha256:
-            raise CorruptBundle(f"spool {self.root}: bundle {bundle_id} corrupt on disk (sha256 {digest[:12]}, "
-                                f"manifest {e.manifest.sha256[:12]})")
+            problem = (f"spool {self.root}: bundle {bundle_id} corrupt on disk (sha256 {digest[:12]}, manifest "
+                       f"{e.manifest.sha256[:12]})")
+            with self._locked():
+                if self.get(bundle_id) is not None:  # not dropped meanwhile by another reader
+                    self._drop(e, ledger.STAGE_SPOOL, ledger.CORRUPT, detail=problem)
+                    log.error("%s: dropped, its %d samples ledgered as %s", problem, e.manifest.row_count,
+                              ledger.CORRUPT)
+            raise CorruptBundle(problem)
         return data
 
     def _read_waiting(self, e: SpoolEntry, columns: list[str] | None = None) -> pa.Table | None:
-        """A waiting bundle's rows for a thinning; None where it is gone (sent meanwhile) or corrupt on disk. A
-        corrupt one is dropped, its samples in the ledger (`CORRUPT`) and an error logged: one bad file must not stop
-        a pass from thinning the rest (it raised, and the node's every pass planned nothing)."""
+        """A waiting bundle's rows for a thinning; None where it is gone (sent meanwhile) or corrupt on disk (`read`
+        has dropped and ledgered it): the pass thins the rest."""
         try:
             return read_bundle(self.read(e.bundle_id), e.manifest, columns=columns)
-        except CorruptBundle as exc:
-            with self._locked():
-                self._drop(e, ledger.STAGE_SPOOL, ledger.CORRUPT, detail=str(exc))
-            log.error("%s: dropped, its %d samples ledgered as %s", exc, e.manifest.row_count, ledger.CORRUPT)
-            return None
         except SpoolError:
             return None
 

@@ -148,8 +148,8 @@ def drain_spool(
         ledger.add(datetime.now(UTC), rep.landed)
         metrics = drain_metrics(rep, link.cap_bytes_per_s, retry_queue=len(queue), spool_pending=len(spool.pending()),
                                 spool_used_fraction=spool.usage().fraction, plan=plan, later=later, values=values)
-        log.info("drained %d bundles (%d bytes) in %.1fs, %d failed, %d in retry queue",
-                 len(rep.landed), rep.bytes_landed, rep.seconds, len(rep.failed), len(queue))
+        log.info("drained %d bundles (%d bytes) in %.1fs, %d failed (%d gone from the spool), %d in retry queue",
+                 len(rep.landed), rep.bytes_landed, rep.seconds, len(rep.failed), len(rep.gone), len(queue))
         queue.close()
         return metrics
     finally:

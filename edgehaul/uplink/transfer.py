@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from botocore.exceptions import ClientError
 
 from edgehaul import events
-from edgehaul.bundles import BundleManifest
+from edgehaul.bundles import BundleGone, BundleManifest
 from edgehaul.platform import s3compat
 from edgehaul.platform.s3_errors import DIGEST_CODES, error_code, is_retryable
 from edgehaul.uplink.link import Link, LinkDown, Priority, priority_key
@@ -532,7 +532,7 @@ class Source(Protocol):
     """What the drain needs from a spool (edgehaul.edge.spool.Spool satisfies it)."""
 
     def pending(self) -> Sequence[PendingEntry]: ...
-    def read(self, bundle_id: str) -> bytes: ...
+    def read(self, bundle_id: str) -> bytes: ...  # BundleGone: no longer held, and accounted for by the source
     def ack(self, bundle_id: str, *, remote_key: str, sha256: str) -> Any: ...
 
 
@@ -554,6 +554,7 @@ class DrainReport:
     landed: list[Receipt] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # bundle_id -> last error
     queued_for_retry: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)  # left the source while listed (corrupt on disk: ledgered there)
     attempts: int = 0
     seconds: float = 0.0
     bytes_landed: int = 0  # bundle bytes newly landed (duplicates not counted)
@@ -580,6 +581,7 @@ class DrainReport:
             "bundles_landed": len(self.landed),
             "bundles_failed": len(self.failed),
             "queued_for_retry": len(self.queued_for_retry),
+            "bundles_gone": len(self.gone),
             "bytes_landed": self.bytes_landed,
             "seconds": round(self.seconds, 3),
             "goodput_bps": round(self.goodput_bps, 1),
@@ -729,6 +731,14 @@ class Drainer:
                         except Exception as ack_exc:  # landed but not acknowledged: keep draining the others
                             log.error("bundle %s landed but the spool ack failed: %s", e.bundle_id, ack_exc)
                             rep.failed[e.bundle_id] = f"ack failed: {type(ack_exc).__name__}: {ack_exc}"
+                        continue
+                    if isinstance(exc, BundleGone):  # the source accounted for it: nothing to retry, ever
+                        log.error("bundle %s not sent: %s", e.bundle_id, exc)
+                        rep.failed[e.bundle_id] = f"{type(exc).__name__}: {exc}"
+                        rep.gone.append(e.bundle_id)
+                        not_before.pop(e.bundle_id, None)
+                        if self.retry_queue is not None:
+                            self.retry_queue.remove(e.bundle_id)
                         continue
                     retryable = is_retryable(exc)
                     log.info("bundle %s attempt %d failed (%s): %s", e.bundle_id, tries[e.bundle_id],

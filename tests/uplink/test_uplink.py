@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -320,6 +321,54 @@ def test_access_denied_is_not_retried_and_goes_to_the_retry_queue(stack: localst
     # HEAD of a key outside its prefix is 403 (treated as absent); the conditional PUT is then denied
     assert rep.attempts == 1 and m.bundle_id in rep.failed and "AccessDenied" in rep.failed[m.bundle_id]
     assert [e.bundle_id for e in q.entries()] == [m.bundle_id] and len(src) == 1  # still in the source, not lost
+
+
+@pytest.mark.integration
+def test_a_bundle_corrupt_on_disk_is_ledgered_once_and_never_queued_for_retry(
+        store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A spooled bundle the disk changed went to the retry queue, was read corrupt again at each retry and expired
+    as retry-expired, the cause lost. The drain's read now drops it (its samples ledgered as corrupt-on-disk, an
+    error naming it) and the drain lands the rest without queueing it; a bundle gone from the spool between the
+    listing and the read is not queued either."""
+    clock = [1000.0]
+    spool = Spool(tmp_path / "spool", cap_bytes=50 * MiB, node_id="node-a", emit=lambda *a, **k: True)
+    made = [bundle(20, seed=s, start_seq=1000 * s + 81_000) for s in range(3)]
+    for d, m in made:
+        spool.put(d, m)
+    bad = made[1][1]
+    path = spool.get(bad.bundle_id).path  # type: ignore[union-attr]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # the size still matches: only the digest tells
+    path.write_bytes(bytes(raw))
+    q = RetryQueue(tmp_path / "spool" / "retry.sqlite", cap=10, expiry_seconds=100, ledger=spool.ledger,
+                   discard=lambda b: spool_discard(spool, b), clock=lambda: clock[0], emit_events=False)
+    with caplog.at_level(logging.ERROR, logger="edgehaul"):
+        rep = Drainer(Uplink(store, Link(prof(4 * MiB)), tmp_path / "s"), spool, attempts=3, backoff_s=(0.1,),
+                      retry_queue=q, emit_events=False).run(max_seconds=60)
+    assert rep.gone == [bad.bundle_id] and "corrupt on disk" in rep.failed[bad.bundle_id]
+    assert f"bundle {bad.bundle_id} corrupt on disk" in caplog.text
+    assert rep.attempts == 3 and {r.bundle_id for r in rep.landed} == {m.bundle_id for _, m in made} - {bad.bundle_id}
+    assert len(q) == 0 and rep.queued_for_retry == [] and spool.pending() == []
+    found = spool.ledger.lookup(bad.sample_ids)
+    assert set(found) == set(bad.sample_ids) and all(v == [("spool", "corrupt-on-disk")] for v in found.values())
+    clock[0] += 1000
+    assert q.expire() == [] and spool.ledger.counts() == {("spool", "corrupt-on-disk"): bad.row_count}
+    assert rep.metrics(4 * MiB)["bundles_gone"] == 1
+    # listed, then gone before its read (sent by another drain, thinned): not retried, not queued, nothing ledgered
+    d, m = bundle(20, seed=9, start_seq=89_000)
+    spool.put(d, m)
+    listed = spool.pending()
+    spool.ack(m.bundle_id, remote_key="elsewhere", sha256=m.sha256)
+
+    class Stale:
+        pending = staticmethod(lambda: listed)
+        read = spool.read
+        ack = spool.ack
+
+    rep = Drainer(Uplink(store, Link(prof(4 * MiB)), tmp_path / "s"), Stale(), attempts=3, backoff_s=(0.1,),
+                  retry_queue=q, emit_events=False).run(max_seconds=5)
+    assert rep.gone == [m.bundle_id] and rep.attempts == 1 and len(q) == 0
+    assert spool.ledger.lookup(m.sample_ids) == {}
 
 
 @pytest.mark.integration
