@@ -228,6 +228,11 @@ class SpoolError(RuntimeError):
     """A spool operation cannot be done as asked (bad input, unknown bundle, checksum mismatch)."""
 
 
+class NoRoom(SpoolError):
+    """A thinning's packs found no room in the spool (over its cap, as after the cap was lowered, and nothing it may
+    displace); the bundles they would have replaced stay whole."""
+
+
 class NoSuchBundle(SpoolError, BundleGone):
     """The spool holds no bundle of that id (sent, thinned or dropped since it was listed)."""
 
@@ -660,7 +665,7 @@ class Spool:
                 with self._locked():
                     for w in written:
                         self._remove(w)
-                raise SpoolError(f"spool {self.root}: no room for a thinned bundle of {len(parts)} bundles "
+                raise NoRoom(f"spool {self.root}: no room for a thinned bundle of {len(parts)} bundles "
                                  f"({len(data)} bytes); they stay whole")
             credit, written = max(0, credit - len(data) - len(man.to_json())), [*written, packed]
         with self._locked():
@@ -792,14 +797,23 @@ class Spool:
                                                              for e in thinned)
                 keep = solve(row_scale=self._packed_scale(thinned, overhead, int(min(rows, pack_rows or rows))))
             if keep >= 1.0 and not done:  # over only for its footers: packed, every row fits
-                done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
-                                      pack_with=tuple(whole), repack=True, pack_bytes=pack_bytes))
+                try:
+                    done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
+                                          pack_with=tuple(whole), repack=True, pack_bytes=pack_bytes))
+                except NoRoom as exc:
+                    log.warning("%s: the pass plans the bundles as they wait", exc)
+                    break
                 if not done[-1].bundles:
                     break
                 continue
             # the first draw meets the expected bytes; a later one (the packing left it over) is a row fewer at least
-            res = self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows, pack_bytes=pack_bytes,
-                            pack_with=tuple(whole), repack=True, keep_rows=functools.partial(_draw_size, keep, not done))
+            try:
+                res = self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
+                                pack_bytes=pack_bytes, pack_with=tuple(whole), repack=True,
+                                keep_rows=functools.partial(_draw_size, keep, not done))
+            except NoRoom as exc:  # raised, it stopped the pass's plan: nothing was sent to free the room
+                log.warning("%s: the pass plans the bundles as they wait", exc)
+                break
             if not res.bundles:  # no full row waits in the tiers thinned
                 break
             done.append(res)

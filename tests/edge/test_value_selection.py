@@ -356,6 +356,26 @@ def test_a_bundle_corrupt_on_disk_is_ledgered_and_the_pass_thins_the_rest(
     assert sent.isdisjoint(kept) and sent | kept == set(others) - raw_before
 
 
+def test_a_spool_over_its_cap_plans_its_pass_unthinned_and_loses_nothing(
+        pump: Contract, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A spool over its cap (an operator lowered it) with nothing it may displace had no room for a thinning's packs:
+    thin_to raised, and every pass of the node planned nothing, so nothing was sent to free the room. It now logs
+    why and returns; the bundles wait as they were, every sample in one of them."""
+    policy = TieringPolicy(version="full", budget_share=0.2, flush_max_samples=16, flush_max_bytes=64 * 1024)
+    spool = run_edge(pump, policy, tmp_path, n=600, batch=200, seed=14)
+    before = {e.bundle_id: e.manifest.sample_ids for e in spool.pending()}
+    used = spool.usage().used_bytes
+    small = Spool(spool.root, cap_bytes=used // 4, node_id="node-a", full_policy="reject-new",
+                  emit=lambda *a, **k: True)
+    capacity = sum(e.manifest.nbytes for e in small.pending()) * 9 // 10  # most bundles keep every row: packs only
+    with caplog.at_level(logging.WARNING, logger="edgehaul.edge.spool"):
+        small.thin_to(capacity, salt="pass-full", pack_rows=policy.flush_max_samples)
+    assert "no room for a thinned bundle" in caplog.text and "the pass plans the bundles as they wait" in caplog.text
+    assert {e.bundle_id: e.manifest.sample_ids for e in small.pending()} == before
+    # the lowered cap evicted the raw store (rows left on the node, not the pass's) at open; nothing else left
+    assert set(small.ledger.counts()) <= {("spool-raw", "raw-evicted")}
+
+
 @pytest.mark.parametrize("salt", [f"pass-fill-{i}" for i in range(6)])
 def test_a_thinned_pass_of_few_rows_is_filled_to_within_a_row(pump: Contract, tmp_path: Path, salt: str) -> None:
     """A pass that carries about half of 48 waiting rows once they share one footer (digits at 2%: about ten rows a
