@@ -711,9 +711,11 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     # FIFO's pass at each budget, packed as every policy's is; its rows are what a packed pass carries
     fifo_packs = {b: {r: fifo_packed(*fifo_spools[r], b * raw[r], work / f"fifo-{round(b * 100)}-{r}") for r in (0, 1)}
                   for b in cfg.budgets if b < 1.0}
-    pass_rows = {b: sum(e.manifest.row_count for r in (0, 1) for e in fifo_packs[b][r][1]) / 2 if b < 1.0
-                 else fifo_report.full_rows / len(raw) for b in cfg.budgets}
-    plans = tier_plans(pass_rows, fifo_report.full_rows / len(raw))
+    round_rows = [sum(e.manifest.row_count for e in fifo_spools[r][1]) for r in (0, 1)]
+    round_pass_rows = {b: [sum(e.manifest.row_count for e in fifo_packs[b][r][1]) if b < 1.0 else round_rows[r]
+                           for r in (0, 1)] for b in cfg.budgets}
+    pass_rows = {b: sum(rows) / len(rows) for b, rows in round_pass_rows.items()}
+    plans = tier_plans(round_pass_rows, round_rows)
     log("tiered edges plan " + ", ".join(f"{b:.0%}: {f:.3f}" for b, f in plans.items()) + " x the budget in "
         "full-row bytes (the link's bundle bytes in the policy's unit, with the surplus a pass thins); coverage, "
         "urgent share " + ", ".join(f"{b:.0%}: {pol.coverage:.2f}, {pol.urgent_max_share:.2f} ({rows:.0f} rows a pass)"
@@ -894,11 +896,15 @@ def planned_per_budget(rows_per_pass: float, rows_per_round: float, budget: floa
     return rows_per_pass * draw_surplus(rows_per_pass, 1.0) / max(rows_per_round, 1.0) / budget
 
 
-def tier_plans(pass_rows: dict[float, float], rows_per_round: float) -> dict[float, float]:
-    """`planned_per_budget` per budget, for the rows a round's link carries packed (FIFO's packed pass: its rows
+def tier_plans(pass_rows: dict[float, list[float]], rows_per_round: list[float]) -> dict[float, float]:
+    """`planned_per_budget` per budget, for the rows each round's link carries packed (FIFO's packed pass: its rows
     pack a little tighter than a sample's, which the surplus covers; priced at their 16-row bundles' bytes less the
-    fixed parts, a gait pass was planned at 40% of what it carries)."""
-    return {b: planned_per_budget(rows, rows_per_round, b) for b, rows in pass_rows.items()}
+    fixed parts, a gait pass was planned at 40% of what it carries), the most any round needs: each round is one
+    pass whose leftovers expire, so a draw short of one round's pass is not made up by the other's (a node's pass
+    drain thins for every pass within the bundles' TTL, `plan_pass_drain`). Digits at 2%: rounds of 600 and 478
+    rows whose passes carry about 9 and 4, planned at their mean, drew under the first pass one draw in five."""
+    return {b: max(planned_per_budget(r, n, b) for r, n in zip(rows, rows_per_round, strict=True))
+            for b, rows in pass_rows.items()}
 
 
 def remove_draw(work: Path, pol: str, budget: float, seed: int) -> None:

@@ -298,9 +298,13 @@ def test_a_tiered_edge_plans_the_rows_a_packed_pass_carries() -> None:
     from benchmarks.bench_value import FULL, planned_per_budget, policy_for, tier_plans
     from edgehaul.uplink.pass_plan import draw_surplus
 
-    plans = tier_plans({0.02: 9.0, 0.05: 40.0, 1.0: 500.0}, 500)
+    plans = tier_plans({0.02: [9.0, 9.0], 0.05: [40.0, 40.0], 1.0: [500.0, 500.0]}, [500, 500])
     assert plans[0.05] * 0.05 * 500 == pytest.approx(40 * draw_surplus(40, 1.0))  # rows measured packed: no margin
     assert plans[0.02] * 0.02 * 500 == pytest.approx(9 * draw_surplus(9, 1.0))
+    # rounds whose passes carry different rows: the draw covers each round's pass, not their mean
+    uneven = tier_plans({0.02: [9.5, 4.5]}, [600, 478])[0.02] * 0.02
+    assert uneven * 600 == pytest.approx(9.5 * draw_surplus(9.5, 1.0)) and uneven * 478 > 4.5 * draw_surplus(4.5, 1.0)
+    assert uneven > tier_plans({0.02: [7.0, 7.0]}, [539, 539])[0.02] * 0.02
     assert planned_per_budget(10, 500, 0.02) / (10 / 500 / 0.02) > planned_per_budget(1_000, 500, 0.02) / (
         1_000 / 500 / 0.02) > 1
     assert policy_for("tier-novelty", FULL, 0.8 * 262 / 179).budget_share == 1.0  # a share is at most everything
