@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgehaul.blocks import TieringPolicy
-from edgehaul.bundles import read_bundle
+from edgehaul.bundles import read_bundle, write_bundle
 from edgehaul.contracts import Contract, load_contract
 from edgehaul.edge.batch import ingest_batch
 from edgehaul.edge.preprocess import batch_key
@@ -395,6 +395,25 @@ def test_a_thinned_pass_of_few_rows_is_filled_to_within_a_row(pump: Contract, tm
     row = left / max(kept, 1)  # a packed bundle's bytes per row, its footer included
     assert left <= capacity and capacity - left < row, (capacity, left, kept, [(r.keep, r.rows_kept) for r in rounds])
     assert kept + sum(e.manifest.row_count for e in spool.raw_entries()) == 48  # every row sent or kept
+
+
+def test_rows_from_small_bundles_that_fit_one_pack_are_packed_as_one(pump: Contract, tmp_path: Path) -> None:
+    """A pack's rows are reckoned at their bundles' bytes per row, more than a pack carries them in where the bundles
+    are small: rows that fit the pass as one pack were cut into two, the second paying a footer of its own, and the
+    pass was thinned again (digits at 2%: 8 rows sent where 9 fit). What fits as one pack is now packed as one."""
+    policy = TieringPolicy(version="one-pack", flush_max_samples=2, low_threshold=0.0, high_threshold=1.0)
+    spool = run_edge(pump, policy, tmp_path, n=24, batch=24, seed=8)
+    pending = spool.pending()
+    assert len(pending) == 12 and {e.manifest.row_count for e in pending} == {2}
+    rows = pa.concat_tables([read_bundle(spool.read(e.bundle_id), e.manifest) for e in pending])
+    one = len(write_bundle(rows, pump, tier="normal")[0])
+    fixed = spool.fixed_part(pending[0])
+    reckoned = fixed + sum(max(e.manifest.nbytes - fixed, 0) // e.manifest.row_count * 2 for e in pending)
+    assert reckoned > one + 16  # as reckoned, the rows overrun one pack of `one + 16` bytes
+    spool.thin(1.0, salt="one-pack", repack=True, pack_bytes=one + 16)
+    after = spool.pending()
+    assert [e.manifest.row_count for e in after] == [24] and after[0].manifest.nbytes <= one + 16
+    assert sorted(after[0].manifest.sample_ids) == sorted(rows.column("sample_id").to_pylist())
 
 
 def test_thinning_urgent_and_normal_together_packs_their_rows_together_urgent_first(pump: Contract,
