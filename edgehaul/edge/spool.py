@@ -667,7 +667,7 @@ class Spool:
         if len(bounds) > 2 and bounds[-1] - bounds[-3] <= max_rows:
             # rows are reckoned at their bundles' bytes per row, and small bundles carry a row in more than a pack
             # does: the last pack may be a row or two cut off for nothing, paying a footer of its own (digits at
-            # 2%: 9 rows priced 2,895 B of a 2,872 B pass packed to 2,738 + 1,719, and the pass was thinned again)
+            # 2%: 9 rows cut into packs of 2,738 + 1,719 B for a 2,872 B pass, which as one took 2,865 B)
             joined = pack(bounds[-3], bounds[-1])
             if len(joined[0]) <= limit + fixed:
                 bounds = [*bounds[:-2], bounds[-1]]
