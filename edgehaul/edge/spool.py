@@ -812,27 +812,20 @@ class Spool:
                 rows = keep * sum(drawn_rows.values()) + sum(e.manifest.row_count - drawn_rows[e.bundle_id]
                                                              for e in thinned)
                 keep = solve(row_scale=self._packed_scale(thinned, overhead, int(min(rows, pack_rows or rows))))
-            if keep >= 1.0 and not done:  # over only for its footers: packed, every row fits
-                try:
-                    done.append(self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
-                                          pack_with=tuple(whole), repack=True, pack_bytes=pack_bytes))
-                except NoRoom as exc:
-                    log.warning("%s: the pass plans the bundles as they wait", exc)
-                    break
-                if not done[-1].bundles:
-                    break
-                continue
-            # the first draw meets the expected bytes; a later one (the packing left it over) is a row fewer at least
+            # over only for its footers (keep 1 on the first round): packed, every row fits; otherwise the first
+            # draw meets the expected bytes, and a later one (the packing left it over) is a row fewer at least
+            every_row = keep >= 1.0 and not done
+            size = {} if every_row else {"keep_rows": functools.partial(_draw_size, keep, not done)}
             try:
                 res = self.thin(1.0, salt=f"{salt}|{r}", tiers=tiers, skip=skip, pack_rows=pack_rows,
-                                pack_bytes=pack_bytes, pack_with=tuple(whole), repack=True,
-                                keep_rows=functools.partial(_draw_size, keep, not done))
+                                pack_bytes=pack_bytes, pack_with=tuple(whole), repack=True, **size)
             except NoRoom as exc:  # raised, it stopped the pass's plan: nothing was sent to free the room
                 log.warning("%s: the pass plans the bundles as they wait", exc)
                 break
+            if every_row or res.bundles:
+                done.append(res)
             if not res.bundles:  # no full row waits in the tiers thinned
                 break
-            done.append(res)
         return done
 
     def write_staging(self, name: str, data: bytes) -> Path:
