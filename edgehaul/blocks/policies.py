@@ -135,8 +135,8 @@ class TieringPolicy(Block):
         "Share of low-tier samples that travel in full anyway (a draw per sample id, the same on every rerun); "
         "each row records its inclusion probability (inclusion_p: 1 for high and normal, this for low), by "
         "which training weights rows back to the population."))
-    # With a byte budget every row gets a known chance of crossing the link (Poisson sampling by value, with a
-    # floor): cutting a value-ranked spool at the budget would land only the top and bias training.
+    # With a byte budget every row gets a known chance of crossing the link (a fixed-size draw per batch, p by value
+    # with a floor): cutting a value-ranked spool at the budget would land only the top and bias training.
     budget_share: float | None = Field(default=None, gt=0, le=1, description=(
         "Share of each batch's full-row bytes the node plans to send (from its link: "
         "`edgehaul.uplink.pass_plan.planned_share`). Set: every row travels with inclusion_p proportional to "

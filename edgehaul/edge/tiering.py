@@ -3,11 +3,12 @@ and raw-store bundles for the local spool.
 
 - `route(values, policy)`: value >= high_threshold -> "high", value < low_threshold -> "low", else
   "normal".
-- Every row has an inclusion probability (`inclusion_p`, written in the row) and travels in full iff
-  `u(policy version, sample id) < inclusion_p` (`draw`: SHA-256 per sample in one native pass, so a rerun
-  or retry sends the same rows and the bundle ids and caches hold; nested in p). Without a byte budget p is
-  1 for high and normal and `sample_rate` for low; with `TieringPolicy.budget_share` it is value-proportional
-  above a coverage floor, solved per batch so the expected bytes meet the budget
+- Every row has an inclusion probability (`inclusion_p`, written in the row). Without a byte budget a row travels
+  in full iff `u(policy version, sample id) < inclusion_p` (`draw`: SHA-256 per sample in one native pass, so a
+  rerun or retry sends the same rows and the bundle ids and caches hold; nested in p); with one, by a draw of
+  fixed size per batch with each row's chance its p (`draw_fixed`, the same on a rerun of the batch). Without a
+  byte budget p is 1 for high and normal and `sample_rate` for low; with `TieringPolicy.budget_share` it is
+  value-proportional above a coverage floor, solved per batch so the expected bytes meet the budget
   (`inclusion_probabilities`). A cut by rank is never made: every landed row can be weighted by 1/p.
 - `Batcher`: drawn high rows leave at once as urgent bundles (each <= urgent_max_bytes); the other drawn rows
   and the summary rows of the rows left (payload columns null, is_summary true; only where a summary is
@@ -81,6 +82,29 @@ def draw(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: TieringP
     changes the draw); nested: a larger p keeps every sample drawn under a smaller one."""
     p64 = np.asarray(p, dtype=np.float32).astype(np.float64)  # the p written in the row decides, not a wider one
     return uniforms(sample_ids, policy.version) < p64
+
+
+def draw_fixed(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: TieringPolicy) -> np.ndarray:
+    """The budgeted draw of one batch: systematic sampling in a random order. The rows with 0 < p < 1 are ordered
+    by u(policy version, sample) and laid end to end on a line, each an interval of its p; a row travels iff a
+    point start + k (k an integer) falls in its interval, start a uniform of the batch (the sum, mod 1, of a
+    second hash per row: independent of the order, the same on a rerun). Each row's chance is still exactly its p,
+    and the batch draws floor or ceil of sum(p) rows where a Poisson draw's count has sd sqrt(sum p): digits at 2%
+    planned 13.8 rows a round and one seed drew 5, under the 9 its pass carried. p 1 always, p 0 never travels.
+    A function of the batch, not of a row alone: a rerun of the same batch draws the same rows."""
+    p64 = np.asarray(p, dtype=np.float32).astype(np.float64)  # the p written in the row decides, not a wider one
+    out = p64 >= 1.0
+    mid = np.flatnonzero((p64 > 0) & ~out)
+    if not len(mid):
+        return out
+    ids = pa.chunked_array([sample_ids]) if isinstance(sample_ids, pa.Array) else sample_ids
+    chosen = ids.take(pa.array(mid))
+    order = mid[np.argsort(uniforms(chosen, policy.version), kind="stable")]
+    start = float(np.sum(uniforms(chosen, f"{policy.version}|start"))) % 1.0
+    ends = np.cumsum(p64[order])
+    points = np.floor(ends - start) - np.floor(np.concatenate(([0.0], ends[:-1])) - start)
+    out[order] = points > 0
+    return out
 
 
 def drawn(sample_ids: pa.Array | pa.ChunkedArray, policy: TieringPolicy) -> np.ndarray:
@@ -493,8 +517,9 @@ class Batcher:
     def add(self, scored: pa.Table) -> list[BuiltBundle]:
         """Route one scored batch (bundle-schema rows with tier and inclusion_p set). Returns bundles ready now.
 
-        One `draw` per row (u < inclusion_p) and one reordering `take`: urgent rows, then the other rows drawn,
-        then the rows left whose summary earns its bytes, then the rest left; every bundle is a slice of it."""
+        One draw per batch (`draw`, or `draw_fixed` under a budget) and one reordering `take`: urgent rows, then
+        the other rows drawn, then the rows left whose summary earns its bytes, then the rest left; every bundle is a
+        slice of it."""
         out: list[BuiltBundle] = []
         tiers = scored.column("tier").to_numpy()
         n = scored.num_rows
@@ -505,7 +530,8 @@ class Batcher:
         self.report.value_total += float(pc.sum(scored.column("value")).as_py() or 0.0)
         out.extend(self.poll())
         p = scored.column(INCLUSION_P).to_numpy()
-        sent = draw(scored.column("sample_id"), p, self.policy)
+        # with a budget, a draw of fixed size per batch (each p exact); without, the per-sample draw at sample_rate
+        sent = (draw if self.policy.budget_share is None else draw_fixed)(scored.column("sample_id"), p, self.policy)
         self.report.sampled_low += int((sent & is_low).sum())
         full, summ = plan_bytes(scored, scored.column("value").to_numpy(), self.policy, self.contract)
         earns = summ > 0

@@ -326,8 +326,10 @@ MONTH_S = 30 * 86400.0
 PLAN_HEADROOM = 0.9  # plan a tenth under the link: retries, manifests and control traffic share it
 # A node with passes draws more than a pass carries, and the pass thins the surplus (`Spool.thin_to`: a recorded
 # draw of fixed size, p updated, the rest to the raw store): a pass can take rows off, never add the rows a draw
-# left out. The draw is Poisson, so at exactly the pass's bytes it falls short half the time, by about 1/sqrt(n) of
-# n rows (digits at 2%: ten rows a pass, a third short at one sd); DRAW_SURPLUS_Z sds cover it 19 times in 20.
+# left out. Sized for a Poisson draw, which at exactly the pass's bytes falls short half the time, by about 1/sqrt(n)
+# of n rows (digits at 2%: ten rows a pass, a third short at one sd); DRAW_SURPLUS_Z sds cover it 19 times in 20.
+# The budgeted draw is now of fixed size per batch (`tiering.draw_fixed`), far nearer its expectation; the surplus
+# stays as measured with it, and the pass thins what is over at random.
 DRAW_SURPLUS_Z = 1.645
 # A budget_share is a share of full-row bytes (uncompressed); a bundle's zstd Parquet carries a row in fewer. Where
 # a node has not measured how many (`wire_ratio`), this margin (gait 0.87x, Landsat 0.89x in 16-row packs).

@@ -164,6 +164,38 @@ def test_uniforms_are_the_sha256_of_version_and_sample_id() -> None:
     assert np.allclose(u, want, atol=2**-52)
 
 
+@settings(max_examples=40, deadline=None)
+@given(p=st.lists(st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 1.0), min_size=1, max_size=300),
+       version=st.text(min_size=1, max_size=8), seed=st.integers(0, 2**32 - 1))
+def test_a_budgeted_draw_is_of_fixed_size_and_the_same_in_any_order(p: list[float], version: str, seed: int) -> None:
+    """Whatever the p: a batch draws floor or ceil of its sum of p (a Poisson draw's count has an sd of
+    sqrt(sum p)), p 1 always and p 0 never, and the batch in another order draws the same rows."""
+    from edgehaul.edge.tiering import draw_fixed, on_p_grid
+
+    q = on_p_grid(np.asarray(p))
+    ids = pa.array([f"n-{seed}-{i}" for i in range(len(q))])
+    policy = TieringPolicy(version=version)
+    got = draw_fixed(ids, q, policy)
+    total = float(q.astype(np.float64).sum())
+    assert math.floor(total + 1e-9) <= int(got.sum()) <= math.ceil(total - 1e-9)
+    assert got[q >= 1].all() and not got[q == 0].any()
+    order = np.random.default_rng(seed).permutation(len(q))
+    assert np.array_equal(draw_fixed(ids.take(pa.array(order)), q[order], policy), got[order])
+
+
+def test_a_budgeted_draw_lands_each_row_with_its_p() -> None:
+    """Over 4,000 draws (policy versions) of one batch of 60 rows, each row lands its p of the time (every row
+    within 4.5 binomial sds), and every draw holds 8 or 9 rows (sum p 8.76)."""
+    from edgehaul.edge.tiering import draw_fixed, on_p_grid
+
+    q = on_p_grid(np.random.default_rng(3).uniform(0.02, 0.5, 60) ** 1.5)
+    ids = pa.array([f"node-a-{i}" for i in range(60)])
+    draws = np.array([draw_fixed(ids, q, TieringPolicy(version=f"v{k}")) for k in range(4000)])
+    p = q.astype(np.float64)
+    assert set(draws.sum(axis=1).tolist()) == {math.floor(p.sum()), math.ceil(p.sum())}
+    assert (np.abs(draws.mean(axis=0) - p) < 4.5 * np.sqrt(p * (1 - p) / 4000)).all()
+
+
 def test_a_batch_sends_its_budget_and_p_is_the_chance_of_landing(pump: Contract, tmp_path: Path) -> None:
     """Budget 5%: the full rows sent are ~5% of the full-row bytes; over 30 disjoint draws (policy versions),
     each row lands about inclusion_p of the time; 1/p weights give the stream's fault rate back."""
