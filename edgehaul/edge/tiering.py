@@ -97,8 +97,7 @@ def draw_fixed(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: Ti
     mid = np.flatnonzero((p64 > 0) & ~out)
     if not len(mid):
         return out
-    ids = pa.chunked_array([sample_ids]) if isinstance(sample_ids, pa.Array) else sample_ids
-    chosen = ids.take(pa.array(mid))
+    chosen = sample_ids.take(pa.array(mid))
     order = mid[np.argsort(uniforms(chosen, policy.version), kind="stable")]
     start = float(np.sum(uniforms(chosen, f"{policy.version}|start"))) % 1.0
     ends = np.cumsum(p64[order])
