@@ -16,7 +16,7 @@ import pyarrow as pa
 from edgehaul.contracts import Contract
 from edgehaul.edge import ledger as ledger_mod
 from edgehaul.edge.preprocess import preprocess
-from edgehaul.edge.scoring import ContextualScorer, Scorer, values_or_fallback
+from edgehaul.edge.scoring import ContextualScorer, Scorer, feature_matrix, values_or_fallback
 from edgehaul.edge.spool import Spool
 from edgehaul.edge.tiering import Batcher, TierReport, assign
 
@@ -59,9 +59,11 @@ def ingest_batch(
     if isinstance(scorer, ContextualScorer):
         scorer.fold(table, ctx)
     scored = assign(table, values, policy, contract)
+    # a budgeted draw spreads its rows over the features the edge holds (derived ones too; no bundle carries them)
+    features = feature_matrix(table, contract) if policy.budget_share is not None else None
     del table, result
     batcher = Batcher(policy, contract, scorer_version=scorer_version, team=team)
-    built = batcher.add(scored) + batcher.flush() if scored.num_rows else []
+    built = batcher.add(scored, features) + batcher.flush() if scored.num_rows else []
     out: list[dict[str, Any]] = []
     for b in built:
         entry = spool.put(b.data, b.manifest)

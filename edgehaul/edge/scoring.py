@@ -79,7 +79,7 @@ class BatchSketch:
 
     @classmethod
     def of(cls, table: pa.Table, contract: Contract) -> BatchSketch:
-        feats = _features(table, contract).astype(np.float64)
+        feats = feature_matrix(table, contract).astype(np.float64)
         counts: dict[int, int] = {}
         if contract.label_column is not None:  # a kind without a label sketches its features only
             labels = _labels(table, contract)
@@ -144,7 +144,9 @@ def _labels(table: pa.Table, contract: Contract) -> np.ndarray:
     return np.asarray(pc.fill_null(col, np.nan).to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
-def _features(table: pa.Table, contract: Contract) -> np.ndarray:
+def feature_matrix(table: pa.Table, contract: Contract) -> np.ndarray:
+    """The contract's feature columns as a rows x features float32 matrix (NaN where a reading is null): what the
+    novelty scorer reads, and what a budgeted draw spreads its rows over (`tiering.spread_order`)."""
     if table.num_rows == 0 or not contract.feature_columns:
         return np.empty((0, len(contract.feature_columns)), np.float32)
     return np.column_stack([table.column(c).to_numpy(zero_copy_only=False) for c in contract.feature_columns]).astype(
@@ -214,7 +216,7 @@ class NoveltyScorer:
             fsq = np.sum([s.fsumsq for s in ctx], axis=0)
             mean = fsum / n
             var = np.maximum(fsq / n - mean**2, 1e-8)
-            feats = _features(table, self.contract).astype(np.float64)
+            feats = feature_matrix(table, self.contract).astype(np.float64)
             dist = ((feats - mean) ** 2) / var
             d2 = np.nan_to_num(np.nanmean(np.where(np.isnan(dist), 0.0, dist), axis=1))  # NaN (null) = no distance
             novelty = 1.0 - np.exp(-np.maximum(d2 - 1.0, 0.0) / 2.0)

@@ -6,7 +6,8 @@ and raw-store bundles for the local spool.
 - Every row has an inclusion probability (`inclusion_p`, written in the row). Without a byte budget a row travels
   in full iff `u(policy version, sample id) < inclusion_p` (`draw`: SHA-256 per sample in one native pass, so a
   rerun or retry sends the same rows and the bundle ids and caches hold; nested in p); with one, by a draw of
-  fixed size per batch with each row's chance its p (`draw_fixed`, the same on a rerun of the batch). Without a
+  fixed size per batch with each row's chance its p, spread over the batch's feature space (`draw_fixed` along
+  `spread_order`, the same on a rerun of the batch). Without a
   byte budget p is 1 for high and normal and `sample_rate` for low; with `TieringPolicy.budget_share` it is
   value-proportional above a coverage floor, solved per batch so the expected bytes meet the budget
   (`inclusion_probabilities`). A cut by rank is never made: every landed row can be weighted by 1/p.
@@ -84,14 +85,80 @@ def draw(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: TieringP
     return uniforms(sample_ids, policy.version) < p64
 
 
-def draw_fixed(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: TieringPolicy) -> np.ndarray:
-    """The budgeted draw of one batch: systematic sampling in a random order. The rows with 0 < p < 1 are ordered
-    by u(policy version, sample) and laid end to end on a line, each an interval of its p; a row travels iff a
-    point start + k (k an integer) falls in its interval, start a uniform of the batch (the sum, mod 1, of a
-    second hash per row: independent of the order, the same on a rerun). Each row's chance is still exactly its p,
-    and the batch draws floor or ceil of sum(p) rows where a Poisson draw's count has sd sqrt(sum p): digits at 2%
-    planned 13.8 rows a round and one seed drew 5, under the 9 its pass carried. p 1 always, p 0 never travels.
-    A function of the batch, not of a row alone: a rerun of the same batch draws the same rows."""
+def hilbert_index(cells: np.ndarray, bits: int) -> np.ndarray:
+    """Each point's position along a Hilbert curve through a d-dimensional grid (`cells`: points x d integers in
+    [0, 2**bits), d x bits <= 63): points next on the curve are next in the grid, so a stretch of the curve is a
+    compact region. Skilling's transform ("Programming the Hilbert curve", 2004), vectorised over the points: one
+    step per bit and axis."""
+    x = np.asarray(cells, dtype=np.int64).T.copy()  # d x points
+    d = len(x)
+    if d * bits > 63:
+        raise ValueError(f"{d} axes of {bits} bits do not fit a 63-bit index")
+    q = np.int64(1) << (bits - 1)
+    while q > 1:  # undo excess work: invert or exchange low bits, axis by axis
+        low = q - 1
+        for i in range(d):
+            hit = (x[i] & q) != 0
+            t = (x[0] ^ x[i]) & low
+            x[0] = np.where(hit, x[0] ^ low, x[0] ^ t)
+            if i:
+                x[i] = np.where(hit, x[i], x[i] ^ t)
+        q >>= 1
+    for i in range(1, d):  # Gray encode
+        x[i] ^= x[i - 1]
+    t = np.zeros(x.shape[1], dtype=np.int64)
+    q = np.int64(1) << (bits - 1)
+    while q > 1:
+        t = np.where((x[d - 1] & q) != 0, t ^ (q - 1), t)
+        q >>= 1
+    x ^= t
+    index = np.zeros(x.shape[1], dtype=np.int64)  # interleave: bit b of axis 0, of axis 1, ..., then bit b - 1
+    for b in range(bits - 1, -1, -1):
+        for i in range(d):
+            index = (index << 1) | ((x[i] >> b) & 1)
+    return index
+
+
+SPREAD_AXES = 2  # principal components a budgeted draw spreads its rows over (3 and 4 measured no better)
+
+
+def spread_order(features: np.ndarray, axes: int = SPREAD_AXES) -> np.ndarray:
+    """An order of the rows (given in a canonical order) that walks the batch's feature space: the rows' ranks on
+    their first `axes` principal components (of the features standardised within the batch; a null reading counts
+    as the mean) laid along a Hilbert curve, ties kept in the given order. Laid end to end in this order, a
+    systematic draw takes rows from every region in proportion to the p it holds (implicit stratification: a
+    spatially balanced sample, as GRTS draws one), where a random order leaves a region's count to chance. Fewer
+    than 3 rows or no feature: the given order."""
+    f = np.asarray(features, dtype=np.float64)
+    m = len(f)
+    if m < 3 or f.ndim != 2 or f.shape[1] == 0:
+        return np.arange(m)
+    finite = np.isfinite(f)
+    mean = np.array([c[k].mean() if k.any() else 0.0 for c, k in zip(f.T, finite.T, strict=True)])
+    z = np.where(finite, f, mean) - mean
+    sd = z.std(axis=0)
+    z = z / np.where(sd > 0, sd, 1.0)
+    _, _, vt = np.linalg.svd(z, full_matrices=False)
+    pcs = z @ vt[: min(axes, len(vt))].T
+    bits = min(16, 63 // pcs.shape[1])
+    # one scale for every axis: a cluster stays a compact blob (ranks per axis would stretch one apart from the
+    # rest along PC 1 into a thin slab, which the curve crosses in many pieces)
+    lo, span = pcs.min(), float(np.ptp(pcs))
+    cells = np.minimum(((pcs - lo) / (span if span > 0 else 1.0) * (1 << bits)).astype(np.int64), (1 << bits) - 1)
+    return np.argsort(hilbert_index(cells, bits), kind="stable")
+
+
+def draw_fixed(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: TieringPolicy,
+               features: np.ndarray | None = None) -> np.ndarray:
+    """The budgeted draw of one batch: systematic sampling along an order of the rows. The rows with 0 < p < 1 are
+    laid end to end on a line, each an interval of its p; a row travels iff a point start + k (k an integer) falls
+    in its interval, start a uniform of the batch (the sum, mod 1, of a second hash per row: independent of the
+    order, the same on a rerun). The order: by u(policy version, sample), then, given the batch's `features`
+    (rows x columns, as the scorers read them), along its feature space (`spread_order`), so every region keeps
+    rows in proportion to its p. Each row's chance is still exactly its p, and the batch draws floor or ceil of
+    sum(p) rows where a Poisson draw's count has sd sqrt(sum p): digits at 2% planned 13.8 rows a round and one
+    seed drew 5, under the 9 its pass carried. p 1 always, p 0 never travels. A function of the batch, not of a
+    row alone: a rerun of the same batch, in any order, draws the same rows."""
     p64 = np.asarray(p, dtype=np.float32).astype(np.float64)  # the p written in the row decides, not a wider one
     out = p64 >= 1.0
     mid = np.flatnonzero((p64 > 0) & ~out)
@@ -99,6 +166,8 @@ def draw_fixed(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: Ti
         return out
     chosen = sample_ids.take(pa.array(mid))
     order = mid[np.argsort(uniforms(chosen, policy.version), kind="stable")]
+    if features is not None:
+        order = order[spread_order(np.asarray(features)[order])]
     start = float(np.sum(uniforms(chosen, f"{policy.version}|start"))) % 1.0
     ends = np.cumsum(p64[order])
     points = np.floor(ends - start) - np.floor(np.concatenate(([0.0], ends[:-1])) - start)
@@ -513,8 +582,10 @@ class Batcher:
         self.report.add(b)
         return [b]
 
-    def add(self, scored: pa.Table) -> list[BuiltBundle]:
+    def add(self, scored: pa.Table, features: np.ndarray | None = None) -> list[BuiltBundle]:
         """Route one scored batch (bundle-schema rows with tier and inclusion_p set). Returns bundles ready now.
+        `features`: the batch's feature matrix (the derived features too, which `scored` no longer holds), for a
+        budgeted draw to spread its rows over.
 
         One draw per batch (`draw`, or `draw_fixed` under a budget) and one reordering `take`: urgent rows, then
         the other rows drawn, then the rows left whose summary earns its bytes, then the rest left; every bundle is a
@@ -529,8 +600,11 @@ class Batcher:
         self.report.value_total += float(pc.sum(scored.column("value")).as_py() or 0.0)
         out.extend(self.poll())
         p = scored.column(INCLUSION_P).to_numpy()
-        # with a budget, a draw of fixed size per batch (each p exact); without, the per-sample draw at sample_rate
-        sent = (draw if self.policy.budget_share is None else draw_fixed)(scored.column("sample_id"), p, self.policy)
+        # with a budget, a draw of fixed size per batch spread over its features (each p exact); without, the
+        # per-sample draw at sample_rate
+        ids = scored.column("sample_id")
+        sent = draw(ids, p, self.policy) if self.policy.budget_share is None else draw_fixed(ids, p, self.policy,
+                                                                                            features)
         self.report.sampled_low += int((sent & is_low).sum())
         full, summ = plan_bytes(scored, scored.column("value").to_numpy(), self.policy, self.contract)
         earns = summ > 0

@@ -164,36 +164,97 @@ def test_uniforms_are_the_sha256_of_version_and_sample_id() -> None:
     assert np.allclose(u, want, atol=2**-52)
 
 
+def _features_with_gaps(n: int, k: int, seed: int) -> np.ndarray | None:
+    """n rows of k features (a null reading is NaN, one column constant), or None for k 0 (no features given)."""
+    if k == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    f = rng.normal(size=(n, k)) * rng.uniform(0.1, 100, k)
+    f[rng.random((n, k)) < 0.05] = np.nan
+    f[:, 0] = 7.0
+    return f
+
+
 @settings(max_examples=40, deadline=None)
 @given(p=st.lists(st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 1.0), min_size=1, max_size=300),
-       version=st.text(min_size=1, max_size=8), seed=st.integers(0, 2**32 - 1))
-def test_a_budgeted_draw_is_of_fixed_size_and_the_same_in_any_order(p: list[float], version: str, seed: int) -> None:
-    """Whatever the p: a batch draws floor or ceil of its sum of p (a Poisson draw's count has an sd of
-    sqrt(sum p)), p 1 always and p 0 never, and the batch in another order draws the same rows."""
+       version=st.text(min_size=1, max_size=8), seed=st.integers(0, 2**32 - 1), k=st.integers(0, 5))
+def test_a_budgeted_draw_is_of_fixed_size_and_the_same_in_any_order(p: list[float], version: str, seed: int,
+                                                                    k: int) -> None:
+    """Whatever the p and the features (none, constant, null readings): a batch draws floor or ceil of its sum of
+    p (a Poisson draw's count has an sd of sqrt(sum p)), p 1 always and p 0 never, and the batch in another order
+    draws the same rows."""
     from edgehaul.edge.tiering import draw_fixed, on_p_grid
 
     q = on_p_grid(np.asarray(p))
     ids = pa.array([f"n-{seed}-{i}" for i in range(len(q))])
+    feats = _features_with_gaps(len(q), k, seed)
     policy = TieringPolicy(version=version)
-    got = draw_fixed(ids, q, policy)
+    got = draw_fixed(ids, q, policy, feats)
     total = float(q.astype(np.float64).sum())
     assert math.floor(total + 1e-9) <= int(got.sum()) <= math.ceil(total - 1e-9)
     assert got[q >= 1].all() and not got[q == 0].any()
     order = np.random.default_rng(seed).permutation(len(q))
-    assert np.array_equal(draw_fixed(ids.take(pa.array(order)), q[order], policy), got[order])
+    again = draw_fixed(ids.take(pa.array(order)), q[order], policy, None if feats is None else feats[order])
+    assert np.array_equal(again, got[order])
 
 
-def test_a_budgeted_draw_lands_each_row_with_its_p() -> None:
-    """Over 4,000 draws (policy versions) of one batch of 60 rows, each row lands its p of the time (every row
-    within 4.5 binomial sds), and every draw holds 8 or 9 rows (sum p 8.76)."""
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_budgeted_draw_lands_each_row_with_its_p(k: int) -> None:
+    """Over 4,000 draws (policy versions) of one batch of 60 rows, in a random order or along its features, each
+    row lands its p of the time (every row within 4.5 binomial sds), and every draw holds 8 or 9 rows (sum p
+    8.76)."""
     from edgehaul.edge.tiering import draw_fixed, on_p_grid
 
     q = on_p_grid(np.random.default_rng(3).uniform(0.02, 0.5, 60) ** 1.5)
     ids = pa.array([f"node-a-{i}" for i in range(60)])
-    draws = np.array([draw_fixed(ids, q, TieringPolicy(version=f"v{k}")) for k in range(4000)])
+    feats = _features_with_gaps(60, k, 5)
+    draws = np.array([draw_fixed(ids, q, TieringPolicy(version=f"v{j}"), feats) for j in range(4000)])
     p = q.astype(np.float64)
     assert set(draws.sum(axis=1).tolist()) == {math.floor(p.sum()), math.ceil(p.sum())}
     assert (np.abs(draws.mean(axis=0) - p) < 4.5 * np.sqrt(p * (1 - p) / 4000)).all()
+
+
+def test_a_budgeted_draw_along_the_features_keeps_a_clusters_share() -> None:
+    """1,000 rows at p 0.04, 60 of them a cluster apart in feature space (2.4 rows of the draw's 40 by p). In a
+    random order the cluster's count is left to chance (sd about 1.4 over 400 draws, 0 in some); drawn along the
+    features it stays near its share (sd under 0.9, never 0), and the mean is still its p."""
+    from edgehaul.edge.tiering import draw_fixed, on_p_grid
+
+    rng = np.random.default_rng(0)
+    feats = rng.normal(size=(1000, 3))
+    feats[:60] += [4.0, -3.0, 2.0]
+    q = on_p_grid(np.full(1000, 0.04))
+    ids = pa.array([f"node-a-{i}" for i in range(1000)])
+
+    def cluster_counts(f: np.ndarray | None) -> np.ndarray:
+        return np.array([draw_fixed(ids, q, TieringPolicy(version=f"v{j}"), f)[:60].sum() for j in range(400)])
+
+    scattered, spread = cluster_counts(None), cluster_counts(feats)
+    share = 60 * float(q[0])
+    assert scattered.std() > 1.2 and (scattered == 0).any()
+    assert spread.std() < 0.9 and spread.min() >= 1
+    assert abs(spread.mean() - share) < 4 * spread.std() / np.sqrt(400) + 0.05
+
+
+@pytest.mark.parametrize("axes", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_the_hilbert_curve_visits_every_cell_once_by_unit_steps(axes: int, bits: int) -> None:
+    """The index is a bijection of the grid onto 0 .. 2**(axes x bits) - 1, and cells next on the curve are next
+    in the grid (one step along one axis): what makes a stretch of the curve a compact region."""
+    from edgehaul.edge.tiering import hilbert_index
+
+    cells = np.array(list(itertools.product(range(1 << bits), repeat=axes)))
+    index = hilbert_index(cells, bits)
+    assert sorted(index.tolist()) == list(range(len(cells)))
+    walk = cells[np.argsort(index)]
+    assert (np.abs(np.diff(walk, axis=0)).sum(axis=1) == 1).all()
+
+
+def test_a_hilbert_index_that_would_not_fit_63_bits_is_refused() -> None:
+    from edgehaul.edge.tiering import hilbert_index
+
+    with pytest.raises(ValueError, match="4 axes of 16 bits"):
+        hilbert_index(np.zeros((3, 4), dtype=np.int64), 16)
 
 
 def test_a_batch_sends_its_budget_and_p_is_the_chance_of_landing(pump: Contract, tmp_path: Path) -> None:
