@@ -65,16 +65,25 @@ def route(values: np.ndarray, policy: TieringPolicy) -> np.ndarray:
 def uniforms(sample_ids: pa.Array | pa.ChunkedArray, salt: str) -> np.ndarray:
     """u in [0, 1) per sample from the first 8 bytes of sha256(salt | sample id), in one native pass
     (polars-hash; the same numbers as hashlib). The same sample gets the same u in any batch or order."""
+    return uniform_pairs(sample_ids, salt, words=1)[0]
+
+
+def uniform_pairs(sample_ids: pa.Array | pa.ChunkedArray, salt: str, words: int = 2) -> list[np.ndarray]:
+    """`words` uniforms in [0, 1) per sample from one sha256(salt | sample id): the k-th from its bytes 8k to 8k + 8
+    (the first is `uniforms`), so a draw that needs two numbers a row hashes once."""
     if len(sample_ids) == 0:
-        return np.zeros(0, dtype=np.float64)
+        return [np.zeros(0, dtype=np.float64) for _ in range(words)]
     frame = pl.DataFrame({"s": pl.Series(sample_ids, dtype=pl.String)})
     h = frame.select(plh.concat_str(pl.lit(f"{salt}|"), pl.col("s")).alias("s")).select(
         plh.col("s").chash.sha2_256()).to_series()
-    hi = h.str.slice(0, 8).str.to_integer(base=16).cast(pl.UInt64).to_numpy()
-    lo = h.str.slice(8, 8).str.to_integer(base=16).cast(pl.UInt64).to_numpy()
-    u64 = (hi << np.uint64(32)) | lo
-    # Exact on the grid of 2**-53: u < p is decided as float64 on both sides.
-    return (u64 >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    out = []
+    for k in range(words):
+        hi = h.str.slice(16 * k, 8).str.to_integer(base=16).cast(pl.UInt64).to_numpy()
+        lo = h.str.slice(16 * k + 8, 8).str.to_integer(base=16).cast(pl.UInt64).to_numpy()
+        u64 = (hi << np.uint64(32)) | lo
+        # Exact on the grid of 2**-53: u < p is decided as float64 on both sides.
+        out.append((u64 >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+    return out
 
 
 def draw(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: TieringPolicy) -> np.ndarray:
@@ -134,12 +143,14 @@ def spread_order(features: np.ndarray, axes: int = SPREAD_AXES) -> np.ndarray:
     if m < 3 or f.ndim != 2 or f.shape[1] == 0:
         return np.arange(m)
     finite = np.isfinite(f)
-    mean = np.array([c[k].mean() if k.any() else 0.0 for c, k in zip(f.T, finite.T, strict=True)])
-    z = np.where(finite, f, mean) - mean
+    seen = finite.sum(axis=0)
+    mean = np.where(finite, f, 0.0).sum(axis=0) / np.maximum(seen, 1)
+    z = np.where(finite, f - mean, 0.0)
     sd = z.std(axis=0)
-    z = z / np.where(sd > 0, sd, 1.0)
-    _, _, vt = np.linalg.svd(z, full_matrices=False)
-    pcs = z @ vt[: min(axes, len(vt))].T
+    z /= np.where(sd > 0, sd, 1.0)
+    # the components from the features' covariance (k x k): an SVD of the rows took 2.5 s for 100,000 rows of 64
+    _, vectors = np.linalg.eigh(z.T @ z)
+    pcs = z @ vectors[:, ::-1][:, : min(axes, f.shape[1])]
     bits = min(16, 63 // pcs.shape[1])
     # one scale for every axis: a cluster stays a compact blob (ranks per axis would stretch one apart from the
     # rest along PC 1 into a thin slab, which the curve crosses in many pieces)
@@ -152,23 +163,23 @@ def draw_fixed(sample_ids: pa.Array | pa.ChunkedArray, p: np.ndarray, policy: Ti
                features: np.ndarray | None = None) -> np.ndarray:
     """The budgeted draw of one batch: systematic sampling along an order of the rows. The rows with 0 < p < 1 are
     laid end to end on a line, each an interval of its p; a row travels iff a point start + k (k an integer) falls
-    in its interval, start a uniform of the batch (the sum, mod 1, of a second hash per row: independent of the
-    order, the same on a rerun). The order: by u(policy version, sample), then, given the batch's `features`
-    (rows x columns, as the scorers read them), along its feature space (`spread_order`), so every region keeps
-    rows in proportion to its p. Each row's chance is still exactly its p, and the batch draws floor or ceil of
-    sum(p) rows where a Poisson draw's count has sd sqrt(sum p): digits at 2% planned 13.8 rows a round and one
-    seed drew 5, under the 9 its pass carried. p 1 always, p 0 never travels. A function of the batch, not of a
-    row alone: a rerun of the same batch, in any order, draws the same rows."""
+    in its interval, start a uniform of the batch (the sum, mod 1, of a second uniform per row from the same hash:
+    independent of the order, the same on a rerun). The order: by u(policy version, sample), then, given the
+    batch's `features` (rows x columns, as the scorers read them), along its feature space (`spread_order`), so
+    every region keeps rows in proportion to its p. Each row's chance is still exactly its p, and the batch draws
+    floor or ceil of sum(p) rows where a Poisson draw's count has sd sqrt(sum p): digits at 2% planned 13.8 rows a
+    round and one seed drew 5, under the 9 its pass carried. p 1 always, p 0 never travels. A function of the
+    batch, not of a row alone: a rerun of the same batch, in any order, draws the same rows."""
     p64 = np.asarray(p, dtype=np.float32).astype(np.float64)  # the p written in the row decides, not a wider one
     out = p64 >= 1.0
     mid = np.flatnonzero((p64 > 0) & ~out)
     if not len(mid):
         return out
-    chosen = sample_ids.take(pa.array(mid))
-    order = mid[np.argsort(uniforms(chosen, policy.version), kind="stable")]
+    u, v = uniform_pairs(sample_ids.take(pa.array(mid)), policy.version)
+    order = mid[np.argsort(u, kind="stable")]
     if features is not None:
         order = order[spread_order(np.asarray(features)[order])]
-    start = float(np.sum(uniforms(chosen, f"{policy.version}|start"))) % 1.0
+    start = float(np.sum(v)) % 1.0
     ends = np.cumsum(p64[order])
     points = np.floor(ends - start) - np.floor(np.concatenate(([0.0], ends[:-1])) - start)
     out[order] = points > 0

@@ -29,7 +29,7 @@ from edgehaul.edge.batch import ingest_batch
 from edgehaul.edge.preprocess import batch_key
 from edgehaul.edge.scorer_registry import ScorerContext, build_scorer, scorer_state_dir
 from edgehaul.edge.spool import Spool, SpoolError
-from edgehaul.edge.tiering import inclusion_probabilities, uniforms
+from edgehaul.edge.tiering import inclusion_probabilities, uniform_pairs, uniforms
 from edgehaul.training.data import sample_weights, trainable
 
 log = logging.getLogger(__name__)
@@ -162,10 +162,14 @@ def test_uniforms_are_the_sha256_of_version_and_sample_id() -> None:
     u = uniforms(pa.array(ids), "v7")
     want = [int.from_bytes(hashlib.sha256(f"v7|{i}".encode()).digest()[:8], "big") / 2**64 for i in ids]
     assert np.allclose(u, want, atol=2**-52)
+    first, second = uniform_pairs(pa.array(ids), "v7")
+    want2 = [int.from_bytes(hashlib.sha256(f"v7|{i}".encode()).digest()[8:16], "big") / 2**64 for i in ids]
+    assert np.array_equal(first, u) and np.allclose(second, want2, atol=2**-52)
 
 
 def _features_with_gaps(n: int, k: int, seed: int) -> np.ndarray | None:
-    """n rows of k features (a null reading is NaN, one column constant), or None for k 0 (no features given)."""
+    """n rows of k features on scales 0.1-100 (a null reading NaN, one column constant), or None for k 0 (no
+    features given)."""
     if k == 0:
         return None
     rng = np.random.default_rng(seed)
