@@ -143,8 +143,11 @@ def spread_order(features: np.ndarray, axes: int = SPREAD_AXES) -> np.ndarray:
     if m < 3 or f.ndim != 2 or f.shape[1] == 0:
         return np.arange(m)
     finite = np.isfinite(f)
+    f = np.where(finite, f, 0.0)
+    top = np.abs(f).max(axis=0)
+    f /= np.where(top > 0, top, 1.0)  # each column within [-1, 1] first: no square overflows, whatever its scale
     seen = finite.sum(axis=0)
-    mean = np.where(finite, f, 0.0).sum(axis=0) / np.maximum(seen, 1)
+    mean = f.sum(axis=0) / np.maximum(seen, 1)
     z = np.where(finite, f - mean, 0.0)
     sd = z.std(axis=0)
     z /= np.where(sd > 0, sd, 1.0)

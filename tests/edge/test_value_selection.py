@@ -240,6 +240,21 @@ def test_a_budgeted_draw_along_the_features_keeps_a_clusters_share() -> None:
     assert abs(spread.mean() - share) < 4 * spread.std() / np.sqrt(400) + 0.05
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3), max_size=40))
+def test_a_spread_order_is_a_permutation_whatever_the_readings(rows: list[list[float]]) -> None:
+    """Any readings (null, infinite, 1e308 beside 1e-300, a constant column) order every row once, without a
+    warning (an overflow squaring them was one)."""
+    import warnings
+
+    from edgehaul.edge.tiering import spread_order
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        order = spread_order(np.array(rows, dtype=np.float64).reshape(len(rows), 3))
+    assert sorted(order.tolist()) == list(range(len(rows)))
+
+
 @pytest.mark.parametrize("axes", [1, 2, 3, 4])
 @pytest.mark.parametrize("bits", [1, 2, 3])
 def test_the_hilbert_curve_visits_every_cell_once_by_unit_steps(axes: int, bits: int) -> None:
