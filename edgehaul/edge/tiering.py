@@ -7,8 +7,8 @@ and raw-store bundles for the local spool.
   in full iff `u(policy version, sample id) < inclusion_p` (`draw`: SHA-256 per sample in one native pass, so a
   rerun or retry sends the same rows and the bundle ids and caches hold; nested in p); with one, by a draw of
   fixed size per batch with each row's chance its p, spread over the batch's feature space (`draw_fixed` along
-  `spread_order`, the same on a rerun of the batch). Without a
-  byte budget p is 1 for high and normal and `sample_rate` for low; with `TieringPolicy.budget_share` it is
+  `spread_order`, the same on a rerun of the batch). Without a byte budget p is 1 for high and normal and
+  `sample_rate` for low; with `TieringPolicy.budget_share` it is
   value-proportional above a coverage floor, solved per batch so the expected bytes meet the budget
   (`inclusion_probabilities`). A cut by rank is never made: every landed row can be weighted by 1/p.
 - `Batcher`: drawn high rows leave at once as urgent bundles (each <= urgent_max_bytes); the other drawn rows
@@ -132,12 +132,12 @@ SPREAD_AXES = 2  # principal components a budgeted draw spreads its rows over (3
 
 
 def spread_order(features: np.ndarray, axes: int = SPREAD_AXES) -> np.ndarray:
-    """An order of the rows (given in a canonical order) that walks the batch's feature space: the rows' ranks on
-    their first `axes` principal components (of the features standardised within the batch; a null reading counts
-    as the mean) laid along a Hilbert curve, ties kept in the given order. Laid end to end in this order, a
-    systematic draw takes rows from every region in proportion to the p it holds (implicit stratification: a
-    spatially balanced sample, as GRTS draws one), where a random order leaves a region's count to chance. Fewer
-    than 3 rows or no feature: the given order."""
+    """An order of the rows (given in a canonical order) that walks the batch's feature space: the rows' first
+    `axes` principal components (of the features standardised within the batch; a null reading counts as the
+    mean), on one grid for every axis, laid along a Hilbert curve, ties kept in the given order. Laid end to end in
+    this order, a systematic draw takes rows from every region in proportion to the p it holds (implicit
+    stratification: a spatially balanced sample, as GRTS draws one), where a random order leaves a region's count
+    to chance. Fewer than 3 rows or no feature: the given order."""
     f = np.asarray(features, dtype=np.float64)
     m = len(f)
     if m < 3 or f.ndim != 2 or f.shape[1] == 0:
