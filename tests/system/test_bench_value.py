@@ -157,6 +157,11 @@ def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
     assert "the rare-recall target at 2% not met, 5% not met" in plain_verdict([skewed])
     skewed["cells"][5] = _cell("tier-anomaly", 0.05, (0.50, 0.57, 0.63), (0.37, 0.45, 0.52))  # F1 below random's
     assert next(v for v in verdicts(skewed) if v.startswith("small-budget target at 5%")).endswith("(below): NOT met")
+    # the model trained on every row is selection's reach: a line it could not meet itself is said to be so
+    assert not any("the 100% model's own" in v for v in verdicts(skewed))  # its recall 0.5-0.7 is apart from both
+    skewed["cells"][-3] = _cell("fifo", 1.0, (0.61, 0.641, 0.67), (0.10, 0.16, 0.25))
+    two = next(v for v in verdicts(skewed) if v.startswith("small-budget target at 2%"))
+    assert two.endswith("(not below); the 100% model's own 0.160 [0.100, 0.250] is not apart from them either: NOT met")
 
     balanced = {"kind": "digits", "skewed": False, "policies": ["fifo", "random", "tier-novelty"], "cells": [
         _cell("fifo", 0.10, (0.79, 0.815, 0.835), (0.7, 0.8, 0.85)),
@@ -175,12 +180,37 @@ def test_verdicts_state_each_target_of_issue_30_met_or_not() -> None:
     assert not any(v.startswith("small-budget") for v in lines)  # a balanced kind has no rare-recall target
     balanced["stream_share"] = {0: 0.5, 1: 0.5}
     for c, mix in ((balanced["cells"][-2], {0: 0.56, 1: 0.44}), (balanced["cells"][-1], {0: 0.47, 1: 0.53})):
-        c.update(weighted_mix=mix, draws=[{}])
-    assert ("weighted class mix more than 2 points off the stream's (points; random's at the same bytes): "
-            "tier-novelty@2% 3.0 (random 6.0)") in verdicts(balanced)
+        c.update(weighted_mix=mix, draws=[{}], rows=100)
+    mix_line = next(v for v in verdicts(balanced) if v.startswith("weighted class mix"))
+    # 100 rows of a 50/50 stream, one draw: a uniform sample is off by 4.0 points on average, so 3.0 is chance
+    assert mix_line.startswith("weighted class mix more than 2 points off the stream's (points; random's at the same "
+                               "bytes; a uniform sample's of as many rows: mean, 90th percentile): tier-novelty@2% 3.0 "
+                               "(random 6.0; chance at 100 rows x 1: 4.")
+    assert mix_line.endswith("1 of 1 within chance's 90th percentile, 1 where chance's mean itself is over 2 points")
+    balanced["cells"][-1].update(rows=10_000, weighted_mix={0: 0.47, 1: 0.53})  # as many rows leave 0.4 by chance
+    mix_line = next(v for v in verdicts(balanced) if v.startswith("weighted class mix"))
+    assert "chance at 10000 rows x 1: 0.4, p90 0.8)" in mix_line
+    assert mix_line.endswith("0 of 1 within chance's 90th percentile, 0 where chance's mean itself is over 2 points")
     balanced["cells"][2] = _cell("tier-novelty", 0.10, (0.80, 0.83, 0.86), (0.6, 0.7, 0.8))
     balanced["cells"][-1] = _cell("tier-novelty", 0.02, (0.40, 0.45, 0.50), (0.1, 0.3, 0.5))
     assert "target (balanced kind): every tiered cell not below random's macro-F1: MET" in verdicts(balanced)
+
+
+def test_chance_mix_gap_is_the_sampling_noise_of_a_uniform_sample() -> None:
+    """The yardstick of the mix line: for two even classes and one draw of n rows the gap is 100 x |Binomial(n, 0.5)/n
+    - 0.5|, whose mean is 50 x sqrt(2 / (pi n)) for large n; four times the rows or the draws halve it; a stream of
+    one class leaves none; the same seed, the same figure."""
+    from benchmarks.bench_value import chance_mix_gap
+
+    mean, p90 = chance_mix_gap({0: 0.5, 1: 0.5}, 400, 1)
+    assert mean == pytest.approx(50 * np.sqrt(2 / (np.pi * 400)), rel=0.06) and p90 > mean
+    assert chance_mix_gap({0: 0.5, 1: 0.5}, 1600, 1)[0] == pytest.approx(mean / 2, rel=0.08)
+    assert chance_mix_gap({0: 0.5, 1: 0.5}, 400, 4)[0] == pytest.approx(mean / 2, rel=0.08)
+    assert chance_mix_gap({0: 1.0}, 50, 3) == (0.0, 0.0)
+    # counts, not shares, are fine: the stream's mix as the benchmark records it
+    assert chance_mix_gap({1: 4240, 5: 5992}, 128, 3) == chance_mix_gap({1: 4240, 5: 5992}, 128, 3)
+    assert chance_mix_gap({1: 4240, 5: 5992}, 128, 3)[0] == pytest.approx(
+        chance_mix_gap({1: 4240 / 10232, 5: 5992 / 10232}, 128, 3)[0])
 
 
 def _shard(kind: str, *, quick: bool = False, experiment: dict[str, Any] | None = None,
