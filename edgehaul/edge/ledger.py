@@ -147,6 +147,21 @@ class Ledger:
             )
             return conn.total_changes - before
 
+    def forget(self, bundle_ids: Sequence[str], *, stage: str) -> int:
+        """Delete the rows recorded at `stage` for these bundles: samples recorded as gone that did not go (a
+        thinning that was undone put them back in the bundles they never left). Returns the rows deleted; rows the
+        bound already dropped stay counted in `evicted`."""
+        ids = list(dict.fromkeys(bundle_ids))
+        if not ids:
+            return 0
+        with self._tx() as conn:
+            before = conn.total_changes
+            for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
+                conn.execute(f"DELETE FROM ledger WHERE stage = ? AND bundle_id IN ({','.join('?' * len(part))})",
+                             [stage, *part])
+            return conn.total_changes - before
+
     def counts(self) -> dict[tuple[str, str], int]:
         """(stage, reason) -> number of samples (rows kept plus rows the bound dropped)."""
         with self._lock:

@@ -185,6 +185,7 @@ class _ThinnedOut:
         self.spool, self.salt = spool, salt
         self.waiting: dict[tuple[str, str, str], list[tuple[SpoolEntry, pa.Table, pa.Table, int]]] = {}
         self.size: dict[tuple[str, str, str], tuple[int, int]] = {}  # rows and bytes waiting per key
+        self.written: dict[tuple[str, str, str], list[SpoolEntry]] = {}  # raw bundles written, per key
 
     def add(self, e: SpoolEntry, gone: pa.Table, kept: pa.Table,
             rows_kept: int) -> list[tuple[SpoolEntry, pa.Table, int, int]]:
@@ -212,9 +213,23 @@ class _ThinnedOut:
                                  scorer_version=",".join(sorted({e.manifest.scorer_version for e, _, _, _ in parts})),
                                  team=team)
         # refused, the rows stay in their bundles, which stay whole: nothing left the node's normal path
-        if self.spool.put(data, man, ledger_refusal=False) is None:
+        entry = self.spool.put(data, man, ledger_refusal=False)
+        if entry is None:
             return []
+        self.written.setdefault(key, []).append(entry)
         return [(e, kept, g.num_rows, n) for e, g, kept, n in parts]
+
+    def undo(self, key: tuple[str, str, str]) -> int:
+        """Take back the raw bundles written for `key`, whose bundles stay whole (their packs found no room): their
+        rows still wait there. A raw bundle still on disk would keep each row twice on the node; one the clean-up
+        evicted meanwhile (a pack's write evicts the raw store before it gives up) left its rows in the ledger as
+        evicted while they wait to be sent. Both are undone. Returns the rows taken back."""
+        gone = self.written.pop(key, [])
+        with self.spool._locked():
+            for r in gone:
+                self.spool._remove(r)
+            self.spool.ledger.forget([r.bundle_id for r in gone], stage=STAGE_RAW)
+        return sum(r.manifest.row_count for r in gone)
 
 
 def _draw_size(keep: float, first: bool, n: int) -> int:
@@ -624,9 +639,18 @@ class Spool:
                               []).append((e, kept))
             out.bundles, out.rows_out, out.rows_kept = out.bundles + 1, out.rows_out + rows_out, out.rows_kept + rows_kept
             out.summaries_out += m.row_count - rows_out - kept.num_rows
-        for key, parts in groups.items():
-            self._write_packs(key, parts, salt=salt, every=every, merged=merged, pack_rows=pack_rows,
-                              pack_bytes=pack_bytes)
+        keys = list(groups)
+        for i, key in enumerate(keys):
+            try:
+                self._write_packs(key, groups[key], salt=salt, every=every, merged=merged, pack_rows=pack_rows,
+                                  pack_bytes=pack_bytes)
+            except NoRoom:
+                # this group and those after it stay whole (the packs already written were removed): the raw
+                # bundles of their thinned-out rows go too, or each of those rows would wait on the node twice
+                undone = sum(thinned_out.undo((k[0], k[2], k[3])) for k in keys[i:])
+                log.warning("spool %s: %d thinned-out rows taken back out of the raw store (their bundles stay "
+                            "whole)", self.node_id or self.root, undone)
+                raise
         if out.bundles:
             log.info("spool %s: thinned %d bundles to keep %.4f: %d full rows stay, %d to the raw store, %d summaries "
                      "dropped", self.node_id or self.root, out.bundles, keep, out.rows_kept, out.rows_out,

@@ -488,6 +488,46 @@ def test_a_spool_over_its_cap_plans_its_pass_unthinned_and_loses_nothing(
     assert set(small.ledger.counts()) <= {("spool-raw", "raw-evicted")}
 
 
+def test_a_thinning_whose_packs_lose_the_room_to_another_writer_takes_its_thinned_out_rows_back(
+        pump: Contract, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The uplink thins while the ingest process spools into the same folder. Between a thinning's two writes (the
+    raw bundle of the rows thinned out, then the packs of the rows kept) the other writer can take the room: the
+    packs' write evicts the raw store, the new raw bundle with it, and then finds none. The bundles stay whole, so
+    their rows wait to be sent; the ledger once said they were evicted from the raw store, so each was counted as
+    gone and later as delivered. Now the thinning takes its raw bundles back, ledger rows and all."""
+    policy = TieringPolicy(version="race", budget_share=0.2, flush_max_samples=16, flush_max_bytes=64 * 1024)
+    run_edge(pump, policy, tmp_path, n=600, batch=200, seed=15)
+
+    class RacedSpool(Spool):
+        """The spool as the uplink opens it, with the ingest's writes landing right before the packs'."""
+
+        raced = 0
+
+        def _write_packs(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if not self.raced:  # another process's staged writes, as big as the whole cap
+                RacedSpool.raced = len(self.raw_entries())
+                (self.staging_dir / "ingest-part").write_bytes(b"\0" * self.cap_bytes)
+            return super()._write_packs(*args, **kwargs)
+
+    roomy = Spool(tmp_path / "spool", cap_bytes=2**34, node_id="node-a", emit=lambda *a, **k: True)
+    cap = 2 * roomy.usage().used_bytes
+    spool = RacedSpool(tmp_path / "spool", cap_bytes=cap, node_id="node-a", emit=lambda *a, **k: True)
+    before = landed(spool).column("sample_id").to_pylist()
+    raw_before = {e.bundle_id: e.manifest.sample_ids for e in spool.raw_entries()}
+    capacity = sum(e.manifest.nbytes for e in spool.pending()) // 3
+    with caplog.at_level(logging.WARNING, logger="edgehaul.edge.spool"):
+        assert spool.thin_to(capacity, salt="pass-race", pack_rows=policy.flush_max_samples) == []
+    assert RacedSpool.raced > len(raw_before)  # the thinning had written its raw bundle when the room went
+    assert "no room for a thinned bundle" in caplog.text and "thinned-out rows taken back" in caplog.text
+    waiting = landed(spool).column("sample_id").to_pylist()
+    assert sorted(waiting) == sorted(before)  # every bundle whole
+    assert spool.ledger.lookup(waiting) == {}  # none of them recorded as gone
+    assert spool.raw_entries() == []  # the clean-up evicted the raw store: the rows it held before are ledgered
+    evicted = {i for ids in raw_before.values() for i in ids}
+    assert set(spool.ledger.lookup(sorted(evicted))) == evicted
+    assert spool.ledger.counts() == {("spool-raw", "raw-evicted"): len(evicted)}
+
+
 @pytest.mark.parametrize("salt", [f"pass-fill-{i}" for i in range(6)])
 def test_a_thinned_pass_of_few_rows_is_filled_to_within_a_row(pump: Contract, tmp_path: Path, salt: str) -> None:
     """A pass that carries about half of 48 waiting rows once they share one footer (digits at 2%: about ten rows a
