@@ -202,7 +202,7 @@ def test_a_budgeted_draw_is_of_fixed_size_and_the_same_in_any_order(p: list[floa
     assert np.array_equal(again, got[order])
 
 
-@pytest.mark.parametrize("k", [0, 4])
+@pytest.mark.parametrize("k", [0, 4, 8])  # no features, along the curve, by clusters (2 of 7 axes hold < half)
 def test_a_budgeted_draw_lands_each_row_with_its_p(k: int) -> None:
     """Over 4,000 draws (policy versions) of one batch of 60 rows, in a random order or along its features, each
     row lands its p of the time (every row within 4.5 binomial sds), and every draw holds 8 or 9 rows (sum p
@@ -240,6 +240,34 @@ def test_a_budgeted_draw_along_the_features_keeps_a_clusters_share() -> None:
     assert abs(spread.mean() - share) < 4 * spread.std() / np.sqrt(400) + 0.05
 
 
+def test_a_budgeted_draw_in_many_dimensions_keeps_each_clusters_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 rows in 10 clusters of 100, each apart along its own axis of 16 (as digits' grid features: the first
+    two components hold a fifth of the variance), p 0.03: 3 rows a cluster by p. In a random order a cluster's
+    count is left to chance (sd about 1.6 over 300 draws); along a curve through two components, clusters that
+    the plane overlays share stretches of it; grouped into clusters over every feature, each keeps 2-4 rows
+    (sd under 0.8), the mean still its p."""
+    from edgehaul.edge import tiering
+
+    rng = np.random.default_rng(1)
+    feats = rng.normal(size=(1000, 16))
+    feats[np.arange(1000), np.arange(1000) // 100] += 6.0
+    q = tiering.on_p_grid(np.full(1000, 0.03))
+    ids = pa.array([f"node-a-{i}" for i in range(1000)])
+
+    def cluster_counts(f: np.ndarray | None) -> np.ndarray:
+        draws = np.array([tiering.draw_fixed(ids, q, TieringPolicy(version=f"v{j}"), f) for j in range(300)])
+        return draws.reshape(300, 10, 100).sum(axis=2)
+
+    scattered, grouped = cluster_counts(None), cluster_counts(feats)
+    monkeypatch.setattr(tiering, "SPREAD_MIN_EXPLAINED", 0.0)  # the curve, whatever its plane holds
+    curve = cluster_counts(feats)
+    assert scattered.std(axis=0).mean() > 1.3
+    assert grouped.std(axis=0).mean() < 0.8 and grouped.min() >= 1
+    assert grouped.std(axis=0).mean() < 0.8 * curve.std(axis=0).mean()
+    share = 100 * float(q[0])
+    assert (np.abs(grouped.mean(axis=0) - share) < 4 * grouped.std(axis=0) / np.sqrt(300) + 0.05).all()
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.lists(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3), max_size=40))
 def test_a_spread_order_is_a_permutation_whatever_the_readings(rows: list[list[float]]) -> None:
@@ -253,6 +281,27 @@ def test_a_spread_order_is_a_permutation_whatever_the_readings(rows: list[list[f
         warnings.simplefilter("error")
         order = spread_order(np.array(rows, dtype=np.float64).reshape(len(rows), 3))
     assert sorted(order.tolist()) == list(range(len(rows)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.floats(allow_nan=True, allow_infinity=True) | st.floats(-3, 3), min_size=7,
+                              max_size=7), max_size=60),
+       draws=st.none() | st.floats(0.0, 400.0))
+def test_a_spread_order_by_clusters_is_a_permutation_and_a_function_of_the_batch(rows: list[list[float]],
+                                                                                  draws: float | None) -> None:
+    """Seven features, whose first two components often hold under half the variance, so the rows are grouped into
+    clusters: whatever the readings and the rows drawn, every row once, without a warning, and the same order on a
+    second call."""
+    import warnings
+
+    from edgehaul.edge.tiering import spread_order
+
+    f = np.array(rows, dtype=np.float64).reshape(len(rows), 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        order = spread_order(f, draws=draws)
+    assert sorted(order.tolist()) == list(range(len(rows)))
+    assert np.array_equal(spread_order(f, draws=draws), order)
 
 
 @pytest.mark.parametrize("axes", [1, 2, 3, 4])
