@@ -1063,12 +1063,12 @@ def mix_target(result: dict[str, Any], cells: dict[tuple[str, float], dict[str, 
         if not c["policy"].startswith("tier") or not gap > 2.0:
             continue
         rnd = cells.get(("random", c["budget"]))
-        mean, p90 = chance_mix_gap(share, c.get("rows") or 0, len(c.get("draws") or []) or 1)
+        rows, draws = c.get("rows") or 0, len(c.get("draws") or []) or 1
+        mean, p90 = chance_mix_gap(share, rows, draws)
         floor_over += mean > 2.0
         beyond += gap > p90
         parts = [f"random {mix_gap(rnd, share):.1f}"] if rnd is not None and rnd.get("draws") else []
-        parts.append(f"chance at {c.get('rows') or 0} rows x {len(c.get('draws') or []) or 1}: {mean:.1f}, "
-                     f"p90 {p90:.1f}")
+        parts.append(f"chance at {rows} rows x {draws}: {mean:.1f}, p90 {p90:.1f}")
         off.append(f"{c['policy']}@{c['budget']:.0%} {gap:.1f} ({'; '.join(parts)})")
     if not off:
         return ["weighted class mix of every tiered cell within 2 points of the stream's"]
