@@ -311,6 +311,42 @@ def shuffled(batches: list[pa.Table], seed: tuple[int, ...]) -> list[pa.Table]:
     return [t.slice(a, size) for a in range(0, t.num_rows, size)]
 
 
+def rotated(batches: list[pa.Table], key: tuple[int, ...]) -> list[pa.Table]:
+    """The round's rows arriving from a random point on: from there to the end, then from the start (FIFO's draw).
+    A pass carries the oldest rows, so which stretch lands depends on where the round began: on a shuffled stream
+    (Landsat, digits) one uniform draw, on gait's a stretch of time. One landing reused for every seed had shown
+    one draw's luck with the interval of a training seed alone (digits at 2%: 0.515 [0.494, 0.534], where random's
+    draws of as many rows average 0.390)."""
+    t = pa.concat_tables(batches)
+    start = int(np.random.default_rng([*key, 4]).integers(t.num_rows))
+    t = pa.concat_tables([t.slice(start), t.slice(0, start)])
+    size = batches[0].num_rows
+    return [t.slice(a, size) for a in range(0, t.num_rows, size)]
+
+
+@dataclass(frozen=True)
+class FifoEdge:
+    """What FIFO's draws are made of: the rounds, the link's bytes per round, and the rounds' spools as they arrive."""
+
+    rounds: list[list[pa.Table]]
+    raw: list[int]
+    spools: dict[int, tuple[Spool, list[SpoolEntry]]]
+    contract: Contract
+    policy: TieringPolicy
+
+
+def fifo_draw(edge: FifoEdge, budget: float, seed: int, where: Path) -> dict[int, tuple[Spool, list[SpoolEntry]]]:
+    """FIFO's draw: each round arriving from a random point on (`rotated`), the oldest rows that fit the pass packed
+    as one bundle (`fifo_packed`). At 100% every row lands whatever the order: the rounds as they arrived."""
+    if budget >= 1.0:
+        return edge.spools
+    out = {}
+    for r, rb in enumerate(edge.rounds):
+        sp = edge_round(rotated(rb, (seed, r)), edge.contract, edge.policy, ConstantScorer(), where / f"round{r}")
+        out[r] = fifo_packed(*sp, budget * edge.raw[r], where / f"pass{r}")
+    return out
+
+
 def thinned(spool: Spool, capacity: float, salt: str) -> list[SpoolEntry]:
     """A tiered edge's answer to a link that carries less than waits: a recorded random thinning of the waiting
     bundles down to `capacity` bytes (`Spool.thin_to`, updating each row's inclusion_p), never a cut by drain
@@ -703,9 +739,11 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     log(f"stream: {len(stream_labels)} samples in 2 rounds, class mix {mix}; rare classes {rare}")
     policies = ("fifo", "random", *(f"tier-{s}" for s in ks.scorers), "tier-model")
 
+    only = policies_run(policies)
     t0 = time.perf_counter()
     edge_reports: dict[str, list[dict[str, Any]]] = {}  # "fifo", "<tier policy>@<budget>": per-batch TierReports
-    # FIFO has no draw: its spools, and what each budget lands of them, serve every seed.
+    # The rounds as they arrive, through FIFO's edge: the link's bytes per round (every policy's budget) and the rows
+    # a pass carries (the tiered plans), the same for every seed. FIFO's own draws arrive from a random point on.
     fifo_spools = {r: edge_round(rb, contract, policy_for("fifo", cfg), ConstantScorer(), work / f"fifo{r}",
                                  edge_reports.setdefault("fifo", [])) for r, rb in enumerate(rounds)}
     raw = [sum(e.manifest.nbytes for e in fifo_spools[r][1]) for r in (0, 1)]
@@ -715,6 +753,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     # FIFO's pass at each budget, packed as every policy's is; its rows are what a packed pass carries
     fifo_packs = {b: {r: fifo_packed(*fifo_spools[r], b * raw[r], work / f"fifo-{round(b * 100)}-{r}") for r in (0, 1)}
                   for b in cfg.budgets if b < 1.0}
+    edge = FifoEdge(rounds, raw, fifo_spools, contract, policy_for("fifo", cfg))
     round_rows = [sum(e.manifest.row_count for e in fifo_spools[r][1]) for r in (0, 1)]
     round_pass_rows = {b: [sum(e.manifest.row_count for e in fifo_packs[b][r][1]) if b < 1.0 else round_rows[r]
                            for r in (0, 1)] for b in cfg.budgets}
@@ -732,7 +771,6 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
 
     cells: dict[tuple[str, float], Cell] = {}
     preds: dict[tuple[str, float], list[np.ndarray]] = {}
-    fifo_landed: dict[float, tuple[ObjectStore, int | None, int]] = {}  # budget -> (store, version, bytes)
 
     def cell_of(pol: str, budget: float) -> Cell:
         return cells.setdefault((pol, budget), Cell(pol, budget))
@@ -838,22 +876,22 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
         """One draw of every policy at `budget`: a seed redraws the whole selection (random's order, every draw
         and thinning) and the training."""
         for pol in policies[:-1]:
-            if pol == "random" and budget == 1.0:
-                continue  # the same samples as FIFO at 100%, in another order: reported as FIFO's
+            loop = pol == "tier-novelty" and "tier-model" in only  # the closed loop's round 1 is novelty's
+            # random at 100%: the same samples as FIFO, in another order: reported as FIFO's
+            if (pol == "random" and budget == 1.0) or (pol not in only and not loop):
+                continue
             cell = cell_of(pol, budget)
             novelty_spools = None
-            if pol == "fifo":
-                if budget not in fifo_landed:
-                    fifo_landed[budget] = land_rounds(cell, pol, fifo_spools if budget >= 1.0 else fifo_packs[budget],
-                                                      seed)
-                st, version, sent = fifo_landed[budget]
+            spools = (fifo_draw(edge, budget, seed, work / f"fifo-{round(budget * 100)}-s{seed}") if pol == "fifo"
+                      else random_spools(budget, seed) if pol == "random" else tiered_spools(pol, budget, seed))
+            st, version, sent = land_rounds(cell, pol, spools, seed)
+            if pol == "tier-novelty":
+                novelty_spools = spools
+            if pol in only:
+                finish(cell, st, version, sent, seed)
             else:
-                spools = random_spools(budget, seed) if pol == "random" else tiered_spools(pol, budget, seed)
-                st, version, sent = land_rounds(cell, pol, spools, seed)
-                if pol == "tier-novelty":
-                    novelty_spools = spools
-            finish(cell, st, version, sent, seed)
-            if novelty_spools is not None:
+                cells.pop((pol, budget), None)
+            if loop and novelty_spools is not None:
                 closed_loop(budget, seed, novelty_spools)
             remove_draw(work, pol, budget, seed)
 
@@ -872,6 +910,7 @@ def run_experiment(cfg: Config, work: Path, store: ObjectStore, log: Any = print
     return {
         "kind": contract.kind, "config": asdict(cfg), "raw_bytes": sum(raw), "stream_share": stream_share,
         "held_out": ks.held_out, "skewed": ks.skewed, "policies": list(policies), "anomaly": ks.anomaly,
+        "policies_run": [p for p in policies if p in only], "fifo_draws": True,
         "test_patches": len(truth), "test_classes": test_classes,
         "stream_mix": mix, "rare_classes": rare,
         "few_row_budgets": {f"{b:g}": [*cfg.seeds, *extra] for b in few},  # budgets that took FEW_ROW_DRAWS draws
@@ -911,6 +950,18 @@ def tier_plans(pass_rows: dict[float, list[float]], rows_per_round: list[float])
             for b, rows in pass_rows.items()}
 
 
+def policies_run(policies: tuple[str, ...]) -> tuple[str, ...]:
+    """The policies this run draws: `--policies a,b` (a rerun of some cells, merged over a whole run of the kind by
+    `--merge`), or all."""
+    named = _argv_value("--policies")
+    if named is None:
+        return policies
+    only = tuple(p.strip() for p in named.split(",") if p.strip())
+    if unknown := [p for p in only if p not in policies]:
+        raise SystemExit(f"--policies {named}: {', '.join(unknown)} not among this kind's {', '.join(policies)}")
+    return only
+
+
 def remove_draw(work: Path, pol: str, budget: float, seed: int) -> None:
     """A draw's spools, once its cell is trained (the edge state of every draw would fill the disk)."""
     for spent in (f"{pol}-{round(budget * 100)}-s{seed}", *(f"random-{round(budget * 100)}-{r}-s{seed}" for r in (0, 1))):
@@ -924,7 +975,8 @@ def few_row_draws(cells: dict[tuple[str, float], Cell], n_classes: int, seeds: t
     them to FEW_ROW_DRAWS draws. None where the command line names the seeds (an experiment draws what it says)."""
     if _argv_value("--seeds") is not None:
         return [], ()
-    few = [b for (pol, b), c in sorted(cells.items(), key=lambda kv: kv[0][1]) if pol == "random" and c.draws
+    uniform = "random" if any(pol == "random" for pol, _ in cells) else "fifo"  # a rerun of FIFO alone: its own
+    few = [b for (pol, b), c in sorted(cells.items(), key=lambda kv: kv[0][1]) if pol == uniform and c.draws
            and sum(d["rows"] for d in c.draws) / len(c.draws) < FEW_ROWS_PER_CLASS * n_classes]
     extra = tuple(range(max(seeds) + 1, max(seeds) + 1 + FEW_ROW_DRAWS - len(seeds)))
     if not (few and extra):
@@ -1026,6 +1078,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
                        + f" lie wholly above the 100% model's {full['macro_f1_mean']:.3f} [{fl:.3f}, {fh:.3f}]")
         else:
             out.append(f"the 100% model ({full['macro_f1_mean']:.3f} [{fl:.3f}, {fh:.3f}]) is the best cell within noise")
+        if not any(p.startswith("tier-") for p, _ in cells):  # a rerun of FIFO or random alone
+            return [*out, "no tiered cell in this run: the targets are not judged"]
         if not result.get("skewed", True):  # a balanced kind's target: tiering not below random at any budget
             tiered = [c for c in result["cells"] if c["policy"].startswith("tier-") and c["budget"] < 1.0
                       and ("random", c["budget"]) in cells and c.get("runs")]
@@ -1179,6 +1233,12 @@ def chart(results: list[dict[str, Any]] | dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def fifo_note(results: list[dict[str, Any]]) -> str:
+    """Where a kind's FIFO cells come from a run before FIFO drew (one landing for every seed), say so."""
+    old = [r["kind"] for r in results if not r.get("fifo_draws")]
+    return f"; {', '.join(old)}: run before FIFO drew, one landing served every seed" if old else ""
+
+
 def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
     """docs/MEASURED.md's section, regenerated from a run: what was measured, per kind the table and the verdict,
     the chart."""
@@ -1203,8 +1263,9 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
         f"rows and the seeds {list(cfg['seeds'])}" + few_row_note(results) + "; a seed redraws the whole selection "
         "(random's order, every "
         "tiered draw and thinning, the closed loop's round-1 model) and the training, so the intervals hold the "
-        "selection's own variance; bytes, rows and mixes are means over the draws (FIFO has no draw: one landing "
-        "serves every seed). Mix columns: "
+        "selection's own variance; bytes, rows and mixes are means over the draws (FIFO's draw: each round "
+        "arrives from a random point on and the pass carries its oldest rows, a stretch of the stream" + fifo_note(results)
+        + "). Mix columns: "
         "the largest gap, in points, between a cell's "
         "class shares (as landed; weighted by 1/inclusion_p) and the stream's. Training is reproducible: a "
         "version's rows are stored in capture order and its files read in content order, so the same landed "
@@ -1215,7 +1276,8 @@ def readme_section(results: list[dict[str, Any]], quick: bool) -> str:
            f"{', '.join(f'{b:.0%}' for b in cfg['budgets'])}, seeds {list(cfg['seeds'])}, smaller streams); the full "
            "run (budgets 1-100%, full streams) was not made for these figures. " if quick else
            f"**Full run** (budgets {', '.join(f'{b:.0%}' for b in cfg['budgets'])}, seeds {list(cfg['seeds'])}). ")
-        + f"{sum(r['seconds'] for r in results):.0f} s of kind runs on 2 shared cores (`make bench-value-full` runs "
+        + f"{sum(r['seconds'] + sum(x['seconds'] for x in r.get('reruns', [])) for r in results):.0f} s of kind "
+        "runs (reruns of some policies included) on 2 shared cores (`make bench-value-full` runs "
         "the kinds side by side).",
         "",
         "![Model quality per uplinked byte](bench-value.png)",
@@ -1363,7 +1425,7 @@ def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> N
 def experiment_flags() -> dict[str, Any]:
     """The command line's departures from the benchmark (budgets, seeds, scorers, tier settings): a run with any
     is an experiment and never writes docs, alone or merged."""
-    flags = {k: _argv_value(f"--{k}") for k in ("budgets", "seeds", "scorers")}
+    flags = {k: _argv_value(f"--{k}") for k in ("budgets", "seeds", "scorers", "policies")}
     return {k: v for k, v in {**flags, "tier": tier_overrides()}.items() if v}
 
 
@@ -1426,9 +1488,12 @@ def merge_shards(paths: list[Path]) -> dict[str, Any]:
     """Per-kind runs (`--kinds K`, one process each: the benchmark's training is single-threaded, so shards in
     parallel use the cores) -> one result, refused unless they are the benchmark: the same mode, no
     experiment flag, the same configuration but for the kinds, and every kind exactly once."""
-    shards = [json.loads(p.read_text()) for p in paths]
-    problems = [f"{p}: an experiment {s['experiment']}" for p, s in zip(paths, shards, strict=True)
-                if s.get("experiment")]
+    loaded = [json.loads(p.read_text()) for p in paths]
+    # A rerun of some policies (`--policies`, nothing else departing) replaces those cells of its kind's whole run.
+    reruns = [s for s in loaded if set(s.get("experiment") or {}) == {"policies"}]
+    shards = [s for s in loaded if not any(s is r for r in reruns)]
+    problems = [f"{p}: an experiment {s['experiment']}" for p, s in zip(paths, loaded, strict=True)
+                if s.get("experiment") and not any(s is r for r in reruns)]
     modes = {bool(s["quick"]) for s in shards}
     if len(modes) != 1:
         problems.append("quick and full runs mixed")
@@ -1441,10 +1506,44 @@ def merge_shards(paths: list[Path]) -> dict[str, Any]:
     configs = [{k: v for k, v in r["config"].items() if k != "kinds"} for r in kinds]
     if any(c != configs[0] for c in configs):
         problems.append("the shards ran different configurations (another budget, seed or scale)")
+    by_kind = {k["kind"]: k for k in kinds}
+    for rerun in (k for s in reruns for k in s["kinds"]):
+        if bool(next(s for s in reruns if rerun in s["kinds"])["quick"]) != quick:
+            problems.append(f"{rerun['kind']}: a rerun of {rerun['policies_run']} in another mode")
+        elif rerun["kind"] not in by_kind:
+            problems.append(f"{rerun['kind']}: a rerun of {rerun['policies_run']} without a whole run to merge over")
+        else:
+            problems += splice_rerun(by_kind[rerun["kind"]], rerun)
     if problems:
         raise SystemExit("cannot merge: " + "; ".join(problems))
-    print(f"merged {len(paths)} shards: {', '.join(names)} ({'quick' if quick else 'full'})", flush=True)
+    print(f"merged {len(paths)} shards: {', '.join(names)} ({'quick' if quick else 'full'})"
+          + "".join(f"; {r['kind']} {', '.join(r['policies_run'])} rerun" for s in reruns for r in s["kinds"]),
+          flush=True)
     return {"quick": quick, "experiment": {}, "kinds": sorted(kinds, key=lambda r: want.index(r["kind"]))}
+
+
+def splice_rerun(whole: dict[str, Any], rerun: dict[str, Any]) -> list[str]:
+    """Replace, in a kind's whole run, the cells of the policies a rerun drew (`--policies`), in place; what forbids
+    it, as problems. The rerun must have the same configuration and draw every replaced cell with the same seeds,
+    so the intervals still compare like with like; random at 100% reports FIFO's cell, so it follows FIFO's."""
+    kind, pols = whole["kind"], set(rerun["policies_run"])
+    conf = {k: v for k, v in whole["config"].items() if k != "kinds"}
+    if conf != {k: v for k, v in rerun["config"].items() if k != "kinds"}:
+        return [f"{kind}: the rerun of {sorted(pols)} ran another configuration"]
+    new = {(c["policy"], c["budget"]): c for c in rerun["cells"] if c["policy"] in pols}
+    old = {(c["policy"], c["budget"]): c for c in whole["cells"] if c["policy"] in pols}
+    if set(new) != set(old):
+        return [f"{kind}: the rerun's cells {sorted(new)} are not the run's {sorted(old)}"]
+    seeds = [f"{p}@{b:.0%}" for (p, b), c in new.items()
+             if sorted(d["seed"] for d in c["draws"]) != sorted(d["seed"] for d in old[p, b]["draws"])]
+    if seeds:
+        return [f"{kind}: the rerun drew {', '.join(seeds)} with other seeds than the run"]
+    if "fifo" in pols and ("fifo", 1.0) in new:
+        new["random", 1.0] = new["fifo", 1.0] | {"policy": "random", "note": "same samples as FIFO"}
+    whole["cells"] = [new.get((c["policy"], c["budget"]), c) for c in whole["cells"]]
+    whole["fifo_draws"] = bool(rerun.get("fifo_draws")) if "fifo" in pols else whole.get("fifo_draws", False)
+    whole["reruns"] = [*whole.get("reruns", []), {"policies": sorted(pols), "seconds": rerun["seconds"]}]
+    return []
 
 
 def main() -> None:

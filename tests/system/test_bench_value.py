@@ -425,6 +425,105 @@ def test_fifo_sends_the_oldest_rows_that_fit_one_pack(split: Split, tmp_path: Pa
     assert more[0].manifest.row_count == pack.manifest.row_count  # the largest prefix that fits
     assert fifo_packed(spool, order, 10, tmp_path / "none")[1] == []
 
+def test_fifo_draws_a_stretch_of_the_round_from_a_random_point_on(split: Split, tmp_path: Path) -> None:
+    """FIFO's draw: the round arrives from a seeded random point on, and the pass carries the oldest rows that fit, so
+    each seed lands another circular stretch of the arrival order (on a shuffled stream, another uniform draw),
+    where one landing reused for every seed had shown one draw's luck; at 100% every row, whatever the seed."""
+    from benchmarks.bench_value import FifoEdge, fifo_draw, rotated
+
+    cfg = Config(stream=600, batch=300, bundle_rows=CFG_ROWS, sample_passes=1, width=4, seeds=(0,))
+    batches = edge_stream(split, cfg.stream, batch=cfg.batch, seed=0, contract=C)
+    arrival = pa.concat_tables(batches).column("sample_id").to_pylist()
+    again = rotated(batches, (1, 0))
+    turned = pa.concat_tables(again).column("sample_id").to_pylist()
+    assert [b.num_rows for b in again] == [b.num_rows for b in batches]
+    start = arrival.index(turned[0])
+    assert start > 0 and turned == arrival[start:] + arrival[:start]  # the same rows from a point on
+    assert pa.concat_tables(rotated(batches, (1, 0))).column("sample_id").to_pylist() == turned  # seeded
+    rounds = [batches[:1], batches[1:]]
+    spools = {r: edge_round(rb, C, policy_for("fifo", cfg), ConstantScorer(), tmp_path / f"r{r}")
+              for r, rb in enumerate(rounds)}
+    raw = [sum(e.manifest.nbytes for e in spools[r][1]) for r in (0, 1)]
+    edge = FifoEdge(rounds, raw, spools, C, policy_for("fifo", cfg))
+    landed = []
+    for seed in (0, 1, 2):
+        draw = fifo_draw(edge, 0.1, seed, tmp_path / f"s{seed}")
+        ids = []
+        for r in (0, 1):
+            [pack] = draw[r][1]
+            assert pack.manifest.nbytes <= 0.1 * raw[r]
+            order = pa.concat_tables(rounds[r]).column("sample_id").to_pylist()
+            at = order.index(pack.manifest.sample_ids[0])
+            assert pack.manifest.sample_ids == (order[at:] + order[:at])[:pack.manifest.row_count]
+            ids += pack.manifest.sample_ids
+        landed.append(set(ids))
+    assert landed[0] != landed[1] != landed[2] != landed[0]
+    every = fifo_draw(edge, 1.0, 5, tmp_path / "all")
+    assert sorted(i for r in (0, 1) for e in every[r][1] for i in e.manifest.sample_ids) == sorted(arrival)
+
+
+def _drawn_cell(policy: str, budget: float, f1: float, seeds: tuple[int, ...] = (0, 1, 2)) -> dict[str, Any]:
+    return {"policy": policy, "budget": budget, "macro_f1_mean": f1, "note": "",
+            "draws": [{"seed": s} for s in seeds]}
+
+
+def test_a_rerun_of_some_policies_replaces_their_cells_in_the_whole_run(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--policies fifo` reruns FIFO's cells alone; `--merge` puts them in place of the whole run's FIFO cells (and
+    random's at 100%, which reports FIFO's), keeping every other cell. A rerun drawn with other seeds or another
+    configuration, with no whole run of its kind, or of a policy the kind has not, is refused, saying why."""
+    import json
+    import sys
+
+    from benchmarks.bench_value import FULL, merge_shards, policies_run, verdicts
+
+    def whole(kind: str) -> dict[str, Any]:
+        s = _shard(kind)
+        s["kinds"][0] |= {"seconds": 100.0, "cells": [
+            _drawn_cell("fifo", 0.02, 0.5), _drawn_cell("random", 0.02, 0.4), _drawn_cell("tier-novelty", 0.02, 0.45),
+            _drawn_cell("fifo", 1.0, 0.9), _drawn_cell("random", 1.0, 0.9)]}
+        return s
+
+    def rerun(kind: str, seeds: tuple[int, ...] = (0, 1, 2), **config: Any) -> dict[str, Any]:
+        s = _shard(kind, experiment={"policies": "fifo"}, **config)
+        s["kinds"][0] |= {"seconds": 7.0, "policies_run": ["fifo"], "fifo_draws": True,
+                          "cells": [_drawn_cell("fifo", 0.02, 0.38, seeds), _drawn_cell("fifo", 1.0, 0.91),
+                                    _drawn_cell("random", 1.0, 0.91)]}
+        return s
+
+    def files(*shards: dict[str, Any]) -> list[Path]:
+        out = []
+        for s in shards:
+            (f := tmp_path / f"s{len(list(tmp_path.iterdir()))}.json").write_text(json.dumps(s))
+            out.append(f)
+        return out
+
+    kind = FULL.kinds[0]
+    rest = [whole(k) for k in FULL.kinds[1:]]
+    merged = merge_shards(files(whole(kind), *rest, rerun(kind)))
+    assert merged["experiment"] == {}
+    first = merged["kinds"][0]
+    f1 = {(c["policy"], c["budget"]): c["macro_f1_mean"] for c in first["cells"]}
+    assert f1 == {("fifo", 0.02): 0.38, ("random", 0.02): 0.4, ("tier-novelty", 0.02): 0.45, ("fifo", 1.0): 0.91,
+                  ("random", 1.0): 0.91}
+    assert next(c for c in first["cells"] if c["policy"] == "random" and c["budget"] == 1.0)["note"]
+    assert first["fifo_draws"] is True and first["reruns"] == [{"policies": ["fifo"], "seconds": 7.0}]
+    assert all("reruns" not in r for r in merged["kinds"][1:])
+    assert verdicts(rerun(kind)["kinds"][0])[-1] == "no tiered cell in this run: the targets are not judged"
+    for why, shards in [("other seeds", [whole(kind), *rest, rerun(kind, seeds=(0, 1, 5))]),
+                        ("another configuration", [whole(kind), *rest, rerun(kind, width=3)]),
+                        ("without a whole run", [*rest, rerun(kind)])]:
+        with pytest.raises(SystemExit, match=why):
+            merge_shards(files(*shards))
+    monkeypatch.setattr(sys, "argv", ["bench", "--policies", "fifo,tier-oracle"])
+    with pytest.raises(SystemExit, match="tier-oracle not among"):
+        policies_run(("fifo", "random", "tier-novelty", "tier-model"))
+    monkeypatch.setattr(sys, "argv", ["bench", "--policies", "fifo"])
+    assert policies_run(("fifo", "random")) == ("fifo",)
+    monkeypatch.setattr(sys, "argv", ["bench"])
+    assert policies_run(("fifo", "random")) == ("fifo", "random")
+
+
 @pytest.mark.integration
 def test_run_as_a_flow_the_table_and_chart_are_artifacts_with_the_verdicts(stack: localstack.StackState) -> None:
     import uuid
