@@ -1488,7 +1488,7 @@ def merge_shards(paths: list[Path]) -> dict[str, Any]:
     """Per-kind runs (`--kinds K`, one process each: the benchmark's training is single-threaded, so shards in
     parallel use the cores) -> one result, refused unless they are the benchmark: the same mode, no
     experiment flag, the same configuration but for the kinds, and every kind exactly once."""
-    loaded = [json.loads(p.read_text()) for p in paths]
+    loaded = [load_result(p) for p in paths]
     # A rerun of some policies (`--policies`, nothing else departing) replaces those cells of its kind's whole run.
     reruns = [s for s in loaded if set(s.get("experiment") or {}) == {"policies"}]
     shards = [s for s in loaded if not any(s is r for r in reruns)]
@@ -1520,6 +1520,18 @@ def merge_shards(paths: list[Path]) -> dict[str, Any]:
           + "".join(f"; {r['kind']} {', '.join(r['policies_run'])} rerun" for s in reruns for r in s["kinds"]),
           flush=True)
     return {"quick": quick, "experiment": {}, "kinds": sorted(kinds, key=lambda r: want.index(r["kind"]))}
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    """A run's result as `run` writes it, or as docs/bench-value.json commits it (cells flattened into entries, each
+    kind with its verdicts), so a rerun of some policies can be merged over the committed run."""
+    data = json.loads(path.read_text())
+    if "entries" not in data:
+        return dict(data)
+    kinds = [{k: v for k, v in r.items() if k != "verdicts"} for r in data["kinds"]]
+    for r in kinds:
+        r["cells"] = [{k: v for k, v in e.items() if k != "kind"} for e in data["entries"] if e["kind"] == r["kind"]]
+    return {"quick": data["quick"], "experiment": {}, "kinds": kinds}
 
 
 def splice_rerun(whole: dict[str, Any], rerun: dict[str, Any]) -> list[str]:

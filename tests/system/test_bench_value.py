@@ -510,6 +510,12 @@ def test_a_rerun_of_some_policies_replaces_their_cells_in_the_whole_run(tmp_path
     assert first["fifo_draws"] is True and first["reruns"] == [{"policies": ["fifo"], "seconds": 7.0}]
     assert all("reruns" not in r for r in merged["kinds"][1:])
     assert verdicts(rerun(kind)["kinds"][0])[-1] == "no tiered cell in this run: the targets are not judged"
+    # over the committed docs/bench-value.json (cells flattened into entries, each kind with its verdicts)
+    kinds = [w["kinds"][0] for w in (whole(kind), *rest)]
+    docs = {"quick": False, "entries": [{"kind": r["kind"], **c} for r in kinds for c in r["cells"]],
+            "kinds": [{k: v for k, v in r.items() if k != "cells"} | {"verdicts": []} for r in kinds]}
+    again = merge_shards(files(docs, rerun(kind)))
+    assert again["kinds"][0]["cells"] == first["cells"] and again["kinds"][1:] == merged["kinds"][1:]
     for why, shards in [("other seeds", [whole(kind), *rest, rerun(kind, seeds=(0, 1, 5))]),
                         ("another configuration", [whole(kind), *rest, rerun(kind, width=3)]),
                         ("without a whole run", [*rest, rerun(kind)])]:
