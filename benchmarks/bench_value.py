@@ -238,11 +238,11 @@ def _argv_value(flag: str) -> str | None:
     return values[0] if values else None
 
 
-def tier_overrides() -> dict[str, Any]:
+def tier_overrides(flag: str = "--tier") -> dict[str, Any]:
     """`--tier field=value[,field=value]` (repeatable): TieringPolicy fields set on every tiered policy (JSON
-    values)."""
+    values); `train_overrides` reads `--train` alike."""
     out: dict[str, Any] = {}
-    for item in ",".join(_argv_values("--tier")).split(","):
+    for item in ",".join(_argv_values(flag)).split(","):
         if not item:
             continue
         k, _, v = item.partition("=")
@@ -250,6 +250,18 @@ def tier_overrides() -> dict[str, Any]:
             out[k.strip()] = json.loads(v)
         except json.JSONDecodeError:
             out[k.strip()] = v
+    return out
+
+
+def train_overrides() -> dict[str, Any]:
+    """`--train field=value[,field=value]` (repeatable): TrainConfig fields set on every model the bench trains
+    (`--train rank_by=balanced_loss`). A field TrainConfig has not is refused."""
+    out = tier_overrides("--train")
+    if out:
+        from edgehaul.training.trainer import TrainConfig
+
+        if unknown := sorted(set(out) - set(TrainConfig.model_fields)):
+            raise SystemExit(f"--train {', '.join(unknown)}: not a TrainConfig field")
     return out
 
 
@@ -474,6 +486,8 @@ def train_on(store: ObjectStore, version: int, rows: int, cfg: Config, seed: int
         patience=patience, quality_gate=False, num_threads=1, keep_checkpoints=1, emit_events=False,
         checkpoint_every_steps=100_000,
     )
+    if overrides := train_overrides():  # validated: a misspelt field or a bad value is refused, not ignored
+        tc = TrainConfig.model_validate({**tc.model_dump(), **overrides})
     lineage = run(tc, store, 1).lineage
     return str(lineage["model_uri"]), dict(lineage.get("quality_gate", {}))
 
@@ -1426,7 +1440,7 @@ def experiment_flags() -> dict[str, Any]:
     """The command line's departures from the benchmark (budgets, seeds, scorers, tier settings): a run with any
     is an experiment and never writes docs, alone or merged."""
     flags = {k: _argv_value(f"--{k}") for k in ("budgets", "seeds", "scorers", "policies")}
-    return {k: v for k, v in {**flags, "tier": tier_overrides()}.items() if v}
+    return {k: v for k, v in {**flags, "tier": tier_overrides(), "train": train_overrides()}.items() if v}
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -1441,6 +1455,8 @@ def run(quick: bool) -> dict[str, Any]:
         cfg = replace(cfg, seeds=tuple(int(x) for x in seeds.split(",")))
     if tier_overrides():
         print(f"tiered policies with {tier_overrides()}", flush=True)
+    if train_overrides():
+        print(f"every model trained with {train_overrides()}", flush=True)
     for name in ("edgehaul", "deltalake", "botocore", "great_expectations"):
         logging.getLogger(name).setLevel(logging.WARNING)
     import torch

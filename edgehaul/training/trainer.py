@@ -148,6 +148,9 @@ class TrainConfig(BaseModel):
         "With balanced classes, a row's loss weight is (1/inclusion_p)^this x its class weight: 0 counts a "
         "class's landed rows alike (the class mix still from 1/p), 1 is Horvitz-Thompson within classes; 0.5 "
         "bounds the within-class bias by the square root of p's spread (docs/ARCHITECTURE.md)."))
+    rank_by: Literal["macro_f1", "balanced_loss"] = Field(default="macro_f1", description=(
+        "What early stopping ranks epochs by on the validation rows: macro-F1, or the class-balanced cross-entropy "
+        "(each class's weighted mean loss, averaged over classes; lower ranks higher)."))
 
 
 @dataclass
@@ -280,6 +283,8 @@ class _Acc:
     wsum: float = 0.0  # sum of training rows' weights
     val_confusion: list[float] = field(default_factory=list)  # weighted, row-major [true][predicted]
     val_rows: list[float] = field(default_factory=list)  # validation rows per true class, unweighted
+    val_class_loss: list[float] = field(default_factory=list)  # weighted cross-entropy per true class...
+    val_class_w: list[float] = field(default_factory=list)  # ...and the weights it is summed over
 
     @classmethod
     def restore(cls, d: dict[str, Any], n_classes: int) -> _Acc:
@@ -290,11 +295,23 @@ class _Acc:
             acc.val_confusion = [0.0] * n_classes * n_classes
         if not acc.val_rows:  # a checkpoint from before the count: the epoch's ranking waits for the next one
             acc.val_rows = [0.0] * n_classes
+        if not acc.val_class_loss:  # ... and before the per-class loss
+            acc.val_class_loss, acc.val_class_w = [0.0] * n_classes, [0.0] * n_classes
         return acc
 
     def as_list(self) -> list[float]:
         return [self.loss, self.correct, self.n, self.val_loss, self.val_correct, self.val_n, self.wsum,
-                *self.val_confusion, *self.val_rows]
+                *self.val_confusion, *self.val_rows, *self.val_class_loss, *self.val_class_w]
+
+
+def balanced_loss(sums: list[float]) -> float:
+    """Mean over the classes present of each class's weighted mean cross-entropy: `sums` is the per-class weighted
+    losses, then the per-class weights. A proper score of every class alike, as balanced training weighs them; NaN
+    where no validation row was seen."""
+    half = len(sums) // 2
+    loss, w = np.asarray(sums[:half], dtype=np.float64), np.asarray(sums[half:], dtype=np.float64)
+    seen = w > 0
+    return float((loss[seen] / w[seen]).mean()) if seen.any() else math.nan
 
 
 @dataclass
@@ -608,6 +625,13 @@ class _Run:
             acc.val_confusion = [a + b for a, b in zip(acc.val_confusion, cm.tolist(), strict=True)]
             rows = torch.bincount(va.y.cpu(), minlength=n).double()
             acc.val_rows = [a + b for a, b in zip(acc.val_rows, rows.tolist(), strict=True)]
+            ce = F.cross_entropy(lv, va.y, reduction="none").double().cpu()
+            w = va.w.double().cpu()
+            y = va.y.cpu()
+            lc = torch.zeros(n, dtype=torch.float64).index_add_(0, y, ce * w)
+            wc = torch.zeros(n, dtype=torch.float64).index_add_(0, y, w)
+            acc.val_class_loss = [a + b for a, b in zip(acc.val_class_loss, lc.tolist(), strict=True)]
+            acc.val_class_w = [a + b for a, b in zip(acc.val_class_w, wc.tolist(), strict=True)]
         self.raw_model.train()
 
     def step_on(self, tr: _Part, global_w: float) -> None:
@@ -672,6 +696,7 @@ class _Run:
             **class_metrics(np.asarray(s[7 : 7 + self.n_classes**2]).reshape(self.n_classes, self.n_classes),
                             contract.label_values),
             **{f"val_rows_{v}": s[7 + self.n_classes**2 + i] for i, v in enumerate(contract.label_values)},
+            "val_balanced_loss": balanced_loss(s[7 + self.n_classes**2 + self.n_classes:]),
         }
         row["val_chance_macro_f1"] = chance_of(row, contract.label_values)
         self.history.append(row)
@@ -697,6 +722,8 @@ class _Run:
         held = self.class_rows > 0 if self.class_rows is not None else rows > 0
         if row.get("val_samples", 0) < RANKING_MIN_ROWS * self.n_classes or (rows[held] < RANKING_MIN_ROWS).any():
             return math.nan
+        if self.cfg.rank_by == "balanced_loss":
+            return -float(row.get("val_balanced_loss", math.nan))
         return float(row["val_macro_f1"])
 
     def keep_best(self, row: dict[str, float]) -> bool:
@@ -719,8 +746,8 @@ class _Run:
         if before and all(math.isfinite(f) for f in ranked) and np.mean(recent) > np.mean(before):
             return False  # no new best, but still rising: the best was a spike
         self.best.stopped_early = True
-        log.info("run %s: no better validation macro-F1 than epoch %d's %.3f for %d epochs, and no rising trend: "
-                 "stopping", self.cfg.run_id, self.best.epoch, self.best.macro_f1, p)
+        log.info("run %s: no better validation %s than epoch %d's %.3f for %d epochs, and no rising trend: "
+                 "stopping", self.cfg.run_id, self.cfg.rank_by, self.best.epoch, abs(self.best.macro_f1), p)
         return True
 
     def best_row(self) -> dict[str, float]:

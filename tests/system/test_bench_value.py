@@ -256,7 +256,7 @@ def test_repeated_tier_flags_all_apply_and_other_flags_given_twice_are_refused(
     """`--tier a=1 --tier b=0` once kept only a=1, silently: an experiment ran another policy than it said."""
     import sys
 
-    from benchmarks.bench_value import experiment_flags, tier_overrides
+    from benchmarks.bench_value import experiment_flags, tier_overrides, train_overrides
 
     monkeypatch.setattr(sys, "argv", ["bench", "--tier", "coverage=1", "--tier=urgent_max_share=0,summary_min_ratio=10"])
     assert tier_overrides() == {"coverage": 1, "urgent_max_share": 0, "summary_min_ratio": 10}
@@ -266,6 +266,13 @@ def test_repeated_tier_flags_all_apply_and_other_flags_given_twice_are_refused(
         experiment_flags()
     monkeypatch.setattr(sys, "argv", ["bench"])
     assert tier_overrides() == {} and experiment_flags() == {}
+    # the trainer's settings alike, checked against TrainConfig's fields
+    monkeypatch.setattr(sys, "argv", ["bench", "--train", "rank_by=balanced_loss", "--train=weight_power=1"])
+    assert train_overrides() == {"rank_by": "balanced_loss", "weight_power": 1}
+    assert experiment_flags() == {"train": {"rank_by": "balanced_loss", "weight_power": 1}}
+    monkeypatch.setattr(sys, "argv", ["bench", "--train", "rank_bye=balanced_loss"])
+    with pytest.raises(SystemExit, match="rank_bye: not a TrainConfig field"):
+        train_overrides()
 
 
 def test_budgets_whose_uniform_draw_lands_a_few_rows_per_class_take_more_draws(

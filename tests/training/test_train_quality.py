@@ -156,10 +156,11 @@ def test_the_weight_average_is_the_warmed_up_moving_average_and_resumes_exactly(
     assert torch.equal(avg.model.weight, again.model.weight) and again.updates == len(steps) + 1
 
 
-def _ranking_run(patience: int) -> _Run:
+def _ranking_run(patience: int, rank_by: str = "macro_f1") -> _Run:
     """A run as far as early stopping needs it (no data, no store)."""
     run = _Run(TrainConfig(run_id="r", dataset_uri="s3://b/t", dataset_version=0, contract_id=GAIT.id,
-                           patience=patience, emit_events=False), store=None, progress=None)  # type: ignore[arg-type]
+                           patience=patience, emit_events=False, rank_by=rank_by),  # type: ignore[arg-type]
+               store=None, progress=None)  # type: ignore[arg-type]
     run.raw_model, run.average, run.class_rows = build_model(run.arch), None, None
     return run
 
@@ -203,6 +204,35 @@ def test_early_stopping_keeps_the_best_epoch_and_stops_by_twice_patience_after_i
     assert end is not None and end <= run.best.epoch + 2 * patience
 
 
+def test_the_balanced_loss_weighs_every_class_alike() -> None:
+    """Each class's weighted mean cross-entropy, averaged over the classes seen: a rare class counts as much as the
+    commonest, as balanced training weighs them; a class with no validation row is left out, and none is NaN."""
+    from edgehaul.training.trainer import balanced_loss
+
+    assert balanced_loss([2.0, 9.0, 1.0, 3.0]) == pytest.approx(2.5)  # (2/1 + 9/3) / 2, not 11/4
+    assert balanced_loss([2.0, 0.0, 9.0, 1.0, 0.0, 3.0]) == pytest.approx(2.5)
+    assert math.isnan(balanced_loss([0.0, 0.0, 0.0, 0.0]))
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.floats(0.01, 5.0), min_size=1, max_size=30), st.integers(1, 6))
+def test_ranked_by_the_balanced_loss_early_stopping_keeps_the_epoch_of_the_lowest(
+        losses: list[float], patience: int) -> None:
+    run = _ranking_run(patience, rank_by="balanced_loss")
+    stopped = None
+    for epoch, loss in enumerate(losses):
+        row = {"epoch": epoch, "val_macro_f1": 0.5, "val_balanced_loss": loss, "val_samples": 200.0,
+               "val_rows_0": 180.0, "val_rows_1": 20.0}
+        run.history.append(row)
+        if run.keep_best(row):
+            stopped = epoch
+            break
+    seen = losses if stopped is None else losses[: stopped + 1]
+    assert run.best.epoch == int(np.argmin(seen))  # the first lowest kept
+    if stopped is not None:
+        assert stopped - run.best.epoch >= patience
+
+
 # ---------------------------------------------------------------------------------------- real runs
 def _skewed_motions(n: int, seed: int) -> pa.Table:
     rng = np.random.default_rng(seed)
@@ -216,6 +246,7 @@ def test_a_skewed_kind_learns_every_class_with_a_falling_loss(store: ObjectStore
     res = train(_cfg(uri, MOTIONS, "skewed", patience=3), store)
     h = res.history
     assert h[-1]["train_loss"] < h[0]["train_loss"]
+    assert h[-1]["val_balanced_loss"] < h[0]["val_balanced_loss"]  # every class's validation loss, averaged
     lin = res.lineage
     gate = lin["quality_gate"]
     assert gate["passed"] and gate["val_macro_f1"] > gate["chance_macro_f1"] + 0.2
