@@ -36,6 +36,9 @@ mean score of what is selected).
         # an experiment: some kinds, budgets and seeds, tiered policies with a TieringPolicy field overridden
     python -m benchmarks value --kinds digits_png   # a shard: one kind (`make bench-value-full` runs each
     python -m benchmarks value --merge a.json,b.json,c.json   # kind in its own process, then merges them)
+    python -m benchmarks value --kinds landsat_patch --policies fifo   # a rerun of some policies' cells...
+    python -m benchmarks value --merge docs/bench-value.json,fifo.json  # ...merged over the committed run
+    python -m benchmarks value --quick --kinds daphnet_gait --train rank_by=balanced_loss  # a TrainConfig field
 Writes benchmarks/results/bench-value{,-quick}[-kind].{md,png,json}; the full run, merged shards that make it
 (or `--write-docs` on a quick run) also docs/bench-value.{json,png}, docs/MEASURED.md's "Model quality per
 uplinked byte" section and README's verdict. Each cell: bytes, rows,
@@ -1437,8 +1440,9 @@ def publish_artifacts(result: dict[str, Any], lines: list[str], png: bytes) -> N
 
 
 def experiment_flags() -> dict[str, Any]:
-    """The command line's departures from the benchmark (budgets, seeds, scorers, tier settings): a run with any
-    is an experiment and never writes docs, alone or merged."""
+    """The command line's departures from the benchmark (budgets, seeds, scorers, policies, tier and trainer
+    settings): a run with any is an experiment and never writes docs, alone or merged; a rerun of some policies
+    alone may be merged over its kind's whole run (`splice_rerun`)."""
     flags = {k: _argv_value(f"--{k}") for k in ("budgets", "seeds", "scorers", "policies")}
     return {k: v for k, v in {**flags, "tier": tier_overrides(), "train": train_overrides()}.items() if v}
 
@@ -1576,8 +1580,8 @@ def splice_rerun(whole: dict[str, Any], rerun: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     """`python -m benchmarks value [--quick] [--flow] [--kinds a,b] [--budgets 0.1,1] [--seeds 0,1,2]
-    [--tier field=value] [--merge shard.json,...]`; `--flow` runs it as a Prefect flow (PREFECT_API_URL)
-    whose artifacts are the table and the chart."""
+    [--tier field=value] [--train field=value] [--policies a,b] [--merge shard.json,...]`; `--flow` runs it as a
+    Prefect flow (PREFECT_API_URL) whose artifacts are the table and the chart."""
     quick = os.environ.get("EDGEHAUL_BENCH_QUICK") == "1" or "--quick" in sys.argv
     if "--flow" in sys.argv:
         from prefect import flow
