@@ -620,14 +620,13 @@ class _Run:
             acc.val_loss += float(F.cross_entropy(lv, va.y, reduction="sum"))
             acc.val_correct += float((pred == va.y).sum())
             acc.val_n += len(va.y)
+            y, w = va.y.cpu(), va.w.double().cpu()
             cm = torch.zeros(n * n, dtype=torch.float64)
-            cm.index_add_(0, (va.y * n + pred).cpu(), va.w.double().cpu())
+            cm.index_add_(0, y * n + pred.cpu(), w)
             acc.val_confusion = [a + b for a, b in zip(acc.val_confusion, cm.tolist(), strict=True)]
-            rows = torch.bincount(va.y.cpu(), minlength=n).double()
+            rows = torch.bincount(y, minlength=n).double()
             acc.val_rows = [a + b for a, b in zip(acc.val_rows, rows.tolist(), strict=True)]
             ce = F.cross_entropy(lv, va.y, reduction="none").double().cpu()
-            w = va.w.double().cpu()
-            y = va.y.cpu()
             lc = torch.zeros(n, dtype=torch.float64).index_add_(0, y, ce * w)
             wc = torch.zeros(n, dtype=torch.float64).index_add_(0, y, w)
             acc.val_class_loss = [a + b for a, b in zip(acc.val_class_loss, lc.tolist(), strict=True)]
