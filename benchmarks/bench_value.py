@@ -241,9 +241,14 @@ def _argv_value(flag: str) -> str | None:
     return values[0] if values else None
 
 
-def tier_overrides(flag: str = "--tier") -> dict[str, Any]:
-    """`--tier field=value[,field=value]` (repeatable): TieringPolicy fields set on every tiered policy (JSON
-    values); `train_overrides` reads `--train` alike."""
+def tier_overrides() -> dict[str, Any]:
+    """`--tier field=value[,field=value]` (repeatable): TieringPolicy fields set on every tiered policy."""
+    return _field_overrides("--tier")
+
+
+def _field_overrides(flag: str) -> dict[str, Any]:
+    """`flag field=value[,field=value]`, given any number of times: the fields and their values (JSON, else the
+    text)."""
     out: dict[str, Any] = {}
     for item in ",".join(_argv_values(flag)).split(","):
         if not item:
@@ -259,7 +264,7 @@ def tier_overrides(flag: str = "--tier") -> dict[str, Any]:
 def train_overrides() -> dict[str, Any]:
     """`--train field=value[,field=value]` (repeatable): TrainConfig fields set on every model the bench trains
     (`--train rank_by=balanced_loss`). A field TrainConfig has not is refused."""
-    out = tier_overrides("--train")
+    out = _field_overrides("--train")
     if out:
         from edgehaul.training.trainer import TrainConfig
 
